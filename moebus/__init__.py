@@ -1,0 +1,1 @@
+"""moebus: a serving stack for mixture-of-experts LLMs."""
