@@ -1,0 +1,110 @@
+"""Paged attention backend: the one place that knows the KV-cache layout.
+
+The batch is flattened ("varlen"): T query tokens from B sequences, sequence b owning tokens
+query_start_loc[b]:query_start_loc[b+1]. Every layer's cache is a pair of tensors
+`k_cache [num_blocks, block_size, Hkv, Dk]`, `v_cache [num_blocks, block_size, Hkv, Dv]`;
+a token at logical position p of sequence b lives in slot block_tables[b, p // bs] * bs + p % bs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moebus.kernels import paged_attention_decode
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """What one attention layer stores per token."""
+
+    num_kv_heads: int
+    k_dim: int
+    v_dim: int
+    sliding_window: int | None = None  # tokens; None = full attention
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_start_loc: list[int]  # [B+1], python ints: cheap slicing on the host
+    seq_lens: list[int]  # [B] context length after this step's tokens are written
+    slot_mapping: torch.Tensor  # [T] int64 flat slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens_t: torch.Tensor  # [B] int32, seq_lens on device
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.query_start_loc[-1] == self.num_seqs
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+             slot_mapping: torch.Tensor) -> None:
+    k_cache, v_cache = kv_cache
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    n_blocks = (seq_len + block_size - 1) // block_size
+    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [Lq, Hq, D] are the last Lq positions of a context whose keys are k [L, Hkv, D]."""
+    lq, hq, _ = q.shape
+    L, hkv, _ = k.shape
+    group = hq // hkv
+    qh = q.transpose(0, 1)  # [Hq, Lq, D]
+    kh = k.transpose(0, 1).repeat_interleave(group, 0) if group > 1 else k.transpose(0, 1)
+    vh = v.transpose(0, 1).repeat_interleave(group, 0) if group > 1 else v.transpose(0, 1)
+    if sliding_window is None and sinks is None and lq == L:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        return out.transpose(0, 1)
+    qpos = torch.arange(L - lq, L, device=q.device)[:, None]
+    kpos = torch.arange(L, device=q.device)[None, :]
+    mask = kpos <= qpos
+    if sliding_window is not None:
+        mask &= kpos > qpos - sliding_window
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        return out.transpose(0, 1)
+    scores = torch.einsum("hqd,hkd->hqk", qh.float(), kh.float()) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[:, None, None].expand(hq, lq, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("hqk,hkd->hqd", probs, vh.float()).to(q.dtype).transpose(0, 1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+           meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Write this step's k/v [T, Hkv, D*] into the cache, then attend q [T, Hq, Dk] causally.
+
+    Returns [T, Hq, Dv]. Earlier context comes from the cache, so chunked prefill, prefix-cache
+    hits and decode all go through the same path.
+    """
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    k_cache, v_cache = kv_cache
+    if meta.decode_only:
+        return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,
+                                      sliding_window=sliding_window, sinks=sinks)
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    qsl = meta.query_start_loc
+    for b, seq_len in enumerate(meta.seq_lens):
+        s, e = qsl[b], qsl[b + 1]
+        if s == e:
+            continue
+        if seq_len == e - s:  # no earlier context: use this step's k/v directly
+            kb, vb = k[s:e], v[s:e]
+        else:
+            kb = _gather_seq(k_cache, meta.block_tables[b], seq_len, meta.block_size)
+            vb = _gather_seq(v_cache, meta.block_tables[b], seq_len, meta.block_size)
+        out[s:e] = _prefill_one(q[s:e], kb.to(q.dtype), vb.to(q.dtype), scale, sliding_window, sinks)
+    return out
