@@ -1,1 +1,38 @@
+"""Kernels: each op is one module with a torch reference `<op>_ref`, a Triton kernel `<op>_triton`
+and a dispatcher `<op>` that runs Triton on CUDA tensors (when triton imports) and the torch
+reference everywhere else. The references are vectorized: they are the production CPU path.
 
+| module | ops |
+| --- | --- |
+| rmsnorm.py | `rms_norm(x, weight, eps)`, `fused_add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)` |
+| rotary.py | `apply_rotary(q, k, cos, sin) -> (q, k)` (neox, partial rotary), `rotary_cos_sin(positions, R, base, dtype)` |
+| silu_mul.py | `silu_and_mul(x, *, limit=None)`: `[..., 2I] -> [..., I]` |
+| paged_attention.py | `paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, sinks)` |
+| fused_moe.py | `fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None)`; `moe_align` (token grouping) |
+
+Tests (tests/kernels) run the Triton kernels on CPU under TRITON_INTERPRET=1 against the
+references, and the references against float64 loops.
+"""
+from ._compat import HAS_TRITON
+from .fused_moe import fused_moe, fused_moe_ref, fused_moe_triton, moe_align
+from .paged_attention import paged_attention_decode, paged_attention_decode_ref, paged_attention_decode_triton
+from .rmsnorm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    fused_add_rms_norm_triton,
+    rms_norm,
+    rms_norm_ref,
+    rms_norm_triton,
+)
+from .rotary import apply_rotary, apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
+from .silu_mul import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
+
+__all__ = [
+    "HAS_TRITON",
+    "apply_rotary", "apply_rotary_ref", "apply_rotary_triton", "rotary_cos_sin",
+    "fused_add_rms_norm", "fused_add_rms_norm_ref", "fused_add_rms_norm_triton",
+    "fused_moe", "fused_moe_ref", "fused_moe_triton", "moe_align",
+    "paged_attention_decode", "paged_attention_decode_ref", "paged_attention_decode_triton",
+    "rms_norm", "rms_norm_ref", "rms_norm_triton",
+    "silu_and_mul", "silu_and_mul_ref", "silu_and_mul_triton",
+]

@@ -1,0 +1,166 @@
+"""Decode attention over a paged KV cache: one query token per sequence, GQA, sliding window, sinks.
+
+q [B, Hq, D] sits at position seq_lens[b]-1 of sequence b, whose K/V (current token included) is
+in k_cache [N, bs, Hkv, D] / v_cache [N, bs, Hkv, Dv], logical block i in physical block
+block_tables[b, i]. Query head h reads kv head h // (Hq // Hkv). A sliding window W keeps positions
+p >= seq_len - W. Sinks [Hq] are extra per-head logits that only join the softmax denominator.
+Softmax in float32; a sequence with nothing to attend (seq_len 0, no sink) gets zeros.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._compat import check_launchable, next_pow2, tl, triton, upcast_dots, use_triton
+
+_REF_CHUNK_ELEMS = 1 << 26  # bound on gathered K+V elements per batch chunk in the reference
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, sinks: torch.Tensor | None) -> tuple[int, int, int, int, int, int]:
+    b, hq, d = q.shape
+    nb, bs, hkv, dk = k_cache.shape
+    assert v_cache.shape[:3] == (nb, bs, hkv), (k_cache.shape, v_cache.shape)
+    assert dk == d and hq % hkv == 0, (q.shape, k_cache.shape)
+    assert block_tables.dim() == 2 and block_tables.shape[0] == b and seq_lens.shape == (b,)
+    if sinks is not None:
+        assert sinks.shape == (hq,), sinks.shape
+    return b, hq, hkv, d, v_cache.shape[3], bs
+
+
+def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               sliding_window: int | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    b, hq, hkv, d, dv, bs = _check(q, k_cache, v_cache, block_tables, seq_lens, sinks)
+    out = q.new_empty(b, hq, dv)
+    if b == 0:
+        return out
+    lens = seq_lens.to(torch.long)
+    first = (lens - sliding_window).clamp_min(0) if sliding_window is not None else torch.zeros_like(lens)
+    first_blk = first // bs
+    # Gather only the blocks that some query can see: n_blk per sequence, starting at first_blk.
+    n_blk = int(((lens + bs - 1) // bs - first_blk).max().clamp_min(1))
+    logical = (first_blk[:, None] + torch.arange(n_blk, device=q.device)).clamp_max(block_tables.shape[1] - 1)
+    phys = block_tables.to(torch.long).gather(1, logical)  # [B, n_blk]
+    pos = (first_blk[:, None] + torch.arange(n_blk, device=q.device))[:, :, None] * bs + torch.arange(
+        bs, device=q.device)
+    pos = pos.reshape(b, n_blk * bs)
+    valid = (pos < lens[:, None]) & (pos >= first[:, None])  # [B, L]
+    g = hq // hkv
+    sink = sinks.float().view(1, hkv, g, 1) if sinks is not None else None
+    chunk = max(1, _REF_CHUNK_ELEMS // (n_blk * bs * hkv * (d + dv)))
+    for s in range(0, b, chunk):  # batch chunks bound memory; everything inside is batched
+        e = min(s + chunk, b)
+        k = k_cache[phys[s:e]].reshape(e - s, n_blk * bs, hkv, d).float()
+        v = v_cache[phys[s:e]].reshape(e - s, n_blk * bs, hkv, dv).float()
+        qg = q[s:e].float().view(e - s, hkv, g, d)
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+        scores.masked_fill_(~valid[s:e, None, None, :], float("-inf"))
+        m = scores.amax(dim=-1, keepdim=True)
+        if sink is not None:
+            m = torch.maximum(m, sink)
+        m = m.masked_fill(torch.isinf(m), 0.0)  # nothing visible: avoid inf - inf
+        p = torch.exp(scores - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        if sink is not None:
+            denom = denom + torch.exp(sink - m)
+        o = torch.einsum("bhgl,blhd->bhgd", p, v) / denom.masked_fill(denom == 0, 1.0)
+        out[s:e] = o.reshape(e - s, hq, dv).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, sinks_ptr, out_ptr, scale, window,
+    group, head_dim, v_dim, block_size,
+    stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
+    stride_btb, stride_ob, stride_oh,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Program (b, kv head): the G query heads sharing a kv head form the M dim of tl.dot (padded
+    # to 16), so each K/V page is read once per group. Online softmax over pages.
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    seq_len = tl.load(sl_ptr + b)
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < group
+    heads = kvh * group + g
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & (d < head_dim)[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    if HAS_SINKS:
+        # Starting the running max at the sink with mass exp(0)=1 puts it in the denominator.
+        m_i = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+        l_i = tl.full((BLOCK_G,), 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full((BLOCK_G,), -1e30, dtype=tl.float32)  # finite: no inf - inf
+        l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_DV), dtype=tl.float32)
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    for blk in range(start // block_size, tl.cdiv(seq_len, block_size)):
+        phys = tl.load(bt_ptr + b * stride_btb + blk).to(tl.int64)
+        pos = blk * block_size + n
+        valid = (n < block_size) & (pos < seq_len) & (pos >= start)
+        k = tl.load(k_ptr + phys * stride_kn + n[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=valid[:, None] & (d < head_dim)[None, :], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + phys * stride_vn + n[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+                    mask=valid[:, None] & (dv < v_dim)[None, :], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (dv < v_dim)[None, :])
+
+
+def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                  sliding_window: int | None = None,
+                                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+    b, hq, hkv, d, dv, bs = _check(q, k_cache, v_cache, block_tables, seq_lens, sinks)
+    check_launchable(q, k_cache, v_cache, block_tables, seq_lens)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype
+    if sinks is not None:
+        assert sinks.is_contiguous() and sinks.device == q.device
+    out = torch.empty(b, hq, dv, dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    g = hq // hkv
+    _paged_decode_kernel[(b, hkv)](
+        q, k_cache, v_cache, block_tables, seq_lens, sinks if sinks is not None else q, out,
+        float(scale), int(sliding_window or 0), g, d, dv, bs,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)), BLOCK_DV=max(16, next_pow2(dv)),
+        BLOCK_N=max(16, next_pow2(bs)), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+        UPCAST=upcast_dots(q.dtype, k_cache.dtype), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    if use_triton(q):
+        return paged_attention_decode_triton(
+            q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous(), scale, sliding_window,
+            sinks.float().contiguous() if sinks is not None else None)
+    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                      sliding_window, sinks)

@@ -1,0 +1,104 @@
+"""Neox-style rotary embedding (rotate halves), with partial rotary.
+
+q [T, Hq, D], k [T, Hk, D], cos/sin [T, R/2] for a rotary dim R <= D applied to the first R
+channels of every head: (x1, x2) = (x[:R/2], x[R/2:R]) -> (x1*cos - x2*sin, x2*cos + x1*sin);
+channels R..D pass through. Math in float32, outputs in the input dtype (new tensors).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._compat import check_launchable, next_pow2, tl, triton, use_triton
+
+
+def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, rotary_dim/2] for integer positions [T]."""
+    assert rotary_dim % 2 == 0, rotary_dim
+    exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32) / rotary_dim
+    inv_freq = 1.0 / (base ** exponent)
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
+    assert q.dim() == 3 and k.dim() == 3, (q.shape, k.shape)
+    assert k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2], (q.shape, k.shape)
+    assert cos.shape == sin.shape and cos.shape[0] == q.shape[0], (cos.shape, sin.shape, q.shape)
+    half = cos.shape[1]
+    assert 0 < 2 * half <= q.shape[2], f"rotary dim {2 * half} > head dim {q.shape[2]}"
+    return half
+
+
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    xf = x[..., : 2 * half].float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    if 2 * half == x.shape[-1]:
+        return rot
+    return torch.cat([rot, x[..., 2 * half:]], dim=-1)
+
+
+def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = _check(q, k, cos, sin)
+    c = cos.float()[:, None, :]  # broadcast over heads
+    s = sin.float()[:, None, :]
+    return _rotate_ref(q, c, s, half), _rotate_ref(k, c, s, half)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, head_dim, half,
+                   stride_xt, stride_xh, stride_ct,
+                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (t, hb): BLOCK_H heads of token t; cos/sin are loaded once and shared by the heads.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < half
+    cos = tl.load(cos_ptr + t * stride_ct + r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + t * stride_ct + r, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+    h_mask = (heads < n_heads)[:, None]
+    m = h_mask & r_mask[None, :]
+    x_row = x_ptr + t * stride_xt + heads[:, None] * stride_xh
+    o_row = out_ptr + t * n_heads * head_dim + heads[:, None] * head_dim  # out is contiguous
+    x1 = tl.load(x_row + r[None, :], mask=m, other=0.0)
+    x2 = tl.load(x_row + half + r[None, :], mask=m, other=0.0)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    tl.store(o_row + r[None, :], (x1f * cos - x2f * sin).to(x1.dtype), mask=m)
+    tl.store(o_row + half + r[None, :], (x2f * cos + x1f * sin).to(x1.dtype), mask=m)
+    # Partial rotary: copy channels [2*half, head_dim) unchanged.
+    d = 2 * half + tl.arange(0, BLOCK_D)
+    pm = h_mask & (d < head_dim)[None, :]
+    tl.store(o_row + d[None, :], tl.load(x_row + d[None, :], mask=pm, other=0.0), mask=pm)
+
+
+def _rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    assert x.stride(-1) == 1, "head dim must be contiguous"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    t, h, d = x.shape
+    if x.numel() == 0:
+        return out
+    block_h = min(next_pow2(h), 16)
+    pass_dim = d - 2 * half
+    _rotary_kernel[(t, triton.cdiv(h, block_h))](
+        x, cos, sin, out, h, d, half, x.stride(0), x.stride(1), cos.stride(0),
+        BLOCK_H=block_h, BLOCK_R=next_pow2(half), BLOCK_D=next_pow2(max(pass_dim, 1)),
+    )
+    return out
+
+
+def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = _check(q, k, cos, sin)
+    check_launchable(q, k, cos, sin)
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype
+    return _rotate_triton(q, cos, sin, half), _rotate_triton(k, cos, sin, half)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(q):
+        return apply_rotary_triton(q, k, cos.contiguous(), sin.contiguous())
+    return apply_rotary_ref(q, k, cos, sin)
