@@ -1,4 +1,33 @@
 """Sampling: request parameters, the batched sampler, logits processors, structured output, spec decode."""
+from .batch import SamplingBatch, make_generator
 from .params import SamplingParams, StructuredOutputParams
+from .sampler import LogprobsTensors, Sampler, SamplerOutput
+from .spec_decode import DraftModelProposer, NgramProposer, SpecDecodeStats, rejection_sample
+from .structured import (
+    Grammar,
+    GrammarState,
+    StructuredOutputCompiler,
+    StructuredOutputConfig,
+    apply_bitmask,
+    bitmask_to_bool,
+)
 
-__all__ = ["SamplingParams", "StructuredOutputParams"]
+__all__ = [
+    "SamplingParams",
+    "StructuredOutputParams",
+    "SamplingBatch",
+    "make_generator",
+    "Sampler",
+    "SamplerOutput",
+    "LogprobsTensors",
+    "NgramProposer",
+    "DraftModelProposer",
+    "SpecDecodeStats",
+    "rejection_sample",
+    "StructuredOutputCompiler",
+    "StructuredOutputConfig",
+    "Grammar",
+    "GrammarState",
+    "apply_bitmask",
+    "bitmask_to_bool",
+]
