@@ -1,0 +1,47 @@
+"""Engine configuration: one explicit dataclass, validated up front."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moebus.engine.scheduler import SchedulerConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "smollm2"  # embedded default, a .gguf path, or an HF-layout checkpoint dir
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    max_model_len: int = 8192
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool = False  # overlap CPU work of step N with execution of step N+1
+    num_speculative_tokens: int = 0  # n-gram (prompt lookup) drafts per step; 0 = off
+    deterministic: bool = False  # batch-invariant results: same request, same tokens, any batch
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
+        if self.block_size < 1 or self.max_model_len < 1:
+            raise ValueError("block_size and max_model_len must be >= 1")
+        if self.async_scheduling and self.num_speculative_tokens:
+            raise ValueError("async scheduling and speculative decoding cannot be combined yet")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill)

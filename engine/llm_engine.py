@@ -1,0 +1,247 @@
+"""The engine loop: add_request / step / abort over scheduler + model runner.
+
+step() = schedule -> execute -> postprocess. With async scheduling the next step is scheduled and
+launched (on an executor thread) before this step's outputs are post-processed, so host work
+overlaps model execution; tokens not yet known are placeholders the runner fills in.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from moebus.engine.block_manager import BlockManager
+from moebus.engine.config import EngineConfig
+from moebus.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from moebus.engine.model_runner import PLACEHOLDER, ModelRunner, StepResult, allocate_kv_caches, kv_bytes_per_block
+from moebus.engine.models import load_model
+from moebus.engine.request import Request, RequestStatus
+from moebus.engine.sampling import SamplingParams
+from moebus.engine.sampling.spec_decode import NgramProposer, SpecDecodeStats
+from moebus.engine.scheduler import Scheduler, SchedulerOutput
+from moebus.engine.structured_state import GrammarHub
+from moebus.engine.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[dict[int, float]] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Tracked:
+    req: Request
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Step counters; step_seconds is model execution time per step."""
+
+    steps: int = 0
+    tokens_computed: int = 0
+    step_seconds: list[float] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, config.torch_dtype, config.device)
+        self.model = loaded.model
+        self.hf_config = loaded.hf_config
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model)
+        specs = self.model.kv_cache_specs()
+        num_blocks = config.num_kv_blocks or max(
+            16, config.kv_cache_bytes // kv_bytes_per_block(specs, config.block_size, config.torch_dtype))
+        device = torch.device(config.device)
+        caches = allocate_kv_caches(specs, num_blocks, config.block_size, config.torch_dtype, device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
+        vocab = int(self.hf_config["vocab_size"])
+        self.runner = ModelRunner(self.model, caches, config.block_size, vocab, device,
+                                  list(self.tokenizer.eos_token_ids), batch_invariant=config.deterministic)
+        self.grammars = GrammarHub(self.tokenizer, vocab)
+        self.proposer = NgramProposer(num_speculative_tokens=config.num_speculative_tokens) \
+            if config.num_speculative_tokens else None
+        self.spec_stats = SpecDecodeStats()
+        self.stats_ = EngineStats()
+        self.tracked: dict[str, _Tracked] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moebus-exec") \
+            if config.async_scheduling else None
+        self._inflight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
+
+    # --- public API ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        if request_id in self.tracked:
+            raise ValueError(f"duplicate request id {request_id}")
+        if not prompt_token_ids:
+            raise ValueError("prompt must have at least one token")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                             f"{self.config.max_model_len}")
+        vocab = int(self.hf_config["vocab_size"])
+        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+            raise ValueError("prompt token id out of the vocabulary")
+        grammar = self.grammars.state_for(params.structured) if params.structured else None
+        eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params, eos, priority,
+                      max_model_len=self.config.max_model_len, grammar=grammar)
+        self.tracked[request_id] = _Tracked(req, self.tokenizer.detokenizer(prompt_token_ids),
+                                            StopStringMatcher(list(params.stop), params.include_stop_str_in_output))
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        tr = self.tracked.pop(request_id, None)
+        if tr is None:
+            return False
+        self._finish(tr.req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def stats(self) -> dict[str, float | int]:
+        bm = self.block_manager
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_free": bm.num_free_blocks, "kv_blocks_total": len(bm.blocks),
+                "kv_usage": round(bm.usage, 4), "prefix_cache_queries": bm.queries,
+                "prefix_cache_hits": bm.hits, "spec_acceptance_rate": self.spec_stats.acceptance_rate,
+                "steps": self.stats_.steps}
+
+    def step(self) -> list[RequestOutput]:
+        if self._executor is not None:
+            return self._step_async()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        masks = self._grammar_masks(sched)
+        self._advance(sched, placeholders=False)
+        return self._postprocess(sched, self._timed_execute(sched, masks))
+
+    # --- internals -------------------------------------------------------------------------
+    def _step_async(self) -> list[RequestOutput]:
+        # Schedule and launch step N+1 before post-processing step N.
+        sched = self.scheduler.schedule()
+        launched = None
+        if sched.scheduled:
+            masks = self._grammar_masks(sched)
+            self._advance(sched, placeholders=True)
+            launched = (sched, self._executor.submit(self._timed_execute, sched, masks))
+        prev, self._inflight = self._inflight, launched
+        if prev is None:
+            return []
+        prev_sched, fut = prev
+        return self._postprocess(prev_sched, fut.result())
+
+    @staticmethod
+    def _advance(sched: SchedulerOutput, placeholders: bool) -> None:
+        """Count this step's tokens as computed when it is launched, so the next schedule() can
+        run before this step finishes; drafts are credited once verified."""
+        for s in sched.scheduled:
+            r = s.request
+            r.num_computed_tokens = s.start + s.num_tokens - s.num_draft
+            if s.sample and placeholders:
+                r.output_token_ids.append(PLACEHOLDER)
+
+    def _timed_execute(self, sched: SchedulerOutput, masks: torch.Tensor | None) -> StepResult:
+        t0 = time.perf_counter()
+        res = self.runner.execute(sched, masks)
+        self.stats_.steps += 1
+        self.stats_.tokens_computed += sched.num_tokens
+        self.stats_.step_seconds.append(time.perf_counter() - t0)
+        return res
+
+    def _grammar_masks(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        return self.grammars.batch_mask([s.request for s in sched.scheduled if s.sample])
+
+    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        for s, toks, lps, n_acc in zip(sched.scheduled, result.tokens, result.logprobs,
+                                       result.num_accepted_drafts, strict=True):
+            r = s.request
+            if r.status.finished:
+                continue  # aborted or stopped while this step ran; its tokens are dropped
+            if not s.sample:  # a prefill chunk short of the prompt's end
+                self.block_manager.cache_blocks(r)
+                continue
+            if s.num_draft:
+                r.num_computed_tokens += n_acc
+                r.draft_token_ids = []
+                self.spec_stats.observe([s.num_draft], [toks])
+            outs.append(self._append_tokens(r, toks, lps))
+        if self.proposer is not None:
+            for r in self.scheduler.running:
+                if not r.is_prefill and r.grammar is None:
+                    room = r.max_tokens - len(r.output_token_ids) - 1
+                    r.draft_token_ids = self.proposer.propose(r.all_token_ids)[: max(room, 0)]
+        return outs
+
+    def _append_tokens(self, r: Request, toks: list[int], lps: list[dict[int, float]] | None) -> RequestOutput:
+        tr = self.tracked[r.request_id]
+        emitted: list[int] = []
+        status = None
+        out_ids = r.output_token_ids
+        for t in toks:
+            try:  # async scheduling reserved a slot for this token at launch
+                out_ids[out_ids.index(PLACEHOLDER)] = t
+            except ValueError:
+                out_ids.append(t)
+            emitted.append(t)
+            if r.grammar is not None:
+                r.grammar.accept_token(t)
+            status = self._check_stop(r, t)
+            if status is not None:
+                break
+        text = tr.stops.feed(tr.detok.push(emitted))
+        if tr.stops.stopped and status is None:
+            status = RequestStatus.FINISHED_STOPPED
+            r.stop_reason = "stop_string"
+        if status is not None:
+            text += tr.stops.flush()
+            while PLACEHOLDER in out_ids:
+                out_ids.remove(PLACEHOLDER)
+        elif r.status is RequestStatus.RUNNING:
+            self.block_manager.cache_blocks(r)
+        out = RequestOutput(r.request_id, emitted, text, status is not None,
+                            status.value if status is not None else None, lps, r.num_prompt_tokens,
+                            r.num_cached_tokens, self._num_real_outputs(r))
+        if status is not None:
+            self.tracked.pop(r.request_id, None)
+            self._finish(r, status)
+        return out
+
+    @staticmethod
+    def _num_real_outputs(r: Request) -> int:
+        return len(r.output_token_ids) - r.output_token_ids.count(PLACEHOLDER)
+
+    def _check_stop(self, r: Request, token: int) -> RequestStatus | None:
+        n_out = self._num_real_outputs(r)
+        if n_out >= r.params.min_tokens and (token in r.eos_token_ids or token in r.params.stop_token_ids):
+            r.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if r.grammar is not None and r.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
+        if n_out >= r.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        self.runner.forget(req.request_id)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

@@ -1,0 +1,1 @@
+"""Checkpoint loaders: GGUF files and HF-layout directories."""

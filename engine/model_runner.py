@@ -1,0 +1,141 @@
+"""Turns a SchedulerOutput into one flattened forward pass and samples the positions that need it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moebus.engine.attention import AttentionMetadata, KVCacheSpec
+from moebus.engine.request import Request
+from moebus.engine.sampling.sampler import Sampler, SamplingBatch
+from moebus.engine.sampling.spec_decode import rejection_sample
+from moebus.engine.scheduler import SchedulerOutput
+
+PLACEHOLDER = -1  # an output token whose value the previous (still running) step will produce
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Per scheduled request (same order): sampled tokens (empty for a partial prefill chunk)."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
+    num_accepted_drafts: list[int] = field(default_factory=list)
+
+
+def allocate_kv_caches(specs: list[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.zeros(num_blocks, block_size, s.num_kv_heads, s.k_dim, dtype=dtype, device=device),
+             torch.zeros(num_blocks, block_size, s.num_kv_heads, s.v_dim, dtype=dtype, device=device))
+            for s in specs]
+
+
+def kv_bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
+    per_token = sum(s.num_kv_heads * (s.k_dim + s.v_dim) for s in specs)
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, vocab_size: int, device: torch.device, eos_token_ids: list[int],
+                 batch_invariant: bool = False) -> None:
+        self.model = model
+        self.eos_token_ids = eos_token_ids
+        self.batch_invariant = batch_invariant
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler = Sampler()
+        self.last_sampled: dict[str, int] = {}  # request id -> token sampled by the latest step
+
+    def _token(self, req: Request, i: int) -> int:
+        if i >= req.num_tokens:
+            return req.draft_token_ids[i - req.num_tokens]
+        tid = req.token_at(i)
+        return self.last_sampled[req.request_id] if tid == PLACEHOLDER else tid
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, grammar_masks: torch.Tensor | None = None) -> StepResult:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []  # flattened token index whose logits we need
+        sample_owner: list[int] = []  # which scheduled entry each sampled row belongs to
+        bs = self.block_size
+        for j, s in enumerate(sched.scheduled):
+            r = s.request
+            start = s.start
+            for p in range(start, start + s.num_tokens):
+                ids.append(self._token(r, p))
+                pos.append(p)
+                slots.append(r.block_ids[p // bs] * bs + p % bs)
+            qsl.append(len(ids))
+            seq_lens.append(start + s.num_tokens)
+            if s.sample:  # reaches the end of the known tokens: sample (1 + drafts) positions
+                first = qsl[-1] - 1 - s.num_draft
+                sample_rows.extend(range(first, qsl[-1]))
+                sample_owner.extend([j] * (1 + s.num_draft))
+        max_blocks = max(len(s.request.block_ids) for s in sched.scheduled)
+        tables = torch.zeros(len(sched.scheduled), max_blocks, dtype=torch.int32)
+        for j, s in enumerate(sched.scheduled):
+            tables[j, : len(s.request.block_ids)] = torch.tensor(s.request.block_ids, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(qsl, seq_lens, torch.tensor(slots, dtype=torch.long, device=dev),
+                                 tables.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), bs)
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv_caches)
+        result = StepResult([[] for _ in sched.scheduled], [None] * len(sched.scheduled),
+                            [0] * len(sched.scheduled))
+        if not sample_rows:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        self._sample(sched, logits, sample_owner, grammar_masks, result)
+        for j, toks in enumerate(result.tokens):
+            if toks:
+                self.last_sampled[sched.scheduled[j].request.request_id] = toks[-1]
+        return result
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, owner: list[int],
+                grammar_masks: torch.Tensor | None, result: StepResult) -> None:
+        entries = sorted(set(owner))
+        reqs = [sched.scheduled[j].request for j in entries]
+        outs = [self._known_outputs(r) for r in reqs]
+        batch = SamplingBatch.build([r.params for r in reqs], outs, [r.prompt_token_ids for r in reqs],
+                                    [r.generator for r in reqs], logits.shape[-1], logits.device,
+                                    allowed_token_mask=grammar_masks, eos_token_id=self.eos_token_ids)
+        if len(owner) == len(entries):  # no drafts in this step: one row per request
+            out = self.sampler(logits, batch)
+            tokens = out.sampled_token_ids.tolist()
+            for k, j in enumerate(entries):
+                result.tokens[j] = [tokens[k]]
+                n_lp = reqs[k].params.logprobs
+                if out.logprobs is not None and n_lp is not None:
+                    lp, _rank, top = out.logprobs.row(k, n_lp)
+                    result.logprobs[j] = [{tokens[k]: lp, **dict(top)}]
+            return
+        k_max = max(sched.scheduled[j].num_draft for j in entries)
+        target = logits.new_full((len(entries), k_max + 1, logits.shape[-1]), float("-inf"))
+        drafts = torch.zeros(len(entries), k_max, dtype=torch.long)
+        row = 0
+        for k, j in enumerate(entries):
+            nd = sched.scheduled[j].num_draft
+            target[k, : nd + 1] = logits[row: row + nd + 1]
+            drafts[k, :nd] = torch.tensor(reqs[k].draft_token_ids[:nd], dtype=torch.long)
+            row += nd + 1
+        accepted = rejection_sample(target, drafts, [sched.scheduled[j].num_draft for j in entries], batch)
+        for k, j in enumerate(entries):
+            result.tokens[j] = list(accepted[k])
+            result.num_accepted_drafts[j] = len(accepted[k]) - 1
+
+    def _known_outputs(self, r: Request) -> list[int]:
+        """Output tokens as penalties see them: the trailing placeholder is the token being sampled now;
+        an earlier one (async scheduling) is the previous step's sample."""
+        out = list(r.output_token_ids)
+        if out and out[-1] == PLACEHOLDER:
+            out.pop()
+        return [self.last_sampled[r.request_id] if t == PLACEHOLDER else t for t in out]
+
+    def forget(self, request_id: str) -> None:
+        self.last_sampled.pop(request_id, None)

@@ -1,0 +1,76 @@
+"""Manifold-constrained hyper-connections (mHC), as used by every DeepSeek-V4 decoder block.
+
+The residual is `n = hc_mult` parallel streams `[T, n, H]` instead of one `[T, H]`. Before a
+block (attention or MoE) a per-token learned mixture collapses the streams into its input
+("pre"); after it the block output is spread back over the streams ("post") and added to the
+streams mixed by a per-token doubly-stochastic matrix ("comb", Sinkhorn-Knopp projected).
+All mixing weights are computed in float32 from the RMS-normalised flattened streams.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+class HyperConnection(nn.Module):
+    """Weights for one block's mHC; parameter names follow HF (`attn_hc.fn`, `.base`, `.scale`)."""
+
+    def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.n = hc_mult
+        self.sinkhorn_iters = sinkhorn_iters
+        self.hc_eps = hc_eps
+        self.norm_eps = norm_eps
+        width = (2 + hc_mult) * hc_mult  # pre [n] + post [n] + comb [n*n]
+        self.fn = nn.Parameter(torch.zeros(width, hc_mult * hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros(width, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, H] -> (block input [T, H], post [T, n] f32, comb [T, n, n] f32)."""
+        n = self.n
+        mix = F.linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
+        post = 2.0 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.hc_eps
+        # Sinkhorn-Knopp: alternate column / row normalisation towards a doubly-stochastic matrix
+        # (column first, and iters-1 further row+column rounds, as the reference does).
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return collapsed, post, comb
+
+    @staticmethod
+    def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
+              comb: torch.Tensor) -> torch.Tensor:
+        """New streams: out_k = post_k * block_out + sum_j comb[j, k] * streams_j."""
+        dtype = streams.dtype
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the streams before the model norm (HF `model.hc_head.*`)."""
+
+    def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.hc_eps = hc_eps
+        self.norm_eps = norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(hc_mult, hc_mult * hidden_size, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(hc_mult, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mix = F.linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
+        pre = torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

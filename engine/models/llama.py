@@ -1,0 +1,149 @@
+"""Llama-architecture decoder (SmolLM2 and friends) on the paged attention backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
+from moebus.kernels import apply_rotary, fused_add_rms_norm, rms_norm, rotary_cos_sin, silu_and_mul
+
+
+@dataclass(slots=True)
+class LlamaArgs:
+    """Maps 1:1 to the HF LlamaConfig fields we use."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> LlamaArgs:
+        names = set(cls.__dataclass_fields__)
+        kw = {k: v for k, v in cfg.items() if k in names}
+        kw.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        kw.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        return cls(**kw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        self.qkv_proj = nn.Linear(a.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, a.hidden_size, bias=False)
+        self.scale = self.hd**-0.5
+
+    def forward(self, x, cos, sin, meta, kv_cache):
+        q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q, k = apply_rotary(q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd), cos, sin)
+        o = attend(q, k, v.view(-1, self.nkv, self.hd), kv_cache, meta, self.scale)
+        return self.o_proj(o.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = LlamaAttention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = LlamaMLP(a)
+
+    def forward(self, x, residual, cos, sin, meta, kv_cache):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        a = self.args
+        return [KVCacheSpec(a.num_key_value_heads, a.head_dim, a.head_dim) for _ in range(a.num_hidden_layers)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        cos, sin = rotary_cos_sin(positions, self.args.head_dim, self.args.rope_theta, torch.float32)
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, meta, cache)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights; q/k/v and gate/up are fused here to cut kernel launches."""
+        sd = dict(state_dict)
+        own = dict(self.named_parameters())
+        for i in range(self.args.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = [sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            sd[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
+            gu = [sd.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            sd[p + "mlp.gate_up_proj.weight"] = torch.cat(gu)
+        if self.args.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        loaded = set()
+        for name, tensor in sd.items():
+            key = name.removeprefix("model.")
+            if key not in own:
+                raise KeyError(f"unexpected weight {name}")
+            if own[key].shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(own[key].shape)}")
+            own[key].copy_(tensor)
+            loaded.add(key)
+        missing = set(own) - loaded
+        if missing:
+            raise KeyError(f"missing weights: {sorted(missing)[:5]}")

@@ -1,0 +1,118 @@
+"""Tokenizer: encode, decode, chat template, incremental detokenization with stop strings.
+
+Built from GGUF metadata (byte-level BPE) with the `tokenizers` library, or from an HF directory's
+tokenizer.json. The chat template is rendered with a sandboxed jinja2 environment, as HF does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from moebus.engine.loader.gguf_file import GGUFCheckpoint, embedded_gguf_path, string_list
+
+_CONTROL = 3  # llama.cpp token type for special/control tokens
+
+
+@dataclass
+class Tokenizer:
+    backend: HFTokenizer
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+    chat_template: str | None = None
+    add_bos: bool = False
+    special_ids: set[int] = field(default_factory=set)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: object) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use the completions API")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(messages=messages,
+                                                          add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def detokenizer(self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
+        from moebus.engine.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self, prompt_ids or [], skip_special_tokens)
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> Tokenizer:
+    meta = ckpt.metadata
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} (only byte-level BPE)")
+    tokens = string_list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in string_list(meta["tokenizer.ggml.merges"])]
+    types = list(meta["tokenizer.ggml.token_type"])
+    backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                     fuse_unk=False, byte_fallback=False))
+    steps: list = []
+    if meta.get("tokenizer.ggml.pre") == "smollm":
+        steps.append(pre_tokenizers.Digits(individual_digits=True))  # SmolLM splits numbers per digit
+    steps.append(pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated"))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    specials = [i for i, t in enumerate(types) if t == _CONTROL]
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in specials])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos_ids = [int(eos)] if eos is not None else []
+    # Chat models end a turn with <|im_end|>/<|eot_id|>-style tokens as well as EOS.
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        tid = backend.token_to_id(name)
+        if tid is not None and tid not in eos_ids:
+            eos_ids.append(tid)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return Tokenizer(backend, eos_ids, int(bos) if bos is not None else None,
+                     meta.get("tokenizer.chat_template"), bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                     set(specials))
+
+
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
+    import json
+
+    backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
+    model_cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    eos = model_cfg.get("eos_token_id", [])
+    eos_ids = list(eos) if isinstance(eos, list) else [eos]
+    specials = {backend.token_to_id(t.content) for t in backend.get_added_tokens_decoder().values() if t.special}
+    return Tokenizer(backend, [int(e) for e in eos_ids if e is not None], model_cfg.get("bos_token_id"),
+                     cfg.get("chat_template"), False, {s for s in specials if s is not None})
+
+
+def load_tokenizer(model: str | Path) -> Tokenizer:
+    """`smollm2` (the embedded default), a .gguf file, or an HF-layout directory with tokenizer.json."""
+    if str(model) == "smollm2":
+        model = embedded_gguf_path()
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return tokenizer_from_gguf(GGUFCheckpoint.open(path))
+    if (path / "tokenizer.json").exists():
+        return tokenizer_from_hf_dir(path)
+    raise FileNotFoundError(f"no tokenizer for {model}: expected a .gguf file or a dir with tokenizer.json")
