@@ -153,10 +153,11 @@ class SamplingBatch:
 
         counts = None
         if self.output_counts is not None:
-            drafts = draft_token_ids.to(device=device, dtype=torch.long)
             nd = torch.as_tensor(list(num_draft), device=device)
+            real = pos[None, :k] < nd[:, None]  # [B, K]
+            drafts = draft_token_ids.to(device=device, dtype=torch.long).masked_fill(~real, 0)
             # draft j counts at positions p > j, and only if it is a real draft (j < num_draft).
-            weight = (pos[None, :, None] > pos[None, None, :k]) & (pos[None, None, :k] < nd[:, None, None])
+            weight = (pos[None, :, None] > pos[None, None, :k]) & real[:, None, :]
             counts = self.output_counts.unsqueeze(1).repeat(1, k + 1, 1)
             counts.scatter_add_(2, drafts.unsqueeze(1).expand(b, k + 1, k), weight.to(counts.dtype))
             counts = counts.reshape(b * (k + 1), -1)
