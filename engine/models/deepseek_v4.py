@@ -20,12 +20,13 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
-from moebus.engine.models.deepseek_v4_attention import DeepseekV4Attention, RMSNorm, rope_tables
+from moebus.engine.models.deepseek_v4_attention import DeepseekV4Attention, RMSNorm
+from moebus.engine.models.hf_checkpoint import to_hf_names
 from moebus.engine.models.hyper_connections import HyperConnection, HyperHead
 from moebus.engine.models.moe import SCORING_FUNCS, MoE
+from moebus.kernels import rotary_cos_sin
+from torch import nn
 
 ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_KINDS = ("hash_moe", "moe")
@@ -173,9 +174,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
-        rd = config.rope_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.mtp_weights: dict[str, torch.Tensor] = {}
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
@@ -186,7 +184,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_tables(positions, self.inv_freq, self.config.head_dim, x.dtype)
+        cos, sin = rotary_cos_sin(positions, self.config.rope_dim, self.config.rope_theta, x.dtype)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             streams = layer(streams, input_ids, cos, sin, meta, kv_cache)
@@ -223,9 +221,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load HF-named tensors (`model.layers.N.self_attn.q_a_proj.weight`, ...); strict."""
+        """Load HF module-named tensors (`model.layers.N.self_attn.q_a_proj.weight`, ...) or the
+        on-disk spelling (`layers.N.attn.wq_a.weight`, per-expert w1/w2/w3); strict."""
         layout = self._hf_layout()
-        given = dict(state_dict)
+        given = to_hf_names(state_dict)
         self.mtp_weights = {k: given.pop(k) for k in list(given) if _MTP_KEY.search(k)}
         if self.lm_head is None:
             given.pop("lm_head.weight", None)  # tied: HF may or may not write the copy

@@ -7,19 +7,18 @@ low-rank output projection (`o_a_proj` block-diagonal over `o_groups` head group
 `o_b_proj`). Because V carries RoPE too, the output is rotated back by the query position.
 
 RoPE layout: HF/DeepSeek rotate interleaved channel pairs (2i, 2i+1) of the trailing `rope_dim`
-channels. `moebus.kernels.apply_rotary` is neox style (pairs (j, j + D/2) over the whole head).
-`hf_channel_perm` reorders each head's channels at load time so that rope pair i sits at
-(i, i + D/2) and the no-rope channels fill the rest; the cos/sin tables carry cos=1, sin=0 for
-those. Attention scores are invariant to a shared permutation of q and k, and `o_a_proj`'s
-columns are permuted the same way, so the layer computes exactly the HF function.
+channels of a head. `moebus.kernels.apply_rotary` is neox style on the leading channels (pairs
+(i, i + rope_dim/2)). `hf_channel_perm` reorders each head's channels at load time to
+[rope evens | rope odds | no-rope], which turns one rotation into the other. Attention scores
+are invariant to a permutation shared by q and k, and `o_a_proj`'s input columns are permuted
+the same way, so the layer computes exactly the HF function.
 """
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from moebus.engine.attention import AttentionMetadata, attend
 from moebus.kernels import apply_rotary, rms_norm
+from torch import nn
 
 
 class RMSNorm(nn.Module):
@@ -32,24 +31,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def hf_channel_perm(head_dim: int, rope_dim: int) -> torch.Tensor:
-    """perm[j] = HF channel stored at our channel j (see module docstring)."""
-    half, r = head_dim // 2, rope_dim // 2
+def hf_channel_perm(head_dim: int, rope_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """perm[j] = the HF channel that our channel j holds (see module docstring)."""
     nope = head_dim - rope_dim
-    first = [nope + 2 * i for i in range(r)] + list(range(half - r))
-    second = [nope + 2 * i + 1 for i in range(r)] + list(range(half - r, nope))
-    return torch.tensor(first + second, dtype=torch.long)
-
-
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, head_dim: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, head_dim/2] for `apply_rotary`; identity (1, 0) on the no-rope channel pairs."""
-    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
-    pad = head_dim // 2 - inv_freq.shape[0]
-    ones, zeros = freqs.new_ones(freqs.shape[0], pad), freqs.new_zeros(freqs.shape[0], pad)
-    cos = torch.cat([freqs.cos(), ones], dim=-1)
-    sin = torch.cat([freqs.sin(), zeros], dim=-1)
-    return cos.to(dtype), sin.to(dtype)
+    rope = torch.arange(nope, head_dim, device=device)
+    return torch.cat([rope[0::2], rope[1::2], torch.arange(nope, device=device)])
 
 
 class DeepseekV4Attention(nn.Module):
@@ -61,8 +47,8 @@ class DeepseekV4Attention(nn.Module):
         self.o_groups = o_groups
         self.sliding_window = sliding_window
         self.eps = eps
+        self.rope_dim = rope_dim
         self.scale = head_dim ** -0.5
-        self.register_buffer("channel_perm", hf_channel_perm(head_dim, rope_dim), persistent=False)
         self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(q_lora_rank, eps)
         self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
@@ -75,7 +61,8 @@ class DeepseekV4Attention(nn.Module):
 
     def hf_to_local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Reorder head channels of an HF weight (`name` relative to this module) into our layout."""
-        perm, hd = self.channel_perm.to(tensor.device), self.head_dim
+        hd = self.head_dim
+        perm = hf_channel_perm(hd, self.rope_dim, tensor.device)
         if name == "q_b_proj.weight":
             return tensor.view(self.num_heads, hd, -1)[:, perm].reshape(tensor.shape)
         if name in ("kv_proj.weight", "kv_norm.weight"):
@@ -86,6 +73,7 @@ class DeepseekV4Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, H]; cos/sin [T, rope_dim/2] at each token's position."""
         T = x.shape[0]
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).view(T, self.num_heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)

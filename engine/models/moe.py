@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from moebus.kernels import fused_moe, silu_and_mul
+from torch import nn
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
@@ -62,15 +61,6 @@ class Router(nn.Module):
         return weights * self.routed_scaling_factor, ids
 
 
-def clamped_swiglu(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """[.., 2I] -> [.., I]: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
-    if limit is not None:
-        inter = gate_up.shape[-1] // 2
-        gate_up = torch.cat([gate_up[..., :inter].clamp(max=limit),
-                             gate_up[..., inter:].clamp(-limit, limit)], dim=-1)
-    return silu_and_mul(gate_up)
-
-
 class SharedExpert(nn.Module):
     """Dense SwiGLU MLP every token goes through; gate/up fused into one [2I, H] matrix."""
 
@@ -81,7 +71,7 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(clamped_swiglu(F.linear(x, self.gate_up_proj), self.swiglu_limit), self.down_proj)
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj), limit=self.swiglu_limit), self.down_proj)
 
 
 class MoE(nn.Module):
@@ -112,8 +102,7 @@ class MoE(nn.Module):
         topk_weights, topk_ids = self.gate(x, input_ids)
         if self.load_counter is not None:
             self.load_counter += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
-        out = fused_moe(x, self.w13, self.w2, topk_weights.to(x.dtype), topk_ids,
-                        swiglu_limit=self.swiglu_limit)
+        out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, swiglu_limit=self.swiglu_limit)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

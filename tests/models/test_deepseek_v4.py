@@ -1,0 +1,168 @@
+"""Parity of our paged DeepSeek-V4 with HF's DeepseekV4ForCausalLM on a tiny random checkpoint.
+
+The checkpoint (hf_checkpoint.write_tiny_deepseek_v4) has 4 sliding-window layers (window 16,
+2 hash-MoE + 2 top-k MoE, 8 experts top-2, 1 shared expert, mHC with 4 streams), so prompts of
+40 tokens cross the window and three 16-token KV blocks.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from moebus.engine.attention import AttentionMetadata
+from moebus.engine.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
+from moebus.engine.models.hf_checkpoint import read_hf_checkpoint, write_tiny_deepseek_v4
+
+BLOCK = 16
+MAX_BLOCKS = 8  # per sequence: 128 tokens
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory):
+    return write_tiny_deepseek_v4(tmp_path_factory.mktemp("dsv4"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_model(ckpt):
+    from transformers import DeepseekV4ForCausalLM as HFModel
+
+    model = HFModel.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None  # always generate the full 32 tokens
+    return model
+
+
+@pytest.fixture(scope="module")
+def model(ckpt) -> DeepseekV4ForCausalLM:
+    config, state = read_hf_checkpoint(ckpt)
+    m = DeepseekV4ForCausalLM(DeepseekV4Args.from_hf_config(config)).eval()
+    m.load_weights(state)
+    return m
+
+
+def caches(model: DeepseekV4ForCausalLM, num_seqs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    n = num_seqs * MAX_BLOCKS
+    return [(torch.zeros(n, BLOCK, s.num_kv_heads, s.k_dim), torch.zeros(n, BLOCK, s.num_kv_heads, s.v_dim))
+            for s in model.kv_cache_specs()]
+
+
+def step_meta(ctx_lens: list[int], new_lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Sequence b owns blocks [b*MAX_BLOCKS, (b+1)*MAX_BLOCKS), has ctx_lens[b] tokens cached and
+    writes new_lens[b] more this step. Returns (metadata, positions)."""
+    tables = torch.arange(len(ctx_lens) * MAX_BLOCKS, dtype=torch.int32).view(len(ctx_lens), MAX_BLOCKS)
+    pos = [torch.arange(c, c + n) for c, n in zip(ctx_lens, new_lens, strict=True)]
+    slots = torch.cat([tables[b, p // BLOCK].long() * BLOCK + p % BLOCK for b, p in enumerate(pos)])
+    seq_lens = [c + n for c, n in zip(ctx_lens, new_lens, strict=True)]
+    meta = AttentionMetadata(query_start_loc=[0, *itertools.accumulate(new_lens)], seq_lens=seq_lens,
+                             slot_mapping=slots, block_tables=tables,
+                             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32), block_size=BLOCK)
+    return meta, torch.cat(pos)
+
+
+@torch.no_grad()
+def run(model, ids: torch.Tensor, ctx_lens: list[int], new_lens: list[int], kv) -> torch.Tensor:
+    meta, positions = step_meta(ctx_lens, new_lens)
+    return model.compute_logits(model(ids, positions, meta, kv))
+
+
+def prompt(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_checkpoint_names_match_hf(ckpt, hf_model):
+    _, state = read_hf_checkpoint(ckpt)
+    ref = hf_model.state_dict()
+    assert sorted(state) == sorted(ref)
+    assert all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+def test_prefill_logits_match_hf(model, hf_model):
+    ids = prompt(40, seed=1)
+    ours = run(model, ids, [0], [40], caches(model, 1))
+    with torch.no_grad():
+        ref = hf_model(ids[None]).logits[0].float()
+    diff = (ours - ref).abs().max().item()
+    print(f"max abs logit diff vs HF: {diff:.3e}")
+    assert diff < TOL
+
+
+def test_greedy_decode_matches_hf_generate(model, hf_model):
+    ids, n_new = prompt(40, seed=2), 32
+    with torch.no_grad():
+        ref = hf_model.generate(ids[None], do_sample=False, max_new_tokens=n_new)[0, 40:].tolist()
+    kv = caches(model, 1)
+    tok = run(model, ids, [0], [40], kv)[-1].argmax().item()
+    out = [tok]
+    for step in range(n_new - 1):
+        meta_ctx = 40 + step
+        assert step_meta([meta_ctx], [1])[0].decode_only
+        tok = run(model, torch.tensor([tok]), [meta_ctx], [1], kv)[-1].argmax().item()
+        out.append(tok)
+    assert out == ref
+
+
+def test_chunked_prefill_matches_single_prefill(model):
+    ids = prompt(40, seed=3)
+    whole = run(model, ids, [0], [40], caches(model, 1))
+    kv = caches(model, 1)
+    first = run(model, ids[:23], [0], [23], kv)
+    second = run(model, ids[23:], [23], [17], kv)  # reads the first 23 tokens from the cache
+    assert (torch.cat([first, second]) - whole).abs().max().item() < TOL
+
+
+def test_flattened_batch_matches_each_alone(model):
+    a, b = prompt(40, seed=4), prompt(27, seed=5)
+    alone_a = run(model, a, [0], [40], caches(model, 1))
+    alone_b = run(model, b, [0], [27], caches(model, 1))
+    kv = caches(model, 2)
+    both = run(model, torch.cat([a, b]), [0, 0], [40, 27], kv)
+    assert (both[:40] - alone_a).abs().max().item() < TOL
+    assert (both[40:] - alone_b).abs().max().item() < TOL
+    # Mixed step: sequence 0 decodes one token while sequence 1 prefills 5 more from its cache.
+    a2, b2 = prompt(1, seed=6), prompt(5, seed=7)
+    mixed = run(model, torch.cat([a2, b2]), [40, 27], [1, 5], kv)
+    ref_a = run(model, torch.cat([a, a2]), [0], [41], caches(model, 1))[-1:]
+    ref_b = run(model, torch.cat([b, b2]), [0], [32], caches(model, 1))[-5:]
+    assert (mixed - torch.cat([ref_a, ref_b])).abs().max().item() < TOL
+
+
+def test_meta_init_and_on_disk_names(ckpt, model):
+    """The registry path: build on the meta device, then load the raw safetensors (original names)."""
+    from safetensors.torch import load_file
+
+    config, _ = read_hf_checkpoint(ckpt)
+    with torch.device("meta"):
+        fresh = DeepseekV4ForCausalLM(DeepseekV4Args.from_hf_config(config))
+    fresh = fresh.to_empty(device="cpu").eval()
+    fresh.load_weights(load_file(ckpt / "model.safetensors"))
+    ids = prompt(20, seed=9)
+    assert torch.equal(run(fresh, ids, [0], [20], caches(fresh, 1)), run(model, ids, [0], [20], caches(model, 1)))
+
+
+def test_expert_load_counter(model):
+    counters = model.enable_expert_load_counting()
+    try:
+        run(model, prompt(20, seed=8), [0], [20], caches(model, 1))
+        assert [int(c.sum()) for c in counters] == [20 * model.config.num_experts_per_tok] * len(counters)
+    finally:
+        for layer in model.layers:
+            layer.mlp.load_counter = None
+
+
+def test_load_weights_is_strict(ckpt, model):
+    config, state = read_hf_checkpoint(ckpt)
+    fresh = DeepseekV4ForCausalLM(DeepseekV4Args.from_hf_config(config))
+    with pytest.raises(KeyError, match="missing"):
+        fresh.load_weights({k: v for k, v in state.items() if k != "model.norm.weight"})
+    with pytest.raises(KeyError, match="unexpected"):
+        fresh.load_weights({**state, "model.layers.0.bogus": torch.zeros(1)})
+    fresh.load_weights({**state, "mtp.0.emb.weight": torch.zeros(1)})  # draft layers are set aside
+    assert list(fresh.mtp_weights) == ["mtp.0.emb.weight"]
+
+
+def test_compressed_attention_kinds_are_refused(ckpt):
+    config, _ = read_hf_checkpoint(ckpt)
+    config = {**config, "layer_types": ["sliding_attention"] * 3 + ["compressed_sparse_attention"]}
+    with pytest.raises(NotImplementedError, match="compressed_sparse_attention"):
+        DeepseekV4ForCausalLM(DeepseekV4Args.from_hf_config(config))
