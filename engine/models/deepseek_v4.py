@@ -8,21 +8,22 @@ Block structure (every layer): mHC streams -> collapse -> RMSNorm -> sliding-win
 Not implemented: the compressed attention kinds (`compressed_sparse_attention`,
 `heavily_compressed_attention`); see `DeepseekV4ForCausalLM.__init__`.
 
-MTP hook: `num_nextn_predict_layers` draft layers are not instantiated. `load_weights` keeps
-any `mtp.*` tensors in `self.mtp_weights` (HF names, untouched) so a draft-model proposer can
-build its nextn block from them and reuse this model's `embed_tokens`, `hc_head`, `norm`,
-`lm_head` and the block classes here, feeding it the hidden states `forward` returns.
+MTP hook: the `num_nextn_predict_layers` draft layers are not instantiated. `load_weights` keeps
+any `mtp.*` tensors in `self.mtp_weights` (names untouched) so a draft-model proposer can build
+its nextn block(s) from them, reusing `embed_tokens`, `lm_head`/`compute_logits` and the block
+classes here (`DeepseekV4DecoderLayer`, `HyperHead`), fed with the hidden states `forward`
+returns (or, if the MTP block wants the mHC streams, from a `forward` variant that stops before
+`hc_head`).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.models.deepseek_v4_attention import DeepseekV4Attention, RMSNorm
-from moebus.engine.models.hf_checkpoint import to_hf_names
+from moebus.engine.models.hf_checkpoint import is_mtp_key, to_hf_names
 from moebus.engine.models.hyper_connections import HyperConnection, HyperHead
 from moebus.engine.models.moe import SCORING_FUNCS, MoE
 from moebus.kernels import rotary_cos_sin
@@ -32,7 +33,6 @@ ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_
 MLP_KINDS = ("hash_moe", "moe")
 _LEGACY_COMPRESS_RATIO = {0: "sliding_attention", 4: "compressed_sparse_attention",
                           128: "heavily_compressed_attention"}
-_MTP_KEY = re.compile(r"(^|\.)mtp\.")
 
 
 @dataclass(slots=True)
@@ -225,7 +225,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         on-disk spelling (`layers.N.attn.wq_a.weight`, per-expert w1/w2/w3); strict."""
         layout = self._hf_layout()
         given = to_hf_names(state_dict)
-        self.mtp_weights = {k: given.pop(k) for k in list(given) if _MTP_KEY.search(k)}
+        self.mtp_weights = {k: given.pop(k) for k in list(given) if is_mtp_key(k)}
         if self.lm_head is None:
             given.pop("lm_head.weight", None)  # tied: HF may or may not write the copy
         missing, unexpected = sorted(set(layout) - set(given)), sorted(set(given) - set(layout))
@@ -234,10 +234,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         ours = self.state_dict()
         for hf_name, tensor in given.items():
             name, start, rows = layout[hf_name]
-            layer_path, sep, leaf = name.partition(".self_attn.")
-            if sep:  # head channels go into the rotary kernel's layout
-                tensor = self.get_submodule(layer_path + ".self_attn").hf_to_local(leaf, tensor)
             dest = ours[name][start:start + rows]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            layer_path, sep, leaf = name.partition(".self_attn.")
+            if sep:  # head channels go into the rotary kernel's layout
+                tensor = self.get_submodule(layer_path + ".self_attn").hf_to_local(leaf, tensor)
             dest.copy_(tensor)
+        for layer in self.layers:
+            table = getattr(layer.mlp.gate, "tid2eid", None)
+            if table is not None and not 0 <= int(table.min()) <= int(table.max()) < layer.mlp.num_experts:
+                raise ValueError(f"tid2eid holds expert ids outside [0, {layer.mlp.num_experts})")

@@ -64,11 +64,11 @@ class DeepseekV4Attention(nn.Module):
         hd = self.head_dim
         perm = hf_channel_perm(hd, self.rope_dim, tensor.device)
         if name == "q_b_proj.weight":
-            return tensor.view(self.num_heads, hd, -1)[:, perm].reshape(tensor.shape)
+            return tensor.reshape(self.num_heads, hd, -1)[:, perm].reshape(tensor.shape)
         if name in ("kv_proj.weight", "kv_norm.weight"):
             return tensor[perm]
         if name == "o_a_proj.weight":
-            return tensor.view(tensor.shape[0], -1, hd)[:, :, perm].reshape(tensor.shape)
+            return tensor.reshape(tensor.shape[0], -1, hd)[:, :, perm].reshape(tensor.shape)
         return tensor
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,

@@ -52,9 +52,14 @@ _MTP_KEY = re.compile(r"(^|\.)mtp\.")
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.w([123])\.weight$")
 
 
+def is_mtp_key(key: str) -> bool:
+    """Tensors of the multi-token-prediction (nextn) draft layers."""
+    return _MTP_KEY.search(key) is not None
+
+
 def hf_param_name(key: str) -> str:
     """Module name HF gives an on-disk tensor name (original or HF spelling); per-expert keys stay per-expert."""
-    if _MTP_KEY.search(key):
+    if is_mtp_key(key):
         return key  # draft (MTP) layers: kept verbatim for a future proposer
     k = key.removeprefix("model.")
     if k in _TOP_LEVEL:

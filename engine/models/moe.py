@@ -26,7 +26,7 @@ def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Learned top-k router (`hash_table=None`) or hash router (`tid2eid[input_ids]` picks experts).
+    """Learned top-k router, or (`hash_vocab_size` set) hash router: `tid2eid[input_ids]` picks experts.
 
     Top-k selection uses `scores + e_score_correction_bias` (the bias only balances load); the
     combine weights use the unbiased scores, optionally renormalised over the chosen k, then
