@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from moebus.kernels import paged_attention_decode
 
 
@@ -33,6 +32,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens_t: torch.Tensor  # [B] int32, seq_lens on device
     block_size: int
+    batch_invariant: bool = False  # deterministic mode: attend per sequence, never batched
 
     @property
     def num_seqs(self) -> int:
@@ -92,7 +92,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[to
     """
     write_kv(k, v, kv_cache, meta.slot_mapping)
     k_cache, v_cache = kv_cache
-    if meta.decode_only:
+    if meta.decode_only and not meta.batch_invariant:
         return paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, scale,
                                       sliding_window=sliding_window, sinks=sinks)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])

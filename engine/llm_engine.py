@@ -11,11 +11,16 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from moebus.engine.block_manager import BlockManager
 from moebus.engine.config import EngineConfig
 from moebus.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from moebus.engine.model_runner import PLACEHOLDER, ModelRunner, StepResult, allocate_kv_caches, kv_bytes_per_block
+from moebus.engine.model_runner import (
+    PLACEHOLDER,
+    ModelRunner,
+    StepResult,
+    allocate_kv_caches,
+    kv_bytes_per_block,
+)
 from moebus.engine.models import load_model
 from moebus.engine.request import Request, RequestStatus
 from moebus.engine.sampling import SamplingParams
@@ -99,6 +104,9 @@ class LLMEngine:
         eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
         req = Request(request_id, list(prompt_token_ids), params, eos, priority,
                       max_model_len=self.config.max_model_len, grammar=grammar)
+        if self.config.deterministic and req.generator is None and not params.greedy:
+            # Batch-invariant sampling needs a per-request stream; unseeded requests share the engine seed.
+            req.generator = torch.Generator().manual_seed(self.config.seed)
         self.tracked[request_id] = _Tracked(req, self.tokenizer.detokenizer(prompt_token_ids),
                                             StopStringMatcher(list(params.stop), params.include_stop_str_in_output))
         self.scheduler.add(req)

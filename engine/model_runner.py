@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
+from moebus.engine.batch_invariant import make_batch_invariant, tiled
 from moebus.engine.request import Request
 from moebus.engine.sampling.sampler import Sampler, SamplingBatch
 from moebus.engine.sampling.spec_decode import rejection_sample
@@ -39,7 +39,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, vocab_size: int, device: torch.device, eos_token_ids: list[int],
                  batch_invariant: bool = False) -> None:
-        self.model = model
+        self.model = make_batch_invariant(model) if batch_invariant else model
         self.eos_token_ids = eos_token_ids
         self.batch_invariant = batch_invariant
         self.kv_caches = kv_caches
@@ -84,13 +84,15 @@ class ModelRunner:
             tables[j, : len(s.request.block_ids)] = torch.tensor(s.request.block_ids, dtype=torch.int32)
         dev = self.device
         meta = AttentionMetadata(qsl, seq_lens, torch.tensor(slots, dtype=torch.long, device=dev),
-                                 tables.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), bs)
+                                 tables.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), bs,
+                                 batch_invariant=self.batch_invariant)
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv_caches)
         result = StepResult([[] for _ in sched.scheduled], [None] * len(sched.scheduled),
                             [0] * len(sched.scheduled))
         if not sample_rows:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        rows = hidden[torch.tensor(sample_rows, device=dev)]
+        logits = tiled(self.model.compute_logits, rows) if self.batch_invariant else self.model.compute_logits(rows)
         self._sample(sched, logits, sample_owner, grammar_masks, result)
         for j, toks in enumerate(result.tokens):
             if toks:

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-
 from moebus.engine.sampling import StructuredOutputParams
 
 if TYPE_CHECKING:

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
+from moebus.engine.loader.gguf_file import GGUFCheckpoint, embedded_gguf_path, string_list
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-
-from moebus.engine.loader.gguf_file import GGUFCheckpoint, embedded_gguf_path, string_list
 
 _CONTROL = 3  # llama.cpp token type for special/control tokens
 
@@ -101,9 +100,9 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
     model_cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     eos = model_cfg.get("eos_token_id", [])
     eos_ids = list(eos) if isinstance(eos, list) else [eos]
-    specials = {backend.token_to_id(t.content) for t in backend.get_added_tokens_decoder().values() if t.special}
+    specials = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     return Tokenizer(backend, [int(e) for e in eos_ids if e is not None], model_cfg.get("bos_token_id"),
-                     cfg.get("chat_template"), False, {s for s in specials if s is not None})
+                     cfg.get("chat_template"), bool(cfg.get("add_bos_token", False)), specials)
 
 
 def load_tokenizer(model: str | Path) -> Tokenizer:
@@ -112,7 +111,9 @@ def load_tokenizer(model: str | Path) -> Tokenizer:
         model = embedded_gguf_path()
     path = Path(model)
     if path.suffix == ".gguf":
-        return tokenizer_from_gguf(GGUFCheckpoint.open(path))
+        from moebus.engine.loader.gguf_cache import converted_dir
+
+        path = converted_dir(path)
     if (path / "tokenizer.json").exists():
         return tokenizer_from_hf_dir(path)
     raise FileNotFoundError(f"no tokenizer for {model}: expected a .gguf file or a dir with tokenizer.json")

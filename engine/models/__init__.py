@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from moebus.engine.loader.gguf_cache import converted_dir
+from moebus.engine.loader.gguf_file import EMBEDDED_MODEL, embedded_gguf_path
+from safetensors.torch import load_file
 from torch import nn
-
-from moebus.engine.loader.gguf_file import EMBEDDED_MODEL, GGUFCheckpoint, embedded_gguf_path
 
 
 @dataclass(slots=True)
@@ -37,20 +38,19 @@ def resolve(model: str | Path) -> Path:
 def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     path = resolve(model)
     if path.suffix == ".gguf":
-        ckpt = GGUFCheckpoint.open(path)
-        cfg, state = ckpt.hf_config(), ckpt.state_dict(dtype)
-    elif (path / "config.json").exists():
-        from moebus.engine.models.hf_checkpoint import read_hf_checkpoint
-
-        cfg, state = read_hf_checkpoint(path)
-    else:
+        path = converted_dir(path)
+    if not (path / "config.json").exists():
         raise FileNotFoundError(f"{model}: expected `smollm2`, a .gguf file or a dir with config.json")
+    cfg = json.loads((path / "config.json").read_text())
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
     arch = (cfg.get("architectures") or ["?"])[0]
-    with torch.device(device):
-        net = _build(arch, cfg).to(dtype)
+    with torch.device("meta"):  # weights come from the checkpoint: skip random init
+        net = _build(arch, cfg)
+    net = net.to_empty(device=device).to(dtype)
     net.load_weights({k: v.to(dtype) for k, v in state.items()})
+    for name, buf in net.named_buffers():
+        if buf.is_meta or not torch.isfinite(buf.float()).all():
+            raise RuntimeError(f"{arch}: buffer {name} must be a loaded weight or built in load_weights")
     return LoadedModel(net.eval(), cfg, str(model))
-
-
-def read_config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())

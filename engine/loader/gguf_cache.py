@@ -1,0 +1,50 @@
+"""Converted-GGUF cache: parsing a GGUF costs seconds per process, so the first load writes an
+HF-layout copy (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) that later
+loads (every service process) read in well under a second."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from moebus.engine.loader.gguf_file import GGUFCheckpoint
+from safetensors.torch import save_file
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOEBUS_CACHE", Path.home() / ".cache" / "moebus"))
+
+
+def _key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:16]
+
+
+def converted_dir(gguf_path: str | Path) -> Path:
+    """HF-layout directory for this GGUF, converting it on first use (atomic rename, race-safe)."""
+    from moebus.engine.tokenizer import tokenizer_from_gguf
+
+    path = Path(gguf_path)
+    out = cache_root() / f"{path.stem}-{_key(path)}"
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ckpt = GGUFCheckpoint.open(path)
+    tok = tokenizer_from_gguf(ckpt)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    save_file(ckpt.state_dict(), str(tmp / "model.safetensors"))
+    tok.backend.save(str(tmp / "tokenizer.json"))
+    cfg = ckpt.hf_config()
+    cfg["eos_token_id"] = tok.eos_token_ids
+    (tmp / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": tok.chat_template, "add_bos_token": tok.add_bos, "bos_token_id": tok.bos_token_id}))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race: use its copy
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
