@@ -1,0 +1,94 @@
+"""The balancer's view of the workers, fed by heartbeats: liveness and least-loaded ordering.
+
+Heartbeats are up to one interval stale, so every assignment also counts as `pending` load until
+the worker's next heartbeat reports it; that spreads a burst instead of piling it onto whichever
+worker looked idlest a moment ago.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moebus.shared.messages import Heartbeat
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    beat: Heartbeat
+    last_seen: float
+    pending: int = 0  # assigned since the last heartbeat
+    assigned_total: int = 0  # tiebreak: among equals, the one picked least often (round robin)
+    skip_until: float = 0.0  # not routable for a while (it just answered no-responders)
+
+    @property
+    def worker_id(self) -> str:
+        return self.beat.instance_id
+
+    @property
+    def queued(self) -> int:
+        return (self.beat.load.num_waiting if self.beat.load else 0) + self.pending
+
+    @property
+    def full(self) -> bool:
+        load = self.beat.load
+        return load is not None and load.max_waiting > 0 and self.queued >= load.max_waiting
+
+    def sort_key(self) -> tuple:
+        load = self.beat.load
+        running = load.num_running if load else 0
+        free = load.kv_blocks_free if load else 0
+        return (self.full, self.queued, running, -free, self.assigned_total, self.worker_id)
+
+
+class WorkerTable:
+    def __init__(self, missed_heartbeats: int = 3) -> None:
+        self.missed = missed_heartbeats
+        self._workers: dict[str, WorkerEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def get(self, worker_id: str) -> WorkerEntry | None:
+        return self._workers.get(worker_id)
+
+    def observe(self, beat: Heartbeat, now: float) -> None:
+        entry = self._workers.get(beat.instance_id)
+        if entry is None:
+            self._workers[beat.instance_id] = WorkerEntry(beat, now)
+            return
+        entry.beat, entry.last_seen, entry.pending = beat, now, 0
+
+    def expire(self, now: float) -> list[str]:
+        """Drop workers that missed too many heartbeats; returns their ids."""
+        dead = [w for w, e in self._workers.items() if now - e.last_seen > self.missed * e.beat.interval_s]
+        for w in dead:
+            del self._workers[w]
+        return dead
+
+    def remove(self, worker_id: str) -> bool:
+        return self._workers.pop(worker_id, None) is not None
+
+    def skip(self, worker_id: str, now: float) -> None:
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            entry.skip_until = now + 1.5 * entry.beat.interval_s
+
+    def candidates(self, model: str, now: float, exclude: set[str] = frozenset()) -> list[WorkerEntry]:
+        """Routable workers for `model`, best first (full ones last: their numbers may be stale)."""
+        ok = [e for e in self._workers.values()
+              if e.beat.model == model and e.beat.ready and not e.beat.draining
+              and e.worker_id not in exclude and e.skip_until <= now]
+        return sorted(ok, key=WorkerEntry.sort_key)
+
+    def assigned(self, worker_id: str) -> None:
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            entry.pending += 1
+            entry.assigned_total += 1
+
+    def snapshot(self) -> list[dict]:
+        return [{"worker_id": e.worker_id, "model": e.beat.model, "ready": e.beat.ready,
+                 "draining": e.beat.draining, "queued": e.queued, "pending": e.pending,
+                 "load": e.beat.load.model_dump() if e.beat.load else None} for e in self._workers.values()]

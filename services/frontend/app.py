@@ -1,0 +1,118 @@
+"""aiohttp app factory: routes, JSON error + auth + tracing middlewares, the bus service as cleanup_ctx."""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+from moebus.shared.errors import ServiceError
+from opentelemetry.trace import SpanKind, TracerProvider
+
+from .chat import chat_completions
+from .completions import completions
+from .config import FrontendConfig
+from .errors import APIError
+from .keys import CONFIG, FRONTEND
+from .openapi import openapi_document
+from .service import FrontendService
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_PUBLIC = ("/health", "/metrics", "/openapi.json")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    fe = request.app.get(FRONTEND)
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    started, status = time.monotonic(), 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except APIError as e:
+        status = e.status
+        return e.response()
+    except ServiceError as e:
+        err = APIError.from_service_error(e)
+        status = err.status
+        return err.response()
+    except web.HTTPException as e:  # aiohttp's own 404/405/413...
+        status = e.status
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+        return APIError(e.status, e.reason if e.status != 404 else f"Unknown route {request.path}",
+                        type=kind, code=code).response()
+    except Exception:
+        log.exception("unhandled error on %s", request.path)
+        return APIError(500, "internal server error", type="server_error", code="internal").response()
+    finally:
+        if fe is not None:
+            fe.m_http.labels(route, str(status)).inc()
+            fe.m_latency.labels(route).observe(time.monotonic() - started)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    keys = request.app[CONFIG].api_keys
+    if keys and request.path not in _PUBLIC:
+        auth = request.headers.get("Authorization", "")
+        given = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
+            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+    return await handler(request)
+
+
+@web.middleware
+async def tracing_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    fe = request.app.get(FRONTEND)
+    if fe is None:
+        return await handler(request)
+    # Continue the client's trace if it sent a traceparent; every bus hop below joins this span.
+    with fe.tracing.consume(f"{request.method} {request.path}", dict(request.headers), kind=SpanKind.SERVER):
+        return await handler(request)
+
+
+async def models(request: web.Request) -> web.Response:
+    names = request.app[CONFIG].models
+    return web.json_response({"object": "list", "data": [
+        {"id": m, "object": "model", "created": 0, "owned_by": "moebus"} for m in names]})
+
+
+async def health(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND]
+    ok = fe.bus.connected and not fe.draining
+    return web.json_response({"status": "ok" if ok else "unavailable", "instance_id": fe.instance_id,
+                              "nats_connected": fe.bus.connected, "inflight": len(fe.router)},
+                             status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND]
+    return web.Response(body=fe.metrics.render(), headers={"Content-Type": fe.metrics.content_type})
+
+
+async def openapi(_: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+def create_app(cfg: FrontendConfig, tracer_provider: TracerProvider | None = None) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware, tracing_middleware],
+                          client_max_size=64 * 1024 * 1024)
+    app[CONFIG] = cfg
+
+    async def bus_ctx(app: web.Application) -> AsyncIterator[None]:
+        async with FrontendService(cfg, tracer_provider=tracer_provider) as svc:
+            app[FRONTEND] = svc
+            yield
+
+    app.cleanup_ctx.append(bus_ctx)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+    return app

@@ -1,0 +1,81 @@
+"""Per-choice output state: text (from the worker, or detokenized via the tokenizer service),
+stop strings when the frontend detokenizes, logprobs, finish reason, token counts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moebus.shared.bus import Bus
+from moebus.shared.messages import DetokenizeReply, DetokenizeRequest, TokenChunk, TokenLogprob
+from moebus.shared.subjects import Subjects
+
+_CONTEXT = 6  # prompt tokens given to the detokenizer as left context
+
+
+@dataclass
+class Detok:
+    """Client half of the tokenizer service's stateless detokenization (window + offsets)."""
+
+    bus: Bus
+    subjects: Subjects
+    model: str
+    timeout: float
+    stop: list[str]
+    include_stop: bool
+    context: list[int] = field(default_factory=list)  # last prompt tokens: the first decode's left context
+    window: list[int] = field(default_factory=list)
+    read_offset: int = 0
+    held: str = ""
+
+    def __post_init__(self) -> None:
+        self.context = list(self.context[-_CONTEXT:])
+        if not self.window:
+            self.window, self.read_offset = list(self.context), len(self.context)
+
+    def fresh(self) -> Detok:
+        return Detok(self.bus, self.subjects, self.model, self.timeout, self.stop, self.include_stop, self.context)
+
+    async def push(self, token_ids: list[int], finished: bool) -> tuple[str, bool]:
+        self.window += token_ids
+        req = DetokenizeRequest(model=self.model, token_ids=self.window, read_offset=self.read_offset,
+                                held=self.held, stop=self.stop, include_stop=self.include_stop, finished=finished)
+        reply = await self.bus.request(self.subjects.tokenizer_detokenize, req, DetokenizeReply, self.timeout)
+        self.window = self.window[reply.prefix_offset:]
+        self.read_offset = reply.read_offset - reply.prefix_offset
+        self.held = reply.held
+        return reply.text, reply.stopped
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    detok: Detok
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    async def feed(self, chunk: TokenChunk) -> str:
+        """Take a chunk; returns the new text. Sets `finish_reason` when the choice ends."""
+        if self.finished:
+            return ""
+        self.num_tokens += len(chunk.token_ids)
+        self.num_prompt_tokens = chunk.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = chunk.num_cached_tokens or self.num_cached_tokens
+        if chunk.logprobs:
+            self.logprobs += chunk.logprobs
+        if chunk.text is not None:  # the worker's engine already detokenized (and applied stop strings)
+            delta, stopped = chunk.text, False
+        else:
+            delta, stopped = await self.detok.push(chunk.token_ids, chunk.finished)
+        self.text += delta
+        if stopped:
+            self.finish_reason = "stop"
+        elif chunk.finished:
+            self.finish_reason = chunk.finish_reason or "stop"
+        return delta

@@ -1,0 +1,85 @@
+"""Turn the chunk streams of one or more Generations into per-choice events for the handlers."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from moebus.shared.messages import TokenLogprob
+
+from .choice import ChoiceState
+from .generation import RESTART, Generation
+
+
+@dataclass(slots=True)
+class Delta:
+    choice: ChoiceState
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+@dataclass(slots=True)
+class Finish:
+    choice: ChoiceState
+
+
+@dataclass(slots=True)
+class Restart:
+    """A non-streamed generation starts over elsewhere: its choices were reset."""
+
+    gen_index: int
+
+
+Event = Delta | Finish | Restart
+
+
+async def _one(gen: Generation, choices: list[ChoiceState], gen_index: int) -> AsyncIterator[Event]:
+    async for item in gen.chunks():
+        if item is RESTART:
+            for i, c in enumerate(choices):
+                choices[i] = ChoiceState(c.index, c.detok.fresh())
+            yield Restart(gen_index)
+            continue
+        c = choices[item.index]
+        if c.finished:
+            continue
+        text = await c.feed(item)
+        yield Delta(c, text, item.logprobs or [])
+        if c.finished:
+            if not item.finished:
+                gen.finish_choice(item.index)  # a stop string the worker did not see
+            yield Finish(c)
+
+
+async def events(pairs: Sequence[tuple[Generation, list[ChoiceState]]]) -> AsyncIterator[Event]:
+    """Events of every generation, interleaved as they come (completions with several prompts)."""
+    if len(pairs) == 1:
+        async for ev in _one(*pairs[0], 0):
+            yield ev
+        return
+    out: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen: Generation, choices: list[ChoiceState]) -> None:
+        try:
+            async for ev in _one(gen, choices, i):
+                await out.put(ev)
+        except Exception as e:
+            await out.put(e)
+        finally:
+            await out.put(done)
+
+    tasks = [asyncio.create_task(pump(i, g, c)) for i, (g, c) in enumerate(pairs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            ev = await out.get()
+            if ev is done:
+                remaining -= 1
+            elif isinstance(ev, BaseException):
+                raise ev
+            else:
+                yield ev
+    finally:
+        for t in tasks:
+            t.cancel()

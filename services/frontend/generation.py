@@ -1,0 +1,109 @@
+"""One request's life at the frontend: route it, receive its chunks, retry it, abort it.
+
+Retries: a retryable failure (worker lost, worker draining, engine crash) reruns the request on
+another worker, excluding the ones that failed it, as long as no token reached the client: before
+the first token for streams, any time for non-streamed requests (their consumer gets `RESTART`
+and drops what it had). Chunks of an older attempt are ignored, so a late worker cannot
+interleave with its replacement.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from moebus.shared.errors import ErrorCode, ServiceError
+from moebus.shared.messages import AbortRequest, GenerateAccepted, GenerateRequest, TokenChunk
+
+if TYPE_CHECKING:
+    from .router import StreamRouter
+
+RESTART = object()  # yielded when a non-streamed request starts over on another worker
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    worker_id: str
+
+
+class Generation:
+    def __init__(self, router: StreamRouter, req: GenerateRequest, *, restartable: bool) -> None:
+        self.router, self.req, self.restartable = router, req, restartable
+        self.queue: asyncio.Queue[TokenChunk | Lost] = asyncio.Queue()
+        self.worker_id: str | None = None
+        self.open = set(range(req.params.n))  # choices the worker is still generating
+        self._got_tokens = False
+        self._cut = False  # the consumer ended a choice early: the worker must be told
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def done(self) -> bool:
+        return not self.open
+
+    async def start(self) -> None:
+        """Route the first attempt; raises the balancer's ServiceError (-> HTTP 4xx/5xx)."""
+        self.router.register(self)
+        try:
+            await self._route()
+        except BaseException:
+            self.router.unregister(self)
+            raise
+
+    async def _route(self) -> None:
+        cfg = self.router.cfg
+        accepted = await self.router.bus.request(self.router.subjects.balancer_route, self.req, GenerateAccepted,
+                                                 timeout=cfg.route_timeout_s)
+        self.worker_id = accepted.worker_id
+
+    async def chunks(self) -> AsyncIterator[TokenChunk | object]:
+        idle = self.router.cfg.stream_idle_timeout_s
+        while self.open:
+            try:
+                item = await asyncio.wait_for(self.queue.get(), idle)
+            except TimeoutError:
+                raise ServiceError(ErrorCode.TIMEOUT, f"no tokens for {idle:g}s from {self.worker_id}") from None
+            if isinstance(item, Lost):
+                if item.worker_id != self.worker_id:
+                    continue
+                err, retryable = ServiceError(ErrorCode.WORKER_LOST, f"worker {item.worker_id} was lost"), True
+            elif item.attempt != self.req.attempt or item.worker_id != self.worker_id:
+                continue  # from an abandoned attempt
+            elif item.error:
+                err, retryable = ServiceError(item.error, item.error_message or item.error), item.retryable
+            else:
+                self._got_tokens |= bool(item.token_ids)
+                if item.finished:
+                    self.open.discard(item.index)
+                yield item
+                continue
+            if not (retryable and self.req.attempt + 1 < self.router.cfg.max_attempts
+                    and (self.restartable or not self._got_tokens)):
+                raise err
+            if self._got_tokens:
+                yield RESTART
+            await self._retry()
+
+    async def _retry(self) -> None:
+        failed = self.worker_id
+        self.req = self.req.model_copy(update={
+            "attempt": self.req.attempt + 1, "exclude_workers": [*self.req.exclude_workers, failed]})
+        self.open, self._got_tokens, self.worker_id = set(range(self.req.params.n)), False, None
+        self.router.retries.inc()
+        await self._route()
+
+    def finish_choice(self, index: int) -> None:
+        """The consumer ended a choice early (a stop string it matched itself)."""
+        self.open.discard(index)
+        self._cut = True
+
+    async def close(self) -> None:
+        """Forget the request; if it is still running (client gone, stop string), abort it on its worker."""
+        self.router.unregister(self)
+        if (self.open or self._cut) and self.worker_id:
+            await self.router.bus.publish(self.router.subjects.worker_abort(self.worker_id),
+                                          AbortRequest(request_id=self.request_id))
+            self.router.aborts.inc()

@@ -1,0 +1,14 @@
+"""Typed application state keys."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from .config import FrontendConfig
+
+if TYPE_CHECKING:
+    from .service import FrontendService
+
+CONFIG: web.AppKey[FrontendConfig] = web.AppKey("config", FrontendConfig)
+FRONTEND: web.AppKey[FrontendService] = web.AppKey("frontend")

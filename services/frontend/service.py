@@ -1,0 +1,81 @@
+"""FrontendService: the bus side of the HTTP frontend (tokenizer client, stream router, limits)."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from moebus.shared.errors import ServiceError
+from moebus.shared.messages import RenderReply, RenderRequest, SamplingOptions
+from moebus.shared.service import Service
+
+from .choice import ChoiceState, Detok
+from .config import FrontendConfig
+from .errors import APIError
+from .generation import Generation
+from .router import StreamRouter
+
+
+class FrontendService(Service):
+    name = "frontend"
+
+    def __init__(self, cfg: FrontendConfig, **kw: Any) -> None:
+        super().__init__(cfg, **kw)
+        self.cfg: FrontendConfig = cfg
+        self.router: StreamRouter | None = None
+        m = self.metrics
+        self.m_http = m.counter("http_requests_total", "HTTP requests", ["route", "status"])
+        self.m_latency = m.histogram("http_request_seconds", "HTTP request latency", ["route"])
+        self.m_ttft = m.histogram("time_to_first_token_seconds", "Request start to first token")
+        self.m_tokens = m.counter("completion_tokens_total", "Completion tokens returned")
+        self.m_inflight = m.gauge("inflight_generations", "Generations in flight")
+
+    async def setup(self) -> None:
+        self.router = StreamRouter(self.bus, self.subjects, self.instance_id, self.cfg, self.metrics)
+        await self.router.start()
+
+    def stats(self) -> dict[str, Any]:
+        return {"inflight": len(self.router) if self.router else 0}
+
+    def check_model(self, model: str) -> None:
+        if model not in self.cfg.models:
+            raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+
+    async def render(self, req: RenderRequest) -> RenderReply:
+        try:
+            return await self.bus.request(self.subjects.tokenizer_render, req, RenderReply,
+                                          timeout=self.cfg.tokenizer_timeout_s)
+        except ServiceError as e:
+            raise APIError.from_service_error(e) from None
+
+    def choices(self, first_index: int, params: SamplingOptions, prompt_ids: list[int], model: str,
+                include_stop: bool = False) -> list[ChoiceState]:
+        def detok() -> Detok:
+            return Detok(self.bus, self.subjects, model, self.cfg.tokenizer_timeout_s, list(params.stop),
+                         include_stop, context=prompt_ids)
+
+        return [ChoiceState(first_index + i, detok()) for i in range(params.n)]
+
+    @asynccontextmanager
+    async def generation(self, model: str, prompt_ids: list[int], params: SamplingOptions, *,
+                         restartable: bool) -> AsyncIterator[Generation]:
+        """A routed generation, aborted on its worker if we leave early (client gone, error)."""
+        if len(self.router) >= self.cfg.max_inflight:
+            raise APIError(503, "too many requests in flight", type="service_unavailable", code="overloaded",
+                           retry_after=1)
+        if params.n > self.cfg.max_n:
+            raise APIError(400, f"n must be <= {self.cfg.max_n}", param="n")
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params, restartable=restartable)
+        try:
+            await gen.start()
+        except ServiceError as e:
+            raise APIError.from_service_error(e) from None
+        self.m_inflight.set(len(self.router))
+        try:
+            yield gen
+        finally:
+            await gen.close()
+            self.m_inflight.set(len(self.router))

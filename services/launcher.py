@@ -1,0 +1,203 @@
+"""Start the whole stack on one machine: a real nats-server plus every service as its own process.
+
+`up()` blocks until SIGINT/SIGTERM; `Stack` is the same thing as a context manager (tests use it
+to kill a worker process for real); `serve()` runs a single service in this process.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Self
+
+from moebus.shared.bus import Bus, BusConfig
+from moebus.shared.config_cli import to_cli_args
+from moebus.shared.errors import ServiceError
+from moebus.shared.messages import HealthReply
+from moebus.shared.nats_server import NatsServer
+from moebus.shared.service import Empty, ServiceConfig
+from moebus.shared.subjects import Subjects
+from moebus.shared.tracing import Tracing
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
+SERVICES = ("tokenizer", "balancer", "worker", "frontend")
+
+
+class StackConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    port: int = 8000
+    host: str = "0.0.0.0"
+    model: str = "smollm2"
+    served_model_name: str | None = None  # default: the model argument
+    workers: int = Field(1, ge=1)
+    nats_url: str | None = None  # use a running NATS instead of starting one
+    nats_port: int = 0  # 0: a free port
+    api_keys: list[str] = []
+    heartbeat_interval_s: float = 1.0
+    max_queued: int = 128
+    engine: dict[str, Any] = {}  # extra EngineConfig fields for every worker
+    frontend: dict[str, Any] = {}  # extra FrontendConfig fields
+    log_dir: str | None = None  # one <instance>.log per process; default: inherit stderr
+    ready_timeout_s: float = 600.0
+
+
+def _config_classes() -> dict[str, type[ServiceConfig]]:
+    from .balancer.config import BalancerConfig
+    from .frontend.config import FrontendConfig
+    from .tokenizer.config import TokenizerConfig
+    from .worker.config import WorkerConfig
+
+    return {"tokenizer": TokenizerConfig, "balancer": BalancerConfig, "worker": WorkerConfig,
+            "frontend": FrontendConfig}
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig) -> None:
+        self.cfg = cfg
+        self.nats: NatsServer | None = None
+        self.procs: dict[str, subprocess.Popen] = {}  # instance id -> process
+        self.services: dict[str, str] = {}  # instance id -> service name
+        self.nats_url = cfg.nats_url or ""
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else self.cfg.host
+        return f"http://{host}:{self.cfg.port}"
+
+    def service_configs(self) -> list[tuple[str, ServiceConfig]]:
+        c, classes = self.cfg, _config_classes()
+        name = c.served_model_name or c.model
+        common = {"nats_url": self.nats_url, "heartbeat_interval_s": c.heartbeat_interval_s}
+        out: list[tuple[str, ServiceConfig]] = [
+            ("tokenizer", classes["tokenizer"](instance_id="tokenizer-0", model=c.model, served_model_name=name,
+                                               **common)),
+            ("balancer", classes["balancer"](instance_id="balancer-0", **common)),
+        ]
+        for i in range(c.workers):
+            out.append(("worker", classes["worker"](instance_id=f"worker-{i}", model=c.model, served_model_name=name,
+                                                    max_queued=c.max_queued, engine=c.engine, **common)))
+        out.append(("frontend", classes["frontend"](instance_id="frontend-0", host=c.host, port=c.port,
+                                                    models=[name], **c.frontend, **common)))
+        return out
+
+    def start(self) -> Self:
+        if not self.cfg.nats_url:
+            log_file = str(Path(self.cfg.log_dir) / "nats.log") if self.cfg.log_dir else None
+            self.nats = NatsServer(port=self.cfg.nats_port, log_file=log_file).start()
+            self.nats_url = self.nats.url
+        env = dict(os.environ)
+        if self.cfg.api_keys:  # through the environment: keys stay out of `ps`
+            env["MOEBUS_API_KEYS"] = ",".join(self.cfg.api_keys)
+        for service, scfg in self.service_configs():
+            self.spawn(service, scfg, env)
+        return self
+
+    def spawn(self, service: str, scfg: ServiceConfig, env: dict[str, str] | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", f"moebus.services.{service}", *to_cli_args(scfg)]
+        out = None
+        if self.cfg.log_dir:
+            Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
+            out = open(Path(self.cfg.log_dir) / f"{scfg.instance_id}.log", "ab")  # noqa: SIM115
+        # Own session: Ctrl-C reaches only the launcher, which then stops everyone in order.
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                start_new_session=True)
+        self.procs[scfg.instance_id], self.services[scfg.instance_id] = proc, service
+        return proc
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        asyncio.run(self._wait_ready(timeout or self.cfg.ready_timeout_s))
+
+    async def _wait_ready(self, timeout: float) -> None:
+        bus = await Bus.connect(BusConfig(servers=[self.nats_url], name="launcher"), Tracing("launcher"))
+        subjects, pending = Subjects(), dict(self.services)
+        deadline = time.monotonic() + timeout
+        try:
+            while pending:
+                for instance, service in list(pending.items()):
+                    code = self.procs[instance].poll()
+                    if code is not None:
+                        raise RuntimeError(f"{instance} exited with code {code} before it was ready")
+                    try:
+                        await bus.request(subjects.ready(service, instance), Empty(), HealthReply, timeout=0.5)
+                        del pending[instance]
+                    except ServiceError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    raise TimeoutError(f"not ready after {timeout:g}s: {sorted(pending)}")
+                if pending:
+                    await asyncio.sleep(0.2)
+        finally:
+            await bus.drain()
+
+    def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
+        self.procs[instance_id].send_signal(sig)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        # Frontends first (no new work), then the rest; each drains on SIGTERM.
+        order = sorted(self.procs, key=lambda i: SERVICES.index(self.services[i]), reverse=True)
+        for instance in order:
+            if self.procs[instance].poll() is None:
+                self.procs[instance].terminate()
+        deadline = time.monotonic() + timeout
+        for instance in order:
+            proc = self.procs[instance]
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.nats is not None:
+            self.nats.stop()
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
+    """Run the stack until SIGINT/SIGTERM (or until one of its processes dies)."""
+    cfg = StackConfig(port=port, model=model, **opts)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    stack = Stack(cfg)
+    try:
+        stack.start()
+        stack.wait_ready()
+        print(f"moebus up: {stack.url}/v1 (model {cfg.served_model_name or model}, {cfg.workers} worker(s), "
+              f"NATS {stack.nats_url})", flush=True)
+        while not stop.wait(0.5):
+            dead = [i for i, p in stack.procs.items() if p.poll() is not None]
+            if dead:
+                print(f"moebus: {', '.join(dead)} exited; shutting down", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        stack.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def serve(service: str, nats_url: str, **opts: Any) -> None:
+    """Run one service in this process until SIGINT/SIGTERM."""
+    if service not in SERVICES:
+        raise ValueError(f"unknown service {service!r}; one of {SERVICES}")
+    cfg = _config_classes()[service](nats_url=nats_url, **opts)
+    main = importlib.import_module(f"moebus.services.{service}.__main__")
+    main.main(to_cli_args(cfg))

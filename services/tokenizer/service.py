@@ -1,0 +1,84 @@
+"""TokenizerService: queue-grouped `render` and `detokenize` endpoints over NATS."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from moebus.shared.errors import ErrorCode, ServiceError
+from moebus.shared.messages import DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
+from moebus.shared.service import Service
+from moebus.shared.subjects import Queues
+from moebus.shared.toy_model import TOY_MODEL, ToyTokenizer
+from nats.aio.msg import Msg
+
+from .config import TokenizerConfig
+from .detok import decode_step
+from .stops import apply_stops
+
+_INLINE_CHARS = 8192  # longer prompts are encoded off the event loop
+
+
+def load_tokenizer(model: str) -> Any:
+    if model == TOY_MODEL:
+        return ToyTokenizer()
+    from moebus.engine.tokenizer import load_tokenizer as engine_load  # torch-side import, only here
+
+    return engine_load(model)
+
+
+class TokenizerService(Service):
+    name = "tokenizer"
+
+    def __init__(self, cfg: TokenizerConfig, tokenizer: Any = None, **kw: Any) -> None:
+        super().__init__(cfg, **kw)
+        self.cfg: TokenizerConfig = cfg
+        self.served_model = cfg.served_model_name or cfg.model
+        self.tok = tokenizer
+        self._skip: frozenset[int] = frozenset()
+        self._renders = self.metrics.counter("renders_total", "Prompts rendered")
+        self._prompt_tokens = self.metrics.counter("prompt_tokens_total", "Prompt tokens encoded")
+
+    @property
+    def ready(self) -> bool:
+        return self.tok is not None
+
+    def model(self) -> str | None:
+        return self.served_model
+
+    async def setup(self) -> None:
+        if self.tok is None:
+            self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.model)
+        specials = getattr(self.tok, "all_special_ids", None) or self.tok.eos_token_ids
+        self._skip = frozenset(specials)
+        s = self.subjects
+        await self.bus.subscribe(s.tokenizer_render, RenderRequest, self.render, queue=Queues.TOKENIZER,
+                                 endpoint="render")
+        await self.bus.subscribe(s.tokenizer_detokenize, DetokenizeRequest, self.detokenize,
+                                 queue=Queues.TOKENIZER, endpoint="detokenize")
+
+    def _check_model(self, model: str) -> None:
+        if model != self.served_model:
+            raise ServiceError(ErrorCode.NOT_FOUND, f"tokenizer serves {self.served_model!r}, not {model!r}",
+                               param="model")
+
+    async def render(self, req: RenderRequest, _: Msg) -> RenderReply:
+        self._check_model(req.model)
+        if req.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            try:
+                text = self.tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            except Exception as e:  # template errors (e.g. bad role order) are the client's
+                raise ServiceError(ErrorCode.BAD_REQUEST, f"chat template: {e}", param="messages") from e
+        else:
+            text = req.prompt or ""
+        ids = await asyncio.to_thread(self.tok.encode, text) if len(text) > _INLINE_CHARS else self.tok.encode(text)
+        self._renders.inc()
+        self._prompt_tokens.inc(len(ids))
+        return RenderReply(prompt_token_ids=ids, prompt_text=text, eos_token_ids=list(self.tok.eos_token_ids))
+
+    async def detokenize(self, req: DetokenizeRequest, _: Msg) -> DetokenizeReply:
+        self._check_model(req.model)
+        delta, prefix, read = decode_step(self.tok, req.token_ids, req.read_offset, self._skip, req.finished)
+        text, held, stopped = apply_stops(req.held, delta, req.stop, include_stop=req.include_stop,
+                                          finished=req.finished)
+        return DetokenizeReply(text=text, held=held, prefix_offset=prefix, read_offset=read, stopped=stopped)

@@ -1,0 +1,34 @@
+"""Engine RequestOutput -> wire TokenChunk (text, logprobs with token strings)."""
+from __future__ import annotations
+
+from typing import Any
+
+from moebus.shared.messages import GenerateRequest, TokenChunk, TokenLogprob, TopLogprob
+
+
+def chunk_from_output(out: Any, req: GenerateRequest, worker_id: str, index: int, seq: int,
+                      tok: Any) -> TokenChunk:
+    logprobs = None
+    if out.logprobs is not None and req.params.logprobs is not None:
+        logprobs = [_logprob(t, lp, req.params.logprobs, tok) for t, lp in zip(out.new_token_ids, out.logprobs,
+                                                                              strict=False)]
+    return TokenChunk(
+        request_id=req.request_id, worker_id=worker_id, attempt=req.attempt, index=index, seq=seq,
+        token_ids=list(out.new_token_ids), text=getattr(out, "new_text", None), logprobs=logprobs,
+        finished=bool(out.finished), finish_reason=out.finish_reason if out.finished else None,
+        num_prompt_tokens=int(out.num_prompt_tokens or 0), num_cached_tokens=int(out.num_cached_tokens or 0),
+    )
+
+
+def _logprob(token_id: int, by_id: dict[int, float], top_n: int, tok: Any) -> TokenLogprob:
+    ranked = sorted(by_id.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+    chosen = by_id.get(token_id, ranked[0][1] if ranked else 0.0)
+    return TokenLogprob(token_id=token_id, token=_text(tok, token_id), logprob=float(chosen),
+                        top=[TopLogprob(token_id=t, token=_text(tok, t), logprob=float(lp)) for t, lp in ranked])
+
+
+def _text(tok: Any, token_id: int) -> str:
+    try:
+        return tok.decode([token_id], skip_special_tokens=False)
+    except TypeError:  # tokenizers without the keyword (the toy one)
+        return tok.decode([token_id])

@@ -1,0 +1,159 @@
+"""NATS connection wrapper: typed publish/request/subscribe with trace headers and typed errors.
+
+Every publish and request carries the current W3C trace context; every handler runs inside a span
+parented on the sender's. Handlers return a Message (sent as the reply) or raise ServiceError
+(sent as error headers). nats-py runs one subscription's callbacks one at a time, so handlers that
+await other services are spawned as tasks (`concurrent=True`) to keep one slow request from
+blocking the subject.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
+from typing import TypeVar
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from pydantic import BaseModel, ValidationError
+
+from .codec import Message
+from .errors import ErrorCode, NoResponders, RequestTimeout, ServiceError
+from .metrics import Metrics
+from .tracing import Tracing
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+Handler = Callable[[M, Msg], Awaitable[Message | None]]
+
+
+class BusConfig(BaseModel):
+    servers: list[str] = ["nats://127.0.0.1:4222"]
+    name: str = "moebus"
+    connect_timeout_s: int = 5
+    reconnect_time_wait_s: float = 0.5
+    max_reconnect_attempts: int = -1  # forever: a NATS restart must not kill our services
+    ping_interval_s: int = 10
+    drain_timeout_s: int = 10
+
+
+class Bus:
+    def __init__(self, nc: NATS, tracing: Tracing, metrics: Metrics | None = None) -> None:
+        self.nc = nc
+        self.tracing = tracing
+        self.metrics = metrics
+        self._tasks: set[asyncio.Task] = set()
+        self.closing = False
+
+    @classmethod
+    async def connect(cls, cfg: BusConfig, tracing: Tracing, metrics: Metrics | None = None) -> Bus:
+        bus: Bus | None = None
+
+        async def on_error(e: Exception) -> None:
+            log.log(logging.INFO if bus and bus.closing else logging.WARNING, "nats error (%s): %s", cfg.name, e)
+
+        async def on_disconnect() -> None:
+            log.log(logging.INFO if bus and bus.closing else logging.WARNING, "nats disconnected (%s)", cfg.name)
+
+        async def on_reconnect() -> None:
+            log.info("nats reconnected (%s)", cfg.name)
+
+        nc = await nats.connect(
+            cfg.servers, name=cfg.name, connect_timeout=cfg.connect_timeout_s,
+            reconnect_time_wait=cfg.reconnect_time_wait_s, max_reconnect_attempts=cfg.max_reconnect_attempts,
+            ping_interval=cfg.ping_interval_s, drain_timeout=cfg.drain_timeout_s,
+            error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+        )
+        bus = cls(nc, tracing, metrics)
+        return bus
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    async def publish(self, subject: str, msg: Message | bytes, headers: dict[str, str] | None = None) -> None:
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        await self.nc.publish(subject, data, headers=self.tracing.inject(headers))
+
+    async def request(self, subject: str, msg: Message | bytes, reply_type: type[M], timeout: float,
+                      headers: dict[str, str] | None = None) -> M:
+        """Request/reply; raises NoResponders, RequestTimeout, or the ServiceError the handler raised."""
+        data = msg if isinstance(msg, bytes) else msg.encode()
+        try:
+            reply = await self.nc.request(subject, data, timeout=timeout, headers=self.tracing.inject(headers))
+        except nats.errors.NoRespondersError:
+            raise NoResponders(subject) from None
+        except nats.errors.TimeoutError:
+            raise RequestTimeout(subject, timeout) from None
+        err = ServiceError.from_headers(reply.headers)
+        if err is not None:
+            raise err
+        return reply_type.decode(reply.data)
+
+    async def subscribe(self, subject: str, request_type: type[M], handler: Handler, *, queue: str = "",
+                        concurrent: bool = True, endpoint: str | None = None, traced: bool = True) -> Subscription:
+        """`traced=False` for high-volume streams (token chunks), where a span per message is noise."""
+        name = endpoint or subject
+
+        async def run(msg: Msg) -> None:
+            with self.tracing.consume(name, msg.headers) if traced else nullcontext():
+                started, outcome = time.perf_counter(), "ok"
+                try:
+                    reply = await handler(request_type.decode(msg.data), msg)
+                    if msg.reply and reply is not None:
+                        await self.nc.publish(msg.reply, reply.encode(), headers=self.tracing.inject())
+                except Exception as e:  # every failure becomes a typed reply, never a silent timeout
+                    outcome = "error"
+                    await self._reply_error(msg, _as_service_error(e, name))
+                finally:
+                    if self.metrics:
+                        self.metrics.bus_messages.labels(name, outcome).inc()
+                        self.metrics.bus_handler_seconds.labels(name).observe(time.perf_counter() - started)
+
+        async def callback(msg: Msg) -> None:
+            if not concurrent:
+                await run(msg)
+                return
+            task = asyncio.create_task(run(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=callback)
+
+    async def _reply_error(self, msg: Msg, err: ServiceError) -> None:
+        if msg.reply and self.nc.is_connected:
+            try:
+                await self.nc.publish(msg.reply, b"", headers=self.tracing.inject(err.to_headers()))
+            except Exception:  # connection going away: the caller will time out instead
+                log.debug("could not send error reply", exc_info=True)
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Let in-flight handlers finish (they may still publish), then drain and close."""
+        self.closing = True
+        if self.nc.is_closed:
+            return
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+        try:
+            if self.nc.is_connected:  # draining needs the server; without it just close
+                await self.nc.drain()
+        except Exception:
+            log.debug("drain failed", exc_info=True)
+        for t in list(self._tasks):
+            t.cancel()
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+
+def _as_service_error(e: Exception, endpoint: str) -> ServiceError:
+    if isinstance(e, ServiceError):
+        return e
+    if isinstance(e, ValidationError | ValueError):
+        return ServiceError(ErrorCode.BAD_REQUEST, str(e))
+    log.exception("handler %s failed", endpoint)
+    return ServiceError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")

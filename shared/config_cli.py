@@ -1,0 +1,55 @@
+"""Map a pydantic config model onto argparse flags (``--field-name``), and back."""
+from __future__ import annotations
+
+import argparse
+import json
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import BaseModel
+
+
+def add_model_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """One flag per field; lists are comma-separated, dicts are JSON, bools take true/false."""
+    for name, field in model.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, default=None, metavar=name.upper(),
+                            help=f"{field.description or ''} (default: {field.default!r})".strip())
+
+
+def model_from_args(model: type[BaseModel], args: argparse.Namespace, **overrides: Any) -> BaseModel:
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        raw = getattr(args, name, None)
+        if raw is not None:
+            values[name] = _parse(raw, field.annotation)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return model.model_validate(values)
+
+
+def _parse(raw: str, annotation: Any) -> Any:
+    union = get_origin(annotation) in (Union, UnionType)
+    kinds = {get_origin(a) or a for a in (get_args(annotation) if union else (annotation,))}
+    if list in kinds:
+        return [x.strip() for x in raw.split(",") if x.strip()]
+    if dict in kinds:
+        return json.loads(raw)
+    if bool in kinds:
+        return raw.lower() in ("1", "true", "yes", "on")
+    return raw  # pydantic coerces numbers and literals
+
+
+def to_cli_args(cfg: BaseModel) -> list[str]:
+    """The flags that rebuild `cfg` in a child process (only fields that differ from defaults)."""
+    out: list[str] = []
+    for name, value in cfg.model_dump(exclude_defaults=True).items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = ",".join(map(str, value))
+        elif isinstance(value, dict):
+            value = json.dumps(value)
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        out += ["--" + name.replace("_", "-"), str(value)]
+    return out

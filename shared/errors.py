@@ -1,0 +1,87 @@
+"""Typed errors that cross the bus as reply headers (body stays empty), and back into exceptions.
+
+A handler raises `ServiceError`; the bus turns it into ``Moebus-Error*`` headers on the reply; the
+caller's `Bus.request` raises it again. Transport failures are distinct classes: `NoResponders`
+(nobody subscribed: fail fast, try another instance) is not `RequestTimeout` (someone may be
+working on it: do not blindly retry a non-idempotent request).
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+
+ERROR_HEADER = "Moebus-Error"
+MESSAGE_HEADER = "Moebus-Error-Message"
+PARAM_HEADER = "Moebus-Error-Param"
+RETRY_AFTER_HEADER = "Moebus-Retry-After"
+
+
+class ErrorCode(StrEnum):
+    BAD_REQUEST = "bad_request"
+    NOT_FOUND = "not_found"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    OVERLOADED = "overloaded"  # queues full: come back later (HTTP 429)
+    UNAVAILABLE = "unavailable"  # nobody can serve right now (HTTP 503)
+    NO_RESPONDERS = "no_responders"
+    TIMEOUT = "timeout"
+    WORKER_LOST = "worker_lost"
+    INTERNAL = "internal"
+
+
+class ServiceError(Exception):
+    """An error a service reports on purpose; `retryable` means another instance may succeed."""
+
+    def __init__(
+        self,
+        code: ErrorCode | str,
+        message: str = "",
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+        self.message = message or self.code.value
+        self.param = param
+        self.retry_after = retry_after
+        super().__init__(f"{self.code}: {self.message}")
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in (ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE, ErrorCode.NO_RESPONDERS,
+                             ErrorCode.WORKER_LOST)
+
+    def to_headers(self) -> dict[str, str]:
+        # Header values are single lines on the wire.
+        headers = {ERROR_HEADER: self.code.value, MESSAGE_HEADER: _one_line(self.message)}
+        if self.param:
+            headers[PARAM_HEADER] = self.param
+        if self.retry_after is not None:
+            headers[RETRY_AFTER_HEADER] = f"{self.retry_after:g}"
+        return headers
+
+    @classmethod
+    def from_headers(cls, headers: dict[str, str] | None) -> ServiceError | None:
+        if not headers or ERROR_HEADER not in headers:
+            return None
+        retry = headers.get(RETRY_AFTER_HEADER)
+        return cls(
+            headers[ERROR_HEADER],
+            headers.get(MESSAGE_HEADER, ""),
+            param=headers.get(PARAM_HEADER),
+            retry_after=float(retry) if retry else None,
+        )
+
+
+class NoResponders(ServiceError):
+    def __init__(self, subject: str) -> None:
+        super().__init__(ErrorCode.NO_RESPONDERS, f"no responders on {subject}")
+        self.subject = subject
+
+
+class RequestTimeout(ServiceError):
+    def __init__(self, subject: str, timeout: float) -> None:
+        super().__init__(ErrorCode.TIMEOUT, f"no reply on {subject} within {timeout:g}s")
+        self.subject = subject
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:1000]

@@ -1,0 +1,36 @@
+"""Control plane: heartbeats (with load, watched by the balancer), health and lifecycle events."""
+from __future__ import annotations
+
+from ..codec import Message
+
+
+class Load(Message):
+    num_running: int = 0
+    num_waiting: int = 0  # queued in the engine plus accepted but not yet handed to it
+    max_waiting: int = 0  # admission limit; beyond it the worker answers "overloaded"
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+
+
+class Heartbeat(Message):
+    service: str
+    instance_id: str
+    ts: float
+    interval_s: float
+    ready: bool = True
+    draining: bool = False  # going away: route nothing new here
+    model: str | None = None
+    load: Load | None = None
+
+
+class HealthReply(Message):
+    service: str
+    instance_id: str
+    status: str = "ok"  # "ok" | "draining"
+    ready: bool = False
+    uptime_s: float = 0.0
+
+
+class WorkerLost(Message):
+    worker_id: str
+    reason: str = "missed heartbeats"

@@ -1,0 +1,101 @@
+"""Generation traffic: frontend -> balancer -> worker, and the token stream back.
+
+Designed for a later prefill/decode split: `stage` says which part a worker runs and
+`kv_transfer` carries where a decode worker pulls the prompt's KV blocks from. Today every
+request is ``stage="aggregated"`` (one worker does both).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from ..codec import Message
+
+
+class StructuredOptions(Message):
+    """Exactly one constraint (validated by the engine's StructuredOutputParams)."""
+
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+
+
+class SamplingOptions(Message):
+    """Wire mirror of engine.sampling.SamplingParams (same names, same defaults)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    structured: StructuredOptions | None = None
+
+
+class GenerateRequest(Message):
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: SamplingOptions = SamplingOptions()
+    reply_to: str  # subject that receives this request's TokenChunks
+    attempt: int = 0  # bumped on every retry; chunks of older attempts are dropped
+    stage: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    kv_transfer: dict | None = None  # reserved for the prefill/decode split
+    exclude_workers: list[str] = []  # balancer skips these (e.g. the worker that just died)
+
+
+class GenerateAccepted(Message):
+    request_id: str
+    worker_id: str
+    attempt: int = 0
+
+
+class TopLogprob(Message):
+    token_id: int
+    token: str = ""
+    logprob: float
+
+
+class TokenLogprob(Message):
+    token_id: int
+    token: str = ""  # the token's own text (may be a partial UTF-8 character: U+FFFD)
+    logprob: float
+    top: list[TopLogprob] = []  # best first
+
+
+class TokenChunk(Message):
+    """New tokens of one choice of one request (a worker sends one per engine step)."""
+
+    request_id: str
+    worker_id: str
+    attempt: int = 0
+    index: int = 0  # choice index, for n > 1
+    seq: int = 0  # per-choice sequence number, to spot gaps
+    token_ids: list[int] = []
+    # Text of these tokens when the worker's engine detokenizes (stop strings already applied);
+    # None: the frontend detokenizes through the tokenizer service.
+    text: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # A failure of the whole request; `retryable` means another worker may run it from scratch.
+    error: str | None = None
+    error_message: str | None = None
+    retryable: bool = False
+
+
+class AbortRequest(Message):
+    request_id: str
+    reason: str = "client"

@@ -1,0 +1,58 @@
+"""Tokenizer service messages: prompt rendering and stateless incremental detokenization."""
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from ..codec import Message
+
+
+class ChatMessage(Message):
+    role: str
+    content: str | None = None
+    name: str | None = None
+
+
+class RenderRequest(Message):
+    """Either chat `messages` (rendered through the chat template) or a raw `prompt`."""
+
+    model: str
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> RenderRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of messages or prompt")
+        return self
+
+
+class RenderReply(Message):
+    prompt_token_ids: list[int]
+    prompt_text: str | None = None
+    eos_token_ids: list[int] = []
+
+
+class DetokenizeRequest(Message):
+    """One step of incremental detokenization; the caller keeps the (small) state.
+
+    `token_ids` is the caller's window: ids from its prefix offset on; the first `read_offset` of
+    them were already turned into text (they give the decoder its left context). `held` is text
+    withheld because it may be the start of a stop string.
+    """
+
+    model: str
+    token_ids: list[int]
+    read_offset: int = 0
+    held: str = ""
+    stop: list[str] = []
+    include_stop: bool = False
+    finished: bool = False  # last step: release whatever is held
+
+
+class DetokenizeReply(Message):
+    text: str = ""  # released to the client
+    held: str = ""
+    prefix_offset: int = 0  # new offsets, relative to the request's window
+    read_offset: int = 0
+    stopped: bool = False  # a stop string matched: the choice is finished

@@ -1,0 +1,191 @@
+"""Service base: an async context manager that owns the bus connection and the control plane.
+
+Every service answers ``health``/``ready`` (service-wide and per instance) and ``stats`` (per
+instance) over NATS, publishes a heartbeat (with its load) every `heartbeat_interval_s`, and can
+serve ``/healthz`` ``/readyz`` ``/metrics`` over HTTP for Kubernetes probes. Shutdown order: mark
+draining (a last heartbeat tells watchers), `teardown()` (the subclass finishes its work), drain.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Coroutine
+from typing import Any, ClassVar, Self
+
+from nats.aio.msg import Msg
+from opentelemetry.trace import TracerProvider
+from pydantic import BaseModel, ConfigDict
+
+from .bus import Bus, BusConfig
+from .codec import Message
+from .errors import ErrorCode, ServiceError
+from .messages import HealthReply, Heartbeat, Load
+from .metrics import Metrics
+from .subjects import Subjects, check_token
+from .tracing import Tracing
+
+log = logging.getLogger(__name__)
+
+
+class ServiceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    nats_url: str = "nats://127.0.0.1:4222"  # comma-separated list for a cluster
+    instance_id: str | None = None  # default: <service>-<random>
+    subject_prefix: str = "moebus.v1"
+    heartbeat_interval_s: float = 1.0
+    http_port: int | None = None  # probes + /metrics; None: off
+    http_host: str = "0.0.0.0"
+    drain_timeout_s: float = 10.0
+
+
+class Empty(Message):
+    pass
+
+
+class Stats(Message):
+    service: str
+    instance_id: str
+    stats: dict[str, Any] = {}
+
+
+class Service:
+    name: ClassVar[str] = "service"
+
+    def __init__(self, cfg: ServiceConfig, tracer_provider: TracerProvider | None = None) -> None:
+        self.cfg = cfg
+        self.instance_id = check_token(cfg.instance_id or f"{self.name}-{uuid.uuid4().hex[:8]}")
+        self.subjects = Subjects(cfg.subject_prefix)
+        self.tracing = Tracing(self.name, tracer_provider)
+        self.metrics = Metrics(self.name)
+        self.draining = False
+        self._bus: Bus | None = None
+        self._started = time.monotonic()
+        self._tasks: set[asyncio.Task] = set()
+        self._probes = None
+        self._closed = False
+
+    # ---- hooks for subclasses -------------------------------------------------------------
+    async def setup(self) -> None:
+        """Subscribe endpoints, start background work."""
+
+    async def teardown(self) -> None:
+        """Stop taking work and finish (or hand back) what is in flight; the bus is still up."""
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    @property
+    def healthy(self) -> bool:
+        return True
+
+    def load(self) -> Load | None:
+        return None
+
+    def model(self) -> str | None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def bus(self) -> Bus:
+        if self._bus is None:
+            raise RuntimeError(f"{self.name} is not started")
+        return self._bus
+
+    async def __aenter__(self) -> Self:
+        servers = [s.strip() for s in self.cfg.nats_url.split(",") if s.strip()]
+        self._bus = await Bus.connect(BusConfig(servers=servers, name=self.instance_id), self.tracing, self.metrics)
+        try:
+            await self._subscribe_control()
+            await self.setup()
+            self.spawn(self._heartbeat_loop())
+            if self.cfg.http_port is not None:
+                from .probes import start_probe_server  # aiohttp only where probes are on
+
+                self._probes = await start_probe_server(self, self.cfg.http_host, self.cfg.http_port)
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.draining = True
+        try:
+            if self.bus.connected:
+                await self.publish_heartbeat()
+            await self.teardown()
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.bus.drain(self.cfg.drain_timeout_s)
+            if self._probes is not None:
+                await self._probes.cleanup()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """A background task that lives until shutdown; its crash is logged, not swallowed silently."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s background task failed", self.instance_id, exc_info=task.exception())
+
+    # ---- control plane ---------------------------------------------------------------------
+    def health_reply(self) -> HealthReply:
+        return HealthReply(service=self.name, instance_id=self.instance_id,
+                           status="draining" if self.draining else "ok",
+                           ready=self.ready and not self.draining, uptime_s=time.monotonic() - self._started)
+
+    async def _subscribe_control(self) -> None:
+        s, n, i = self.subjects, self.name, self.instance_id
+
+        async def health(_: Empty, __: Msg) -> HealthReply:
+            if not self.healthy:
+                raise ServiceError(ErrorCode.UNAVAILABLE, f"{i} is unhealthy")
+            return self.health_reply()
+
+        async def ready(_: Empty, __: Msg) -> HealthReply:
+            reply = self.health_reply()
+            if not reply.ready:
+                raise ServiceError(ErrorCode.UNAVAILABLE, f"{i} is not ready")
+            return reply
+
+        async def stats(_: Empty, __: Msg) -> Stats:
+            return Stats(service=n, instance_id=i, stats=self.stats())
+
+        for subject, handler in ((s.health(n), health), (s.health(n, i), health),
+                                 (s.ready(n), ready), (s.ready(n, i), ready), (s.stats(n, i), stats)):
+            await self.bus.subscribe(subject, Empty, handler, concurrent=False, endpoint=subject.split(".")[-1])
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(service=self.name, instance_id=self.instance_id, ts=time.time(),
+                         interval_s=self.cfg.heartbeat_interval_s, ready=self.ready and self.healthy,
+                         draining=self.draining, model=self.model(), load=self.load())
+
+    async def publish_heartbeat(self) -> None:
+        await self.bus.publish(self.subjects.heartbeat(self.name, self.instance_id), self.heartbeat())
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                if self.bus.connected:
+                    await self.publish_heartbeat()
+            except Exception:  # a missed beat is survivable; a dead loop is not
+                log.warning("heartbeat failed", exc_info=True)
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)

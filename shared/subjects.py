@@ -1,0 +1,88 @@
+"""Every NATS subject and queue group the services use, in one place.
+
+Layout: ``moebus.v1.<service>.<endpoint>[.<instance_id>[.<request_id>]]``: lowercase dotted
+tokens, ids only in the last positions, wildcards only on subscribe.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[a-z0-9_-]+$")
+
+
+def check_token(value: str) -> str:
+    """Ids become subject tokens: no dots, spaces, wildcards or upper case."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"not a valid subject token: {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subject builder; `prefix` lets tests or tenants isolate themselves on one server."""
+
+    prefix: str = "moebus.v1"
+
+    def _s(self, *tokens: str) -> str:
+        return ".".join((self.prefix, *tokens))
+
+    # Per-service control plane (every Service answers these).
+    def health(self, service: str, instance_id: str | None = None) -> str:
+        return self._s(service, "health", instance_id) if instance_id else self._s(service, "health")
+
+    def ready(self, service: str, instance_id: str | None = None) -> str:
+        return self._s(service, "ready", instance_id) if instance_id else self._s(service, "ready")
+
+    def stats(self, service: str, instance_id: str) -> str:
+        return self._s(service, "stats", instance_id)
+
+    def heartbeat(self, service: str, instance_id: str) -> str:
+        return self._s(service, "heartbeat", instance_id)
+
+    def heartbeat_all(self, service: str) -> str:
+        return self._s(service, "heartbeat", "*")
+
+    # Tokenizer: stateless, load-balanced by queue group.
+    @property
+    def tokenizer_render(self) -> str:
+        return self._s("tokenizer", "render")
+
+    @property
+    def tokenizer_detokenize(self) -> str:
+        return self._s("tokenizer", "detokenize")
+
+    # Balancer: stateless router (each replica keeps its own heartbeat table).
+    @property
+    def balancer_route(self) -> str:
+        return self._s("balancer", "route")
+
+    @property
+    def balancer_worker_lost(self) -> str:
+        return self._s("balancer", "worker_lost")
+
+    # Worker: routed work goes to one instance.
+    def worker_generate(self, instance_id: str) -> str:
+        return self._s("worker", "generate", instance_id)
+
+    def worker_abort(self, instance_id: str) -> str:
+        return self._s("worker", "abort", instance_id)
+
+    @property
+    def worker_abort_all(self) -> str:
+        """Abort broadcast, for a request whose worker the sender does not know."""
+        return self._s("worker", "abort")
+
+    # Frontend: per-request token streams (one wildcard subscription per frontend).
+    def frontend_stream(self, instance_id: str, request_id: str) -> str:
+        return self._s("frontend", "stream", instance_id, request_id)
+
+    def frontend_stream_all(self, instance_id: str) -> str:
+        return self._s("frontend", "stream", instance_id, "*")
+
+
+class Queues:
+    """Queue groups of stateless endpoints: one member of the group gets each message."""
+
+    TOKENIZER = "tokenizer"
+    BALANCER = "balancer"

@@ -1,0 +1,137 @@
+"""A torch-free stand-in for the engine and its tokenizer (model name "toy").
+
+It follows the same contracts as moebus.engine (LLMEngine.add_request/abort_request/step/stats,
+the tokenizer's encode/decode/apply_chat_template/detokenizer), so the whole service stack can
+run and be tested in milliseconds without weights. Byte-level vocabulary (id = byte + 3), so
+multi-byte characters span tokens like in real BPE. It "generates" a fixed sentence, then EOS.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+TOY_MODEL = "toy"
+PAD, BOS, EOS = 0, 1, 2
+_OFFSET = 3
+TOY_REPLY = "Hello from the toy model. Ünïcode: 日本語 ok! The end."
+TOY_JSON = '{"toy": true}'
+
+
+class ToyTokenizer:
+    eos_token_ids = [EOS]
+    all_special_ids = [PAD, BOS, EOS]
+    vocab_size = 256 + _OFFSET
+
+    def encode(self, text: str) -> list[int]:
+        return [b + _OFFSET for b in text.encode()]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - _OFFSET for i in ids if i >= _OFFSET).decode(errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages)
+        return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+    def detokenizer(self, prompt_ids: list[int]) -> ToyDetokenizer:
+        return ToyDetokenizer(self)
+
+
+class ToyDetokenizer:
+    def __init__(self, tok: ToyTokenizer) -> None:
+        self._tok, self._ids, self._emitted = tok, [], 0
+
+    def push(self, new_ids: list[int]) -> str:
+        self._ids += new_ids
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+            return ""
+        delta, self._emitted = text[self._emitted:], len(text)
+        return delta
+
+
+@dataclass
+class ToyEngineConfig:
+    step_delay_s: float = 0.005  # simulated forward pass time per step
+    max_num_seqs: int = 8
+    block_size: int = 16
+    num_blocks: int = 256
+
+
+@dataclass
+class _Req:
+    request_id: str
+    prompt: list[int]
+    params: Any
+    reply: list[int]
+    out: list[int] = field(default_factory=list)
+    blocks: int = 0
+
+
+@dataclass
+class ToyOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+
+
+class ToyEngine:
+    def __init__(self, cfg: ToyEngineConfig | None = None) -> None:
+        self.cfg = cfg or ToyEngineConfig()
+        self.tokenizer = ToyTokenizer()
+        self._waiting: deque[_Req] = deque()
+        self._running: dict[str, _Req] = {}
+        self._free = self.cfg.num_blocks
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        structured = getattr(params, "structured", None)
+        reply = TOY_JSON if structured is not None else TOY_REPLY
+        self._waiting.append(_Req(request_id, list(prompt_token_ids), params, self.tokenizer.encode(reply)))
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._running.pop(request_id, None)
+        if req is not None:
+            self._free += req.blocks
+        self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def stats(self) -> dict[str, int]:
+        return {"num_running": len(self._running), "num_waiting": len(self._waiting),
+                "kv_blocks_free": self._free, "kv_blocks_total": self.cfg.num_blocks}
+
+    def _blocks(self, req: _Req) -> int:
+        return math.ceil((len(req.prompt) + len(req.reply) + 1) / self.cfg.block_size)
+
+    def step(self) -> list[ToyOutput]:
+        while self._waiting and len(self._running) < self.cfg.max_num_seqs:
+            need = self._blocks(self._waiting[0])
+            if need > self._free:
+                break
+            req = self._waiting.popleft()
+            req.blocks, self._free = need, self._free - need
+            self._running[req.request_id] = req
+        if self.cfg.step_delay_s:
+            time.sleep(self.cfg.step_delay_s)
+        outputs = []
+        for req in list(self._running.values()):
+            pos = len(req.out)
+            token = req.reply[pos] if pos < len(req.reply) else EOS
+            req.out.append(token)
+            max_tokens = req.params.max_tokens
+            reason = "stop" if token == EOS else "length" if max_tokens and len(req.out) >= max_tokens else None
+            lp = None
+            if req.params.logprobs is not None:
+                lp = [{token: -0.25, **{t: -1.0 - k for k, t in enumerate(range(3, 3 + req.params.logprobs))
+                                        if t != token}}]
+            outputs.append(ToyOutput(req.request_id, [token], reason is not None, reason, len(req.prompt), 0, lp))
+            if reason is not None:
+                self.abort_request(req.request_id)
+        return outputs
