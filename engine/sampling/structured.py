@@ -139,7 +139,9 @@ class StructuredOutputCompiler:
                     raise ValueError(f"invalid json_schema: not valid JSON ({e})") from e
             if not isinstance(schema, dict | bool):
                 raise ValueError("invalid json_schema: must be a JSON object")
-            return "json_schema", json.dumps(schema, sort_keys=True)
+            # Re-dumped (whitespace-normalized) but NOT key-sorted: property order is the
+            # order xgrammar generates them in, so it is part of the grammar.
+            return "json_schema", json.dumps(schema)
         if params.json_object:
             return "json_object", ""
         if params.regex is not None:

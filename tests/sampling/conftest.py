@@ -21,3 +21,15 @@ def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread_torch():
+    # These tensors are small: one intra-op thread is faster and immune to a loaded CI box
+    # (2 threads under contention made a 49k-element op ~10x slower).
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
