@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,23 +83,26 @@ class StructuredOutputCompiler:
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=self.config.max_threads)
         self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.config.max_threads)
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._lock = threading.Lock()  # the API layer may compile from worker threads
 
     def compile(self, params: StructuredOutputParams) -> Grammar:
         """Raises ValueError for an invalid schema / regex (the API maps it to HTTP 400)."""
         kind, source = self._key(params)
         key = (kind, source)
-        if (hit := self._cache.get(key)) is not None:
-            self._cache.move_to_end(key)
-            return hit
+        with self._lock:
+            if (hit := self._cache.get(key)) is not None:
+                self._cache.move_to_end(key)
+                return hit
         try:
             compiled = self._compile(kind, source)
         except RuntimeError as e:  # xgrammar reports every parse / conversion error this way
             raise ValueError(f"invalid {kind}: {_clean(e)}") from e
         grammar = Grammar(kind=kind, compiled=compiled)
         if self.config.cache_size:
-            self._cache[key] = grammar
-            if len(self._cache) > self.config.cache_size:
-                self._cache.popitem(last=False)
+            with self._lock:
+                self._cache[key] = grammar
+                if len(self._cache) > self.config.cache_size:
+                    self._cache.popitem(last=False)
         return grammar
 
     def new_state(
@@ -124,10 +128,11 @@ class StructuredOutputCompiler:
     def allowed_mask(
         self, states: Sequence[GrammarState | None], device: torch.device | str = "cpu"
     ) -> Tensor | None:
-        """`[B, V]` bool mask for SamplingBatch.build, or None when no row is structured."""
+        """`[B, V]` bool mask on `device` for SamplingBatch.build, or None when no row is
+        structured. The packed bitmask (32x smaller) is what crosses to the device."""
         if all(s is None for s in states):
             return None
-        return bitmask_to_bool(self.fill_bitmask(states), self.vocab_size).to(device)
+        return bitmask_to_bool(self.fill_bitmask(states).to(device, non_blocking=True), self.vocab_size)
 
     def _key(self, params: StructuredOutputParams) -> tuple[str, str]:
         if params.json_schema is not None:
@@ -221,6 +226,7 @@ class GrammarState:
         the last (bonus position), for `rejection_sample`'s per-position allowed mask. The
         state is restored afterwards. Positions past a draft the grammar rejects are left
         all-allowed: verification stops at that draft anyway."""
+        bitmask[start_row : start_row + len(draft_token_ids) + 1] = -1  # all bits set: allowed
         accepted = 0
         for j in range(len(draft_token_ids) + 1):
             if self.is_terminated():

@@ -261,3 +261,11 @@ def test_build_validates_shapes() -> None:
         build([SamplingParams()], allowed_token_mask=torch.ones(1, V + 1, dtype=torch.bool))
     with pytest.raises(ValueError):
         Sampler()(torch.randn(2, V), build([SamplingParams()]))
+
+
+def test_logprobs_zero_gives_only_the_sampled_token() -> None:
+    logits = torch.randn(2, V)
+    out = Sampler()(logits, build([SamplingParams(logprobs=0, temperature=0.0)] * 2))
+    assert out.logprobs.topk_ids.shape == (2, 0)
+    assert (out.logprobs.sampled_ranks == 1).all()
+    torch.testing.assert_close(out.logprobs.sampled_logprobs, logits.log_softmax(1).amax(1))

@@ -195,3 +195,11 @@ def assert_chi_square(counts: torch.Tensor, probs: torch.Tensor) -> None:
     stat = float((((counts.double() - expected) ** 2) / expected)[keep].sum())
     df = int(keep.sum()) - 1
     assert stat < df + 5 * math.sqrt(2 * df), (stat, df)
+
+
+def test_spec_decode_stats() -> None:
+    stats = SpecDecodeStats()
+    stats.observe([3, 0, 2], [[1, 2, 3, 4], [5], [6]])  # 3 of 3 accepted, no draft, 0 of 2
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted) == (2, 5, 3)
+    assert stats.acceptance_rate == 0.6
+    assert SpecDecodeStats().acceptance_rate == 0.0
