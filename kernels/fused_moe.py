@@ -26,23 +26,22 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
     _check(x, w13, w2, topk_weights, topk_ids)
-    k = topk_ids.shape[1]
+    t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1).to(torch.long)
     order = torch.argsort(flat_ids, stable=True)  # assignment indices grouped by expert
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
     token = order // k
-    weight = topk_weights.reshape(-1)[order].float()
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    y = x.new_empty(t * k, x.shape[1])  # per assignment, in expert-sorted order
     start = 0
     for e, n in enumerate(counts):  # one pair of GEMMs per expert that has tokens
         if n == 0:
             continue
-        idx = token[start:start + n]
-        h = silu_and_mul_ref(x[idx] @ w13[e].t(), limit=swiglu_limit)
-        y = (h @ w2[e].t()).float() * weight[start:start + n, None]
-        out.index_add_(0, idx, y)
+        h = silu_and_mul_ref(x[token[start:start + n]] @ w13[e].t(), limit=swiglu_limit)
+        torch.matmul(h, w2[e].t(), out=y[start:start + n])
         start += n
-    return out.to(x.dtype)
+    # Unsort with a gather (index_add_ scatters row by row on CPU), then combine the k slots.
+    y = y[torch.argsort(order)].view(t, k, -1).float()
+    return torch.einsum("tk,tkd->td", topk_weights.float(), y).to(x.dtype)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int,
@@ -128,7 +127,8 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, align: tupl
         a, b, c, weights if weights is not None else c, sorted_ids, expert_ids, num_padded,
         n, k, c.shape[0], a_row_div, a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, MUL_WEIGHT=weights is not None,
-        UPCAST=upcast_dots(a.dtype, b.dtype), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        UPCAST=upcast_dots(a.dtype, b.dtype),
+        PRECISION="ieee" if a.dtype == torch.float32 else None,  # exact fp32, like torch's default
     )
 
 

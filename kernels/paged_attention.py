@@ -27,6 +27,15 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     return b, hq, hkv, d, v_cache.shape[3], bs
 
 
+def _gather_heads_major(cache: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
+    """cache[phys] as float32 [n, Hkv, n_blk * bs, Dx]: the permute and upcast share one copy."""
+    n, n_blk = phys.shape
+    _, bs, hkv, dx = cache.shape
+    out = torch.empty(n, hkv, n_blk * bs, dx, dtype=torch.float32, device=cache.device)
+    out.view(n, hkv, n_blk, bs, dx).copy_(cache[phys].permute(0, 3, 1, 2, 4))
+    return out
+
+
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                sliding_window: int | None = None,
@@ -51,10 +60,10 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     chunk = max(1, _REF_CHUNK_ELEMS // (n_blk * bs * hkv * (d + dv)))
     for s in range(0, b, chunk):  # batch chunks bound memory; everything inside is batched
         e = min(s + chunk, b)
-        k = k_cache[phys[s:e]].reshape(e - s, n_blk * bs, hkv, d).float()
-        v = v_cache[phys[s:e]].reshape(e - s, n_blk * bs, hkv, dv).float()
+        k = _gather_heads_major(k_cache, phys[s:e])  # [n, Hkv, L, D] float32
+        v = _gather_heads_major(v_cache, phys[s:e])
         qg = q[s:e].float().view(e - s, hkv, g, d)
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [n, Hkv, G, L]
         scores.masked_fill_(~valid[s:e, None, None, :], float("-inf"))
         m = scores.amax(dim=-1, keepdim=True)
         if sink is not None:
@@ -64,24 +73,28 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         denom = p.sum(dim=-1, keepdim=True)
         if sink is not None:
             denom = denom + torch.exp(sink - m)
-        o = torch.einsum("bhgl,blhd->bhgd", p, v) / denom.masked_fill(denom == 0, 1.0)
+        o = torch.matmul(p, v) / denom.masked_fill(denom == 0, 1.0)
         out[s:e] = o.reshape(e - s, hq, dv).to(q.dtype)
     return out
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, sinks_ptr, out_ptr, scale, window,
+    q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, sinks_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, scale, window,
     group, head_dim, v_dim, block_size,
     stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
     stride_btb, stride_ob, stride_oh,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # Program (b, kv head): the G query heads sharing a kv head form the M dim of tl.dot (padded
-    # to 16), so each K/V page is read once per group. Online softmax over pages.
+    # Program (b, kv head, split): the G query heads sharing a kv head form the M dim of tl.dot
+    # (padded to 16), so K/V is read once per group. A tile is BLOCK_N consecutive positions,
+    # which may span pages. Split s takes the s-th share of the visible tiles (flash decoding):
+    # with NUM_SPLITS > 1 it writes unnormalized partials that _combine_splits merges.
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(sl_ptr + b)
     g = tl.arange(0, BLOCK_G)
     g_mask = g < group
@@ -104,11 +117,14 @@ def _paged_decode_kernel(
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(seq_len - window, 0)
-    for blk in range(start // block_size, tl.cdiv(seq_len, block_size)):
-        phys = tl.load(bt_ptr + b * stride_btb + blk).to(tl.int64)
-        pos = blk * block_size + n
-        valid = (n < block_size) & (pos < seq_len) & (pos >= start)
-        k = tl.load(k_ptr + phys * stride_kn + n[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+    n_tiles = tl.cdiv(seq_len - start, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    for tile in range(split * per_split, tl.minimum((split + 1) * per_split, n_tiles)):
+        pos = start + tile * BLOCK_N + n
+        valid = pos < seq_len
+        phys = tl.load(bt_ptr + b * stride_btb + pos // block_size, mask=valid, other=0).to(tl.int64)
+        slot = (pos % block_size)[:, None]
+        k = tl.load(k_ptr + phys[:, None] * stride_kn + slot * stride_ks + kvh * stride_kh + d[None, :],
                     mask=valid[:, None] & (d < head_dim)[None, :], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -116,40 +132,83 @@ def _paged_decode_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + phys * stride_vn + n[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+        v = tl.load(v_ptr + phys[:, None] * stride_vn + slot * stride_vs + kvh * stride_vh + dv[None, :],
                     mask=valid[:, None] & (dv < v_dim)[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (dv < v_dim)[None, :])
+    o_mask = g_mask[:, None] & (dv < v_dim)[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:  # partials are contiguous [B, Hq, NUM_SPLITS, (Dv)]
+        row = (b * group * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(acc_ptr + row[:, None] * v_dim + dv[None, :], acc, mask=o_mask)
+        tl.store(m_ptr + row, m_i, mask=g_mask)
+        tl.store(l_ptr + row, l_i, mask=g_mask)
+
+
+def _combine_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor,  # noqa: E741
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """Merge per-split softmax partials acc [B, Hq, S, Dv], m / l [B, Hq, S]; sinks join here."""
+    m_max = m.amax(dim=-1)
+    if sinks is not None:
+        m_max = torch.maximum(m_max, sinks.float()[None])
+    w = torch.exp(m - m_max[..., None])
+    denom = (l * w).sum(dim=-1)
+    if sinks is not None:
+        denom = denom + torch.exp(sinks.float()[None] - m_max)
+    return (acc * w[..., None]).sum(dim=2) / denom.masked_fill(denom == 0, 1.0)[..., None]
+
+
+def _auto_splits(q: torch.Tensor, programs: int, max_tiles: int) -> int:
+    """Enough splits to fill the GPU (~2 programs per SM) while keeping >= 4 tiles per split."""
+    if not q.is_cuda:
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_tiles, 4)))
 
 
 def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  sliding_window: int | None = None,
-                                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+                                  sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                                  *, block_n: int = 64, num_splits: int | None = None) -> torch.Tensor:
     b, hq, hkv, d, dv, bs = _check(q, k_cache, v_cache, block_tables, seq_lens, sinks)
     check_launchable(q, k_cache, v_cache, block_tables, seq_lens)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous()
-    assert k_cache.dtype == v_cache.dtype
+    assert k_cache.dtype == v_cache.dtype and block_n >= 16 and block_n == next_pow2(block_n)
     if sinks is not None:
         assert sinks.is_contiguous() and sinks.device == q.device
     out = torch.empty(b, hq, dv, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     g = hq // hkv
-    _paged_decode_kernel[(b, hkv)](
-        q, k_cache, v_cache, block_tables, seq_lens, sinks if sinks is not None else q, out,
+    # Host-side bound on visible positions (no sync on seq_lens): the table's capacity, or W.
+    capacity = block_tables.shape[1] * bs
+    max_ctx = capacity if sliding_window is None else min(capacity, sliding_window)
+    splits = num_splits or _auto_splits(q, b * hkv, triton.cdiv(max_ctx, block_n))
+    acc = m = l = out  # noqa: E741  (placeholders, unused when splits == 1)
+    if splits > 1:
+        acc = torch.empty(b, hq, splits, dv, dtype=torch.float32, device=q.device)
+        m = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)  # noqa: E741
+    _paged_decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, sinks if sinks is not None else q, out, acc, m, l,
         float(scale), int(sliding_window or 0), g, d, dv, bs,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_G=max(16, next_pow2(g)), BLOCK_D=max(16, next_pow2(d)), BLOCK_DV=max(16, next_pow2(dv)),
-        BLOCK_N=max(16, next_pow2(bs)), HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        UPCAST=upcast_dots(q.dtype, k_cache.dtype), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_N=block_n, NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None and splits == 1, UPCAST=upcast_dots(q.dtype, k_cache.dtype),
+        # fp32 models get exact fp32 dots, like torch's default (no TF32)
+        PRECISION="ieee" if q.dtype == torch.float32 else None,
     )
+    if splits > 1:
+        out.copy_(_combine_splits(acc, m, l, sinks))
     return out
 
 

@@ -50,7 +50,7 @@ def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, head_dim, half,
                    stride_xt, stride_xh, stride_ct,
-                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PASS: tl.constexpr):
     # Program (t, hb): BLOCK_H heads of token t; cos/sin are loaded once and shared by the heads.
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -68,10 +68,10 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads, head_dim, half,
     x2f = x2.to(tl.float32)
     tl.store(o_row + r[None, :], (x1f * cos - x2f * sin).to(x1.dtype), mask=m)
     tl.store(o_row + half + r[None, :], (x2f * cos + x1f * sin).to(x1.dtype), mask=m)
-    # Partial rotary: copy channels [2*half, head_dim) unchanged.
-    d = 2 * half + tl.arange(0, BLOCK_D)
-    pm = h_mask & (d < head_dim)[None, :]
-    tl.store(o_row + d[None, :], tl.load(x_row + d[None, :], mask=pm, other=0.0), mask=pm)
+    if HAS_PASS:  # partial rotary: channels [2*half, head_dim) are copied unchanged
+        d = 2 * half + tl.arange(0, BLOCK_D)
+        pm = h_mask & (d < head_dim)[None, :]
+        tl.store(o_row + d[None, :], tl.load(x_row + d[None, :], mask=pm, other=0.0), mask=pm)
 
 
 def _rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
@@ -84,7 +84,7 @@ def _rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: 
     pass_dim = d - 2 * half
     _rotary_kernel[(t, triton.cdiv(h, block_h))](
         x, cos, sin, out, h, d, half, x.stride(0), x.stride(1), cos.stride(0),
-        BLOCK_H=block_h, BLOCK_R=next_pow2(half), BLOCK_D=next_pow2(max(pass_dim, 1)),
+        BLOCK_H=block_h, BLOCK_R=next_pow2(half), BLOCK_D=next_pow2(max(pass_dim, 1)), HAS_PASS=pass_dim > 0,
     )
     return out
 

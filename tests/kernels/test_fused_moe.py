@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from moebus.kernels import fused_moe, fused_moe_ref, fused_moe_triton, moe_align
+
+# bf16: both paths round each GEMM output and the activation to bf16 (3 roundings per value).
+TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (4e-2, 4e-2)}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# (T, D, I, E, k): single token (most experts empty), odd D / I (2^k + 17), top-1..4.
+CASES = [(1, 64, 32, 4, 2), (17, 81, 48, 8, 2), (33, 64, 81, 6, 4), (17, 145, 64, 3, 1)]
+
+
+def make_inputs(case, dtype, device="cpu"):
+    t, d, i, e, k = case
+    x = torch.randn(t, d, dtype=dtype, device=device)
+    w13 = (torch.randn(e, 2 * i, d, device=device) * d ** -0.5).to(dtype)
+    w2 = (torch.randn(e, d, i, device=device) * i ** -0.5).to(dtype)
+    topk_ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32).to(device)
+    topk_weights = torch.softmax(torch.randn(t, k, device=device), -1)
+    return x, w13, w2, topk_weights, topk_ids
+
+
+def naive_moe(x, w13, w2, topk_weights, topk_ids, limit=None):
+    t, d = x.shape
+    inter = w2.shape[-1]
+    out = torch.zeros(t, d, dtype=torch.float64)
+    for tok in range(t):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[tok, j])
+            h = w13[e].double() @ x[tok].double()
+            gate, up = h[:inter], h[inter:]
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            out[tok] += topk_weights[tok, j].double() * (w2[e].double() @ (gate * torch.sigmoid(gate) * up))
+    return out
+
+
+@DTYPES
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_ref_matches_fp64(case, dtype, limit, close):
+    x, w13, w2, tw, ids = make_inputs(case, dtype)
+    out = fused_moe_ref(x, w13, w2, tw, ids, swiglu_limit=limit)
+    assert out.shape == x.shape and out.dtype == dtype
+    close(out, naive_moe(x, w13, w2, tw, ids, limit), *TOL[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("limit", [None, 0.5])
+@pytest.mark.parametrize("block_m", [16, None])  # None: the launcher's own choice (64 for T*k > 4E)
+def test_triton_matches_ref(case, dtype, limit, block_m, triton_device, close):
+    x, w13, w2, tw, ids = make_inputs(case, dtype, triton_device)
+    out = fused_moe_triton(x, w13, w2, tw, ids, swiglu_limit=limit, block_m=block_m)
+    assert out.shape == x.shape and out.dtype == dtype
+    close(out, fused_moe_ref(x, w13, w2, tw, ids, swiglu_limit=limit), *TOL[dtype])
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("t,k,e", [(1, 2, 8), (33, 4, 6), (17, 1, 3)])
+def test_moe_align(t, k, e, block_m):
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32)
+    sorted_ids, expert_ids, num_padded = moe_align(ids, e, block_m)
+    n = t * k
+    flat = ids.reshape(-1)
+    total = int(num_padded)
+    assert sorted_ids.numel() % block_m == 0 and expert_ids.numel() == sorted_ids.numel() // block_m
+    assert total % block_m == 0 and total <= sorted_ids.numel()
+    assert (sorted_ids[total:] == n).all() and (expert_ids[total // block_m:] == -1).all()
+    real = sorted_ids[:total][sorted_ids[:total] < n]
+    assert sorted(real.tolist()) == list(range(n))  # every assignment exactly once
+    for blk in range(total // block_m):  # each block holds one expert's assignments, in order
+        ids_blk = sorted_ids[blk * block_m:(blk + 1) * block_m]
+        ids_blk = ids_blk[ids_blk < n]
+        assert (flat[ids_blk.long()] == expert_ids[blk]).all()
+        assert ids_blk.tolist() == sorted(ids_blk.tolist())
+    counts = torch.bincount(flat, minlength=e)
+    assert total == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+def test_dispatch_cpu_uses_reference():
+    x, w13, w2, tw, ids = make_inputs((17, 81, 48, 8, 2), torch.bfloat16)
+    assert torch.equal(fused_moe(x, w13, w2, tw, ids, swiglu_limit=0.5), fused_moe_ref(x, w13, w2, tw, ids, 0.5))
+    assert torch.equal(fused_moe(x, w13, w2, tw, ids.long()), fused_moe_ref(x, w13, w2, tw, ids))
