@@ -5,6 +5,8 @@ Without triton the `@triton.jit` kernels stay plain Python functions that are ne
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 try:
@@ -17,7 +19,7 @@ except ImportError:  # CPU-only install
 
     class _TritonStub:
         @staticmethod
-        def jit(fn=None, **_kwargs):
+        def jit(fn: Callable | None = None, **_kwargs: object) -> Callable:
             return fn if fn is not None else (lambda f: f)
 
     class _LanguageStub:

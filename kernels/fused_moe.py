@@ -40,7 +40,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         torch.matmul(h, w2[e].t(), out=y[start:start + n])
         start += n
     # Unsort with a gather (index_add_ scatters row by row on CPU), then combine the k slots.
-    y = y[torch.argsort(order)].view(t, k, -1).float()
+    y = y[torch.argsort(order)].view(t, k, x.shape[1]).float()
     return torch.einsum("tk,tkd->td", topk_weights.float(), y).to(x.dtype)
 
 

@@ -5,7 +5,7 @@ i.e. when triton and the kernel modules are imported, so TRITON_INTERPRET=1 must
 anything imports triton. Run alone, tests/kernels sets it here. In a whole-suite run another test
 directory has usually imported moebus.kernels (hence triton) first; then the Triton tests are
 delegated to one child pytest with TRITON_INTERPRET=1 and their outcomes reported here.
-Set MOEBUS_KERNEL_ERRLOG=path to append every comparison's max abs error to that file.
+Set MOEBUS_KERNEL_ERRLOG=path to append each comparison's max abs error and max |expected| there.
 """
 from __future__ import annotations
 
@@ -107,8 +107,9 @@ def close(request: pytest.FixtureRequest) -> Callable[..., None]:
         log = os.environ.get("MOEBUS_KERNEL_ERRLOG")
         if log:
             err = (a - e).abs().max().item() if a.numel() and a.shape == e.shape else float("nan")
+            scale = e.abs().max().item() if e.numel() else 0.0
             with open(log, "a") as f:
-                f.write(f"{request.node.nodeid}\t{err:.3e}\n")
+                f.write(f"{request.node.nodeid}\t{err:.3e}\t{scale:.3e}\n")
         torch.testing.assert_close(a, e, atol=atol, rtol=rtol)
 
     return check

@@ -82,3 +82,5 @@ def test_dispatch_cpu_uses_reference():
     x, w13, w2, tw, ids = make_inputs((17, 81, 48, 8, 2), torch.bfloat16)
     assert torch.equal(fused_moe(x, w13, w2, tw, ids, swiglu_limit=0.5), fused_moe_ref(x, w13, w2, tw, ids, 0.5))
     assert torch.equal(fused_moe(x, w13, w2, tw, ids.long()), fused_moe_ref(x, w13, w2, tw, ids))
+    empty = fused_moe(x[:0], w13, w2, tw[:0], ids[:0])
+    assert empty.shape == (0, x.shape[1])
