@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from moebus.kernels import paged_attention_decode
 
 

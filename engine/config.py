@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from moebus.engine.scheduler import SchedulerConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

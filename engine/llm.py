@@ -4,10 +4,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from tqdm import tqdm
+
 from moebus.engine.config import EngineConfig
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.sampling import SamplingParams
-from tqdm import tqdm
 
 
 @dataclass(slots=True)

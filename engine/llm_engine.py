@@ -11,11 +11,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from moebus.engine.block_manager import BlockManager
 from moebus.engine.config import EngineConfig
 from moebus.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from moebus.engine.model_runner import (
     PLACEHOLDER,
+    ModelInput,
     ModelRunner,
     StepResult,
     allocate_kv_caches,
@@ -135,9 +137,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        masks = self._grammar_masks(sched)
+        inp = self.runner.prepare(sched, self._grammar_masks(sched))
         self._advance(sched, placeholders=False)
-        return self._postprocess(sched, self._timed_execute(sched, masks))
+        return self._postprocess(sched, self._timed_execute(inp))
 
     # --- internals -------------------------------------------------------------------------
     def _step_async(self) -> list[RequestOutput]:
@@ -145,9 +147,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         launched = None
         if sched.scheduled:
-            masks = self._grammar_masks(sched)
+            inp = self.runner.prepare(sched, self._grammar_masks(sched))
             self._advance(sched, placeholders=True)
-            launched = (sched, self._executor.submit(self._timed_execute, sched, masks))
+            launched = (sched, self._executor.submit(self._timed_execute, inp))
         prev, self._inflight = self._inflight, launched
         if prev is None:
             return []
@@ -164,9 +166,10 @@ class LLMEngine:
             if s.sample and placeholders:
                 r.output_token_ids.append(PLACEHOLDER)
 
-    def _timed_execute(self, sched: SchedulerOutput, masks: torch.Tensor | None) -> StepResult:
+    def _timed_execute(self, inp: ModelInput) -> StepResult:
+        sched = inp.sched
         t0 = time.perf_counter()
-        res = self.runner.execute(sched, masks)
+        res = self.runner.execute(inp)
         self.stats_.steps += 1
         self.stats_.tokens_computed += sched.num_tokens
         self.stats_.step_seconds.append(time.perf_counter() - t0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.batch_invariant import make_batch_invariant, tiled
 from moebus.engine.request import Request
@@ -21,6 +22,22 @@ class StepResult:
     tokens: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
     num_accepted_drafts: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """One step's batch, built on the host before launch."""
+
+    sched: SchedulerOutput
+    token_ids: list[int]
+    pending: list[tuple[int, str]]
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]  # flattened token index whose logits we need
+    sample_owner: list[int]  # scheduled entry each sampled row belongs to
+    grammar_masks: torch.Tensor | None
+    outputs: list[list[int]]  # output tokens of each sampling request, at launch
+    drafts: list[list[int]]  # draft tokens of each sampling request, at launch
 
 
 def allocate_kv_caches(specs: list[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -50,33 +67,33 @@ class ModelRunner:
         self.last_sampled: dict[str, int] = {}  # request id -> token sampled by the latest step
 
     def _token(self, req: Request, i: int) -> int:
-        if i >= req.num_tokens:
-            return req.draft_token_ids[i - req.num_tokens]
-        tid = req.token_at(i)
-        return self.last_sampled[req.request_id] if tid == PLACEHOLDER else tid
+        return req.draft_token_ids[i - req.num_tokens] if i >= req.num_tokens else req.token_at(i)
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, grammar_masks: torch.Tensor | None = None) -> StepResult:
+    def prepare(self, sched: SchedulerOutput, grammar_masks: torch.Tensor | None = None) -> ModelInput:
+        """Host-side batch building, on the scheduling thread: it snapshots everything the scheduler
+        may change while the step runs (block tables, token lists)."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        sample_rows: list[int] = []  # flattened token index whose logits we need
-        sample_owner: list[int] = []  # which scheduled entry each sampled row belongs to
+        sample_rows: list[int] = []
+        sample_owner: list[int] = []
+        pending: list[tuple[int, str]] = []  # (flat index, request id) of tokens the previous step produces
         bs = self.block_size
         for j, s in enumerate(sched.scheduled):
             r = s.request
-            start = s.start
-            for p in range(start, start + s.num_tokens):
-                ids.append(self._token(r, p))
+            for p in range(s.start, s.start + s.num_tokens):
+                tid = self._token(r, p)
+                if tid == PLACEHOLDER:
+                    pending.append((len(ids), r.request_id))
+                ids.append(tid)
                 pos.append(p)
                 slots.append(r.block_ids[p // bs] * bs + p % bs)
             qsl.append(len(ids))
-            seq_lens.append(start + s.num_tokens)
+            seq_lens.append(s.start + s.num_tokens)
             if s.sample:  # reaches the end of the known tokens: sample (1 + drafts) positions
-                first = qsl[-1] - 1 - s.num_draft
-                sample_rows.extend(range(first, qsl[-1]))
+                sample_rows.extend(range(qsl[-1] - 1 - s.num_draft, qsl[-1]))
                 sample_owner.extend([j] * (1 + s.num_draft))
         max_blocks = max(len(s.request.block_ids) for s in sched.scheduled)
         tables = torch.zeros(len(sched.scheduled), max_blocks, dtype=torch.int32)
@@ -86,24 +103,36 @@ class ModelRunner:
         meta = AttentionMetadata(qsl, seq_lens, torch.tensor(slots, dtype=torch.long, device=dev),
                                  tables.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), bs,
                                  batch_invariant=self.batch_invariant)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, self.kv_caches)
-        result = StepResult([[] for _ in sched.scheduled], [None] * len(sched.scheduled),
-                            [0] * len(sched.scheduled))
-        if not sample_rows:
+        sampled = sorted(set(sample_owner))
+        return ModelInput(sched, ids, pending, torch.tensor(pos, device=dev), meta, sample_rows, sample_owner,
+                          grammar_masks, [list(sched.scheduled[j].request.output_token_ids) for j in sampled],
+                          [list(sched.scheduled[j].request.draft_token_ids) for j in sampled])
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput) -> StepResult:
+        sched, dev = inp.sched, self.device
+        ids = list(inp.token_ids)
+        for k, rid in inp.pending:
+            # A request finished (and forgotten) while this step was queued reads 0: its output is dropped.
+            ids[k] = self.last_sampled.get(rid, 0)
+        hidden = self.model(torch.tensor(ids, device=dev), inp.positions, inp.meta, self.kv_caches)
+        n = len(sched.scheduled)
+        result = StepResult([[] for _ in range(n)], [None] * n, [0] * n)
+        if not inp.sample_rows:
             return result
-        rows = hidden[torch.tensor(sample_rows, device=dev)]
+        rows = hidden[torch.tensor(inp.sample_rows, device=dev)]
         logits = tiled(self.model.compute_logits, rows) if self.batch_invariant else self.model.compute_logits(rows)
-        self._sample(sched, logits, sample_owner, grammar_masks, result)
+        self._sample(inp, logits, result)
         for j, toks in enumerate(result.tokens):
             if toks:
                 self.last_sampled[sched.scheduled[j].request.request_id] = toks[-1]
         return result
 
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, owner: list[int],
-                grammar_masks: torch.Tensor | None, result: StepResult) -> None:
+    def _sample(self, inp: ModelInput, logits: torch.Tensor, result: StepResult) -> None:
+        sched, owner, grammar_masks = inp.sched, inp.sample_owner, inp.grammar_masks
         entries = sorted(set(owner))
         reqs = [sched.scheduled[j].request for j in entries]
-        outs = [self._known_outputs(r) for r in reqs]
+        outs = [self._known_outputs(r.request_id, o) for r, o in zip(reqs, inp.outputs, strict=True)]
         batch = SamplingBatch.build([r.params for r in reqs], outs, [r.prompt_token_ids for r in reqs],
                                     [r.generator for r in reqs], logits.shape[-1], logits.device,
                                     allowed_token_mask=grammar_masks, eos_token_id=self.eos_token_ids)
@@ -124,20 +153,19 @@ class ModelRunner:
         for k, j in enumerate(entries):
             nd = sched.scheduled[j].num_draft
             target[k, : nd + 1] = logits[row: row + nd + 1]
-            drafts[k, :nd] = torch.tensor(reqs[k].draft_token_ids[:nd], dtype=torch.long)
+            drafts[k, :nd] = torch.tensor(inp.drafts[k][:nd], dtype=torch.long)
             row += nd + 1
         accepted = rejection_sample(target, drafts, [sched.scheduled[j].num_draft for j in entries], batch)
         for k, j in enumerate(entries):
             result.tokens[j] = list(accepted[k])
             result.num_accepted_drafts[j] = len(accepted[k]) - 1
 
-    def _known_outputs(self, r: Request) -> list[int]:
+    def _known_outputs(self, request_id: str, out: list[int]) -> list[int]:
         """Output tokens as penalties see them: the trailing placeholder is the token being sampled now;
         an earlier one (async scheduling) is the previous step's sample."""
-        out = list(r.output_token_ids)
         if out and out[-1] == PLACEHOLDER:
-            out.pop()
-        return [self.last_sampled[r.request_id] if t == PLACEHOLDER else t for t in out]
+            out = out[:-1]
+        return [self.last_sampled.get(request_id, 0) if t == PLACEHOLDER else t for t in out]
 
     def forget(self, request_id: str) -> None:
         self.last_sampled.pop(request_id, None)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from moebus.engine.sampling import SamplingParams
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from moebus.engine.sampling import StructuredOutputParams
 
 if TYPE_CHECKING:

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from moebus.engine.loader.gguf_file import GGUFCheckpoint, embedded_gguf_path, string_list
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from moebus.engine.loader.gguf_file import GGUFCheckpoint, embedded_gguf_path, string_list
 
 _CONTROL = 3  # llama.cpp token type for special/control tokens
 

@@ -9,8 +9,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from moebus.engine.loader.gguf_file import GGUFCheckpoint
 from safetensors.torch import save_file
+
+from moebus.engine.loader.gguf_file import GGUFCheckpoint
 
 
 def cache_root() -> Path:

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from moebus.engine.loader.gguf_cache import converted_dir
-from moebus.engine.loader.gguf_file import EMBEDDED_MODEL, embedded_gguf_path
 from safetensors.torch import load_file
 from torch import nn
+
+from moebus.engine.loader.gguf_cache import converted_dir
+from moebus.engine.loader.gguf_file import EMBEDDED_MODEL, embedded_gguf_path
 
 
 @dataclass(slots=True)

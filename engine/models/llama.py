@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
 from moebus.kernels import apply_rotary, fused_add_rms_norm, rms_norm, rotary_cos_sin, silu_and_mul
-from torch import nn
 
 
 @dataclass(slots=True)

@@ -1,0 +1,75 @@
+from moebus.engine.block_manager import BlockManager
+from moebus.engine.request import Request, RequestStatus
+from moebus.engine.sampling import SamplingParams
+from moebus.engine.scheduler import Scheduler, SchedulerConfig
+
+
+def _sched(blocks=64, bs=4, seqs=8, budget=32):
+    return Scheduler(SchedulerConfig(seqs, budget), BlockManager(blocks, bs))
+
+
+def _advance(out):
+    for s in out.scheduled:
+        s.request.num_computed_tokens = s.start + s.num_tokens
+        if s.sample:
+            s.request.output_token_ids.append(1)
+
+
+def test_chunked_prefill_respects_token_budget():
+    s = _sched(budget=16)
+    r = Request("a", list(range(40)), SamplingParams())
+    s.add(r)
+    chunks = []
+    while r.is_prefill:
+        out = s.schedule()
+        chunks.append(out.num_tokens)
+        _advance(out)
+    assert chunks == [16, 16, 8]
+    assert s.schedule().scheduled[0].num_tokens == 1  # then decode, one token per step
+
+
+def test_decode_first_then_new_prefill_in_same_step():
+    s = _sched(budget=10)
+    a = Request("a", list(range(5)), SamplingParams())
+    s.add(a)
+    _advance(s.schedule())
+    b = Request("b", list(range(20)), SamplingParams())
+    s.add(b)
+    out = s.schedule()
+    assert [(e.request.request_id, e.num_tokens) for e in out.scheduled] == [("a", 1), ("b", 9)]
+
+
+def test_max_num_seqs_and_priority():
+    s = _sched(seqs=2)
+    reqs = [Request(f"r{i}", [i] * 3, SamplingParams(), priority=p) for i, p in enumerate([5, 0, 1])]
+    for r in reqs:
+        s.add(r)
+    out = s.schedule()
+    assert {e.request.request_id for e in out.scheduled} == {"r1", "r2"}  # lower value = higher priority
+
+
+def test_preemption_when_blocks_run_out_then_recompute():
+    s = _sched(blocks=4, bs=4, budget=64)
+    a = Request("a", list(range(7)), SamplingParams(), priority=0)
+    b = Request("b", list(range(100, 107)), SamplingParams(), priority=1)
+    s.add(a)
+    s.add(b)
+    _advance(s.schedule())  # both prefilled: 2 blocks each, memory full
+    for _ in range(2):
+        out = s.schedule()
+        _advance(out)
+    assert b.status is RequestStatus.WAITING and b.num_preemptions >= 1 and b.num_computed_tokens == 0
+    assert a.status is RequestStatus.RUNNING
+    s.finish(a, RequestStatus.FINISHED_STOPPED)
+    out = s.schedule()
+    assert out.scheduled[0].request is b and out.scheduled[0].start == 0  # recompute from scratch
+
+
+def test_abort_frees_blocks():
+    s = _sched()
+    r = Request("a", list(range(9)), SamplingParams())
+    s.add(r)
+    s.schedule()
+    assert s.bm.num_free_blocks < 64
+    s.abort("a")
+    assert s.bm.num_free_blocks == 64 and not s.has_unfinished()
