@@ -49,11 +49,9 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     first_blk = first // bs
     # Gather only the blocks that some query can see: n_blk per sequence, starting at first_blk.
     n_blk = int(((lens + bs - 1) // bs - first_blk).max().clamp_min(1))
-    logical = (first_blk[:, None] + torch.arange(n_blk, device=q.device)).clamp_max(block_tables.shape[1] - 1)
-    phys = block_tables.to(torch.long).gather(1, logical)  # [B, n_blk]
-    pos = (first_blk[:, None] + torch.arange(n_blk, device=q.device))[:, :, None] * bs + torch.arange(
-        bs, device=q.device)
-    pos = pos.reshape(b, n_blk * bs)
+    logical = first_blk[:, None] + torch.arange(n_blk, device=q.device)  # [B, n_blk]
+    phys = block_tables.to(torch.long).gather(1, logical.clamp_max(block_tables.shape[1] - 1))
+    pos = (logical[:, :, None] * bs + torch.arange(bs, device=q.device)).reshape(b, n_blk * bs)
     valid = (pos < lens[:, None]) & (pos >= first[:, None])  # [B, L]
     g = hq // hkv
     sink = sinks.float().view(1, hkv, g, 1) if sinks is not None else None
@@ -62,7 +60,7 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         e = min(s + chunk, b)
         k = _gather_heads_major(k_cache, phys[s:e])  # [n, Hkv, L, D] float32
         v = _gather_heads_major(v_cache, phys[s:e])
-        qg = q[s:e].float().view(e - s, hkv, g, d)
+        qg = q[s:e].float().reshape(e - s, hkv, g, d)  # q may be a strided view
         scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [n, Hkv, G, L]
         scores.masked_fill_(~valid[s:e, None, None, :], float("-inf"))
         m = scores.amax(dim=-1, keepdim=True)

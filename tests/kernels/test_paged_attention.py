@@ -94,7 +94,8 @@ def test_triton_strided_q_other_page_sizes_long_context(bs, splits, triton_devic
     assert not q_view.is_contiguous()
     out = paged_attention_decode_triton(q_view, kc, vc, bt, sl, scale, 100, sinks, block_n=16,
                                         num_splits=splits)
-    close(out, paged_attention_decode_ref(q, kc, vc, bt, sl, scale, 100, sinks), *TOL[torch.float32])
+    close(out, paged_attention_decode_ref(q_view, kc, vc, bt, sl, scale, 100, sinks), *TOL[torch.float32])
+    close(out, naive_decode(q, kc, vc, bt, sl, scale, 100, sinks), *TOL[torch.float32])
 
 
 def _check_empty_sequence_gives_zeros(fn, device, **kwargs):
