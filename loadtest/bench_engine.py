@@ -1,0 +1,114 @@
+"""Engine throughput vs HF transformers `generate`, same weights, same machine, same run.
+
+    python loadtest/bench_engine.py                       # SmolLM2-135M, 64 x (128 in / 128 out)
+    python loadtest/bench_engine.py --model tiny-moe      # tiny DeepSeek-V4-style MoE
+    python loadtest/bench_engine.py --requests 16 --output-len 32   # quick look
+
+Prints output tokens/s and mean per-step latency for: HF generate at batch 1 (on a subset,
+per-request) and at --hf-batch, our engine (sync and async scheduling), and their ratios.
+Greedy, EOS ignored, so every request produces exactly --output-len tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moebus.engine.config import EngineConfig
+from moebus.engine.llm_engine import LLMEngine
+from moebus.engine.sampling import SamplingParams
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 1, (n, length), generator=g).tolist()
+
+
+def run_ours(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", p, params)
+    n0 = len(engine.stats_.step_seconds)
+    t0 = time.perf_counter()
+    n_out = 0
+    while engine.has_unfinished_requests():
+        n_out += sum(len(o.new_token_ids) for o in engine.step())
+    dt = time.perf_counter() - t0
+    steps = engine.stats_.step_seconds[n0:]
+    return {"tok_s": n_out / dt, "seconds": dt, "tokens": n_out, "step_ms": 1000 * dt / max(len(steps), 1)}
+
+
+@torch.inference_mode()
+def run_hf(model, prompts: list[list[int]], out_len: int, batch: int) -> dict:
+    t0 = time.perf_counter()
+    n_out = 0
+    steps = 0
+    for i in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[i:i + batch])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                             min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        n_out += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        steps += out_len
+    dt = time.perf_counter() - t0
+    return {"tok_s": n_out / dt, "seconds": dt, "tokens": n_out, "step_ms": 1000 * dt / steps}
+
+
+def _model_paths(name: str, tmp: Path) -> tuple[str, str | None, str]:
+    """(engine model, tokenizer, HF-loadable dir)."""
+    if name == "smollm2":
+        from moebus.engine.loader.gguf_cache import converted_dir
+        from moebus.engine.loader.gguf_file import embedded_gguf_path
+
+        d = converted_dir(embedded_gguf_path())
+        return "smollm2", None, str(d)
+    from moebus.engine.models.hf_checkpoint import write_tiny_deepseek_v4
+
+    d = write_tiny_deepseek_v4(tmp / "moe", seed=0, vocab_size=49152, hidden_size=128, n_routed_experts=16,
+                               num_experts_per_tok=2, moe_intermediate_size=64)
+    return str(d), "smollm2", str(d)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "tiny-moe"])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--hf-single", type=int, default=4, help="requests run by HF at batch 1")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    args = ap.parse_args()
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok, hf_dir = _model_paths(args.model, Path(tmp))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        vocab = hf.config.vocab_size
+        prompts = _prompts(args.requests, args.prompt_len, vocab)
+        rows = {}
+        for mode in (False, True):
+            eng = LLMEngine(EngineConfig(model=model, tokenizer=tok, max_num_seqs=args.max_num_seqs,
+                                         max_num_batched_tokens=4096, async_scheduling=mode))
+            run_ours(eng, prompts[:2], 4)  # warm-up
+            rows[f"moebus (async={mode}, max_num_seqs={args.max_num_seqs})"] = run_ours(eng, prompts, args.output_len)
+            eng.close()
+        rows[f"HF generate batch={args.hf_batch}"] = run_hf(hf, prompts, args.output_len, args.hf_batch)
+        rows["HF generate batch=1"] = run_hf(hf, prompts[: args.hf_single], args.output_len, 1)
+    print(f"\nmodel={args.model} requests={args.requests} prompt={args.prompt_len} output={args.output_len} "
+          f"torch_threads={torch.get_num_threads()}")
+    print(f"{'system':45s} {'out tok/s':>10s} {'step ms':>9s} {'seconds':>8s}")
+    for name, r in rows.items():
+        print(f"{name:45s} {r['tok_s']:10.1f} {r['step_ms']:9.1f} {r['seconds']:8.1f}")
+    ours_sync = rows[f"moebus (async=False, max_num_seqs={args.max_num_seqs})"]["tok_s"]
+    ours_async = rows[f"moebus (async=True, max_num_seqs={args.max_num_seqs})"]["tok_s"]
+    best = max(ours_sync, ours_async)
+    print(f"ratio moebus/HF batch={args.hf_batch}: {best / rows[f'HF generate batch={args.hf_batch}']['tok_s']:.2f}x")
+    print(f"ratio moebus/HF batch=1: {best / rows['HF generate batch=1']['tok_s']:.2f}x")
+    print(f"async scheduling gain: {ours_async / ours_sync:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
