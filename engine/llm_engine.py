@@ -26,7 +26,7 @@ from moebus.engine.model_runner import (
 from moebus.engine.models import load_model
 from moebus.engine.request import Request, RequestStatus
 from moebus.engine.sampling import SamplingParams
-from moebus.engine.sampling.spec_decode import NgramProposer, SpecDecodeStats
+from moebus.engine.sampling.spec_decode import DraftModelProposer, NgramProposer, SpecDecodeStats
 from moebus.engine.scheduler import Scheduler, SchedulerOutput
 from moebus.engine.structured_state import GrammarHub
 from moebus.engine.tokenizer import Tokenizer, load_tokenizer
@@ -62,7 +62,10 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
+                 draft_proposer: DraftModelProposer | None = None) -> None:
+        """draft_proposer: an MTP head / draft model used for speculative decoding instead of
+        n-gram lookup (config.num_speculative_tokens sets how many tokens it may propose)."""
         self.config = config
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, config.torch_dtype, config.device)
@@ -80,8 +83,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, caches, config.block_size, vocab, device,
                                   list(self.tokenizer.eos_token_ids), batch_invariant=config.deterministic)
         self.grammars = GrammarHub(self.tokenizer, vocab)
-        self.proposer = NgramProposer(num_speculative_tokens=config.num_speculative_tokens) \
-            if config.num_speculative_tokens else None
+        if draft_proposer is not None and not config.num_speculative_tokens:
+            raise ValueError("a draft proposer needs num_speculative_tokens >= 1")
+        self.ngram = NgramProposer(num_speculative_tokens=config.num_speculative_tokens) \
+            if config.num_speculative_tokens and draft_proposer is None else None
+        self.draft_proposer = draft_proposer
         self.spec_stats = SpecDecodeStats()
         self.stats_ = EngineStats()
         self.tracked: dict[str, _Tracked] = {}
@@ -193,12 +199,22 @@ class LLMEngine:
                 r.draft_token_ids = []
                 self.spec_stats.observe([s.num_draft], [toks])
             outs.append(self._append_tokens(r, toks, lps))
-        if self.proposer is not None:
-            for r in self.scheduler.running:
-                if not r.is_prefill and r.grammar is None:
-                    room = r.max_tokens - len(r.output_token_ids) - 1
-                    r.draft_token_ids = self.proposer.propose(r.all_token_ids)[: max(room, 0)]
+        self._propose_drafts()
         return outs
+
+    def _propose_drafts(self) -> None:
+        if self.ngram is None and self.draft_proposer is None:
+            return
+        reqs = [r for r in self.scheduler.running if not r.is_prefill and r.grammar is None]
+        if not reqs:
+            return
+        k = self.config.num_speculative_tokens
+        batch = [r.all_token_ids for r in reqs]
+        drafts = self.ngram.propose_batch(batch, None, k) if self.ngram is not None \
+            else self.draft_proposer.propose(batch, None, k)
+        for r, d in zip(reqs, drafts, strict=True):
+            room = r.max_tokens - len(r.output_token_ids) - 1  # never draft past max_tokens
+            r.draft_token_ids = list(d[: max(min(room, k), 0)])
 
     def _append_tokens(self, r: Request, toks: list[int], lps: list[dict[int, float]] | None) -> RequestOutput:
         tr = self.tracked[r.request_id]
