@@ -42,17 +42,20 @@ def test_prefill_logits_match_hf(llm, hf_model, chat_prompts):
 def test_full_logits_match_hf(llm, hf_model, chat_prompts):
     """Every position's logits, through the paged prefill path."""
     from moebus.engine.attention import AttentionMetadata
+    from moebus.engine.model_runner import allocate_kv_caches
 
     ids = chat_prompts[1]
     eng = llm.engine
     bs = eng.config.block_size
+    # A private cache: writing into the engine's would clobber blocks its prefix cache still indexes.
+    caches = allocate_kv_caches(eng.model.kv_cache_specs(), 8, bs, torch.float32, torch.device("cpu"))
     n_blocks = -(-len(ids) // bs)
     blocks = list(range(n_blocks))
     meta = AttentionMetadata([0, len(ids)], [len(ids)],
                              torch.tensor([blocks[p // bs] * bs + p % bs for p in range(len(ids))]),
                              torch.tensor([blocks], dtype=torch.int32), torch.tensor([len(ids)], dtype=torch.int32), bs)
     with torch.no_grad():
-        hidden = eng.model(torch.tensor(ids), torch.arange(len(ids)), meta, eng.runner.kv_caches)
+        hidden = eng.model(torch.tensor(ids), torch.arange(len(ids)), meta, caches)
         ours = eng.model.compute_logits(hidden)
         ref = hf_model(torch.tensor([ids])).logits[0].float()
     diff = (ours - ref).abs().max().item()
