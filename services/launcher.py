@@ -17,15 +17,16 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.config_cli import to_cli_args
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import HealthReply
 from moebus.shared.nats_server import NatsServer
-from moebus.shared.service import Empty, ServiceConfig
+from moebus.shared.service import Empty, ServiceConfig, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
-from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
 SERVICES = ("tokenizer", "balancer", "worker", "frontend")
@@ -135,8 +136,20 @@ class Stack:
                     raise TimeoutError(f"not ready after {timeout:g}s: {sorted(pending)}")
                 if pending:
                     await asyncio.sleep(0.2)
+            await self._until_balancers_see_workers(bus, deadline)
         finally:
             await bus.drain()
+
+    async def _until_balancers_see_workers(self, bus: Bus, deadline: float) -> None:
+        workers = {i for i, s in self.services.items() if s == "worker"}
+        for balancer in (i for i, s in self.services.items() if s == "balancer"):
+            while True:
+                stats = await bus.request(Subjects().stats("balancer", balancer), Empty(), Stats, timeout=2)
+                if workers <= {w["worker_id"] for w in stats.stats["workers"] if w["ready"]}:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{balancer} does not see every worker")
+                await asyncio.sleep(0.05)
 
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         self.procs[instance_id].send_signal(sig)

@@ -72,6 +72,10 @@ class Bus:
         bus = cls(nc, tracing, metrics)
         return bus
 
+    async def flush(self, timeout: float = 5.0) -> None:
+        """Round trip to the server: every subscription made so far is live when this returns."""
+        await self.nc.flush(timeout)
+
     @property
     def connected(self) -> bool:
         return self.nc.is_connected

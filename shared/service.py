@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .bus import Bus, BusConfig
 from .codec import Message
-from .errors import ErrorCode, ServiceError
+from .errors import ErrorCode, NoResponders, ServiceError
 from .messages import HealthReply, Heartbeat, Load
 from .metrics import Metrics
 from .subjects import Subjects, check_token
@@ -99,11 +99,13 @@ class Service:
         return self._bus
 
     async def __aenter__(self) -> Self:
+        self._started = time.monotonic()
         servers = [s.strip() for s in self.cfg.nats_url.split(",") if s.strip()]
         self._bus = await Bus.connect(BusConfig(servers=servers, name=self.instance_id), self.tracing, self.metrics)
         try:
             await self._subscribe_control()
             await self.setup()
+            await self._until_routable()
             self.spawn(self._heartbeat_loop())
             if self.cfg.http_port is not None:
                 from .probes import start_probe_server  # aiohttp only where probes are on
@@ -172,6 +174,29 @@ class Service:
         for subject, handler in ((s.health(n), health), (s.health(n, i), health),
                                  (s.ready(n), ready), (s.ready(n, i), ready), (s.stats(n, i), stats)):
             await self.bus.subscribe(subject, Empty, handler, concurrent=False, endpoint=subject.split(".")[-1])
+
+    async def _until_routable(self, timeout: float = 2.0) -> None:
+        # A flush alone is not enough: nats-server can answer no-responders for a moment after a
+        # fresh SUB is acknowledged. SUBs are applied in order, so once a probe subscribed after
+        # all our endpoints routes back to us, every endpoint does.
+        subject = self.subjects.probe(self.name, self.instance_id)
+
+        async def probe(_: Empty, __: Msg) -> Empty:
+            return Empty()
+
+        sub = await self.bus.subscribe(subject, Empty, probe, concurrent=False, traced=False, endpoint="probe")
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    await self.bus.request(subject, Empty(), Empty, 1.0)
+                    return
+                except NoResponders:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.01)
+        finally:
+            await sub.unsubscribe()
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(service=self.name, instance_id=self.instance_id, ts=time.time(),

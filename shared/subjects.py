@@ -37,6 +37,10 @@ class Subjects:
     def stats(self, service: str, instance_id: str) -> str:
         return self._s(service, "stats", instance_id)
 
+    def probe(self, service: str, instance_id: str) -> str:
+        """Private to the instance: used once at startup to see that its subscriptions route."""
+        return self._s(service, "probe", instance_id)
+
     def heartbeat(self, service: str, instance_id: str) -> str:
         return self._s(service, "heartbeat", instance_id)
 

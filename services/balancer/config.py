@@ -1,7 +1,8 @@
 from __future__ import annotations
 
-from moebus.shared.service import ServiceConfig
 from pydantic import Field
+
+from moebus.shared.service import ServiceConfig
 
 
 class BalancerConfig(ServiceConfig):

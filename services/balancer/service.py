@@ -12,11 +12,12 @@ import asyncio
 import time
 from typing import Any
 
+from nats.aio.msg import Msg
+
 from moebus.shared.errors import ErrorCode, NoResponders, RequestTimeout, ServiceError
 from moebus.shared.messages import AbortRequest, GenerateAccepted, GenerateRequest, Heartbeat, WorkerLost
 from moebus.shared.service import Service
 from moebus.shared.subjects import Queues
-from nats.aio.msg import Msg
 
 from .config import BalancerConfig
 from .table import WorkerTable
@@ -59,29 +60,20 @@ class BalancerService(Service):
     async def route(self, req: GenerateRequest, _: Msg) -> GenerateAccepted:
         tried = set(req.exclude_workers)
         overloaded = False
+        await self._await_first_worker(req.model, tried)
         while candidates := self.table.candidates(req.model, time.monotonic(), tried):
             worker = candidates[0].worker_id
             tried.add(worker)
+            self.table.assigned(worker)
             try:
                 accepted = await self.bus.request(self.subjects.worker_generate(worker), req, GenerateAccepted,
                                                   timeout=self.cfg.worker_timeout_s)
-            except NoResponders:
-                self.table.skip(worker, time.monotonic())  # gone or draining; heartbeats will tell which
-                continue
-            except RequestTimeout:
-                # It may have accepted after all: make sure it does not run a request nobody awaits.
-                await self.bus.publish(self.subjects.worker_abort(worker), AbortRequest(request_id=req.request_id,
-                                                                                        reason="route timeout"))
-                continue
             except ServiceError as e:
-                if e.code is ErrorCode.OVERLOADED:
-                    overloaded = True
-                    continue
-                if e.code is ErrorCode.UNAVAILABLE:
-                    continue
-                self._m_routed.labels(e.code.value).inc()
-                raise
-            self.table.assigned(worker)
+                self.table.assigned(worker, -1)
+                if not await self._next_candidate(e, req, worker):
+                    raise
+                overloaded |= e.code is ErrorCode.OVERLOADED
+                continue
             self._m_routed.labels("ok").inc()
             return accepted
         if overloaded:
@@ -89,3 +81,25 @@ class BalancerService(Service):
             raise ServiceError(ErrorCode.OVERLOADED, "every worker's queue is full", retry_after=1)
         self._m_routed.labels("unavailable").inc()
         raise ServiceError(ErrorCode.UNAVAILABLE, f"no live worker serves {req.model!r}", retry_after=2)
+
+    async def _await_first_worker(self, model: str, exclude: set[str]) -> None:
+        """Right after a (re)start the table fills within one heartbeat interval: wait for it
+        rather than answer 503 to the first requests."""
+        deadline = self._started + self.cfg.heartbeat_interval_s * 1.5
+        while not self.table.candidates(model, time.monotonic(), exclude) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    async def _next_candidate(self, e: ServiceError, req: GenerateRequest, worker: str) -> bool:
+        """Whether a worker's failure means "try another one" (else it is the request's fault)."""
+        if isinstance(e, NoResponders):
+            self.table.skip(worker, time.monotonic())  # gone or draining; heartbeats will tell which
+            return True
+        if isinstance(e, RequestTimeout):
+            # It may have accepted after all: make sure it does not run a request nobody awaits.
+            await self.bus.publish(self.subjects.worker_abort(worker),
+                                   AbortRequest(request_id=req.request_id, reason="route timeout"))
+            return True
+        if e.code in (ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE):
+            return True
+        self._m_routed.labels(e.code.value).inc()
+        return False

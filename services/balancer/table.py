@@ -82,11 +82,13 @@ class WorkerTable:
               and e.worker_id not in exclude and e.skip_until <= now]
         return sorted(ok, key=WorkerEntry.sort_key)
 
-    def assigned(self, worker_id: str) -> None:
+    def assigned(self, worker_id: str, n: int = 1) -> None:
+        """Count a pick right away (before the worker answers) so concurrent routes spread out;
+        n=-1 takes it back when the worker refused."""
         entry = self._workers.get(worker_id)
         if entry is not None:
-            entry.pending += 1
-            entry.assigned_total += 1
+            entry.pending = max(0, entry.pending + n)
+            entry.assigned_total += max(n, 0)
 
     def snapshot(self) -> list[dict]:
         return [{"worker_id": e.worker_id, "model": e.beat.model, "ready": e.beat.ready,

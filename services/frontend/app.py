@@ -7,8 +7,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from moebus.shared.errors import ServiceError
 from opentelemetry.trace import SpanKind, TracerProvider
+
+from moebus.shared.errors import ServiceError
 
 from .chat import chat_completions
 from .completions import completions

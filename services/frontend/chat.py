@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 from aiohttp import web
+
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import RenderRequest
 

@@ -5,6 +5,7 @@ import time
 from contextlib import AsyncExitStack
 
 from aiohttp import web
+
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import RenderRequest
 

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import os
 
-from moebus.shared.service import ServiceConfig
 from pydantic import Field, field_validator
+
+from moebus.shared.service import ServiceConfig
 
 
 class FrontendConfig(ServiceConfig):

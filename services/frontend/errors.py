@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 from aiohttp import web
+
 from moebus.shared.errors import ErrorCode, ServiceError
 
 # ServiceError code -> (HTTP status, OpenAI error type)

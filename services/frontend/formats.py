@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import orjson
 from aiohttp import web
+
 from moebus.shared.messages import TokenLogprob
 
 from .choice import ChoiceState

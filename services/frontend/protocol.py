@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from moebus.shared.messages import ChatMessage, SamplingOptions, StructuredOptions
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from moebus.shared.messages import ChatMessage, SamplingOptions, StructuredOptions
 
 
 class _Req(BaseModel):

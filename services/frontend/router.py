@@ -5,11 +5,12 @@ Chunks arrive on ``frontend.stream.<instance>.<request_id>`` and go to that requ
 """
 from __future__ import annotations
 
+from nats.aio.msg import Msg
+
 from moebus.shared.bus import Bus
 from moebus.shared.messages import GenerateRequest, SamplingOptions, TokenChunk, WorkerLost
 from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
-from nats.aio.msg import Msg
 
 from .config import FrontendConfig
 from .generation import Generation, Lost

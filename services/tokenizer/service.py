@@ -4,12 +4,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from nats.aio.msg import Msg
+
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
 from moebus.shared.service import Service
 from moebus.shared.subjects import Queues
 from moebus.shared.toy_model import TOY_MODEL, ToyTokenizer
-from nats.aio.msg import Msg
 
 from .config import TokenizerConfig
 from .detok import decode_step
@@ -48,7 +49,8 @@ class TokenizerService(Service):
     async def setup(self) -> None:
         if self.tok is None:
             self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.model)
-        specials = getattr(self.tok, "all_special_ids", None) or self.tok.eos_token_ids
+        specials = (getattr(self.tok, "all_special_ids", None) or getattr(self.tok, "special_ids", None)
+                    or self.tok.eos_token_ids)
         self._skip = frozenset(specials)
         s = self.subjects
         await self.bus.subscribe(s.tokenizer_render, RenderRequest, self.render, queue=Queues.TOKENIZER,

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from moebus.shared.service import ServiceConfig
 from pydantic import Field
+
+from moebus.shared.service import ServiceConfig
 
 
 class WorkerConfig(ServiceConfig):

@@ -31,9 +31,9 @@ _STOP = object()
 
 class EngineLoop:
     def __init__(self, factory: Callable[[], Any], loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs,
-                 on_fatal: Callable[[BaseException], None]) -> None:
+                 on_fatal: Callable[[BaseException], None], on_ready: Callable[[], None] = lambda: None) -> None:
         self._factory, self._loop = factory, loop
-        self._on_outputs, self._on_fatal = on_outputs, on_fatal
+        self._on_outputs, self._on_fatal, self._on_ready = on_outputs, on_fatal, on_ready
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="moebus-engine", daemon=True)
         self.ready = threading.Event()
@@ -64,6 +64,7 @@ class EngineLoop:
             self.engine = self._factory()
             self.stats = dict(self.engine.stats())
             self.ready.set()
+            self._loop.call_soon_threadsafe(self._on_ready)
             self._loop_forever()
         except BaseException as e:  # report, the service turns unhealthy and fails its requests
             log.exception("engine thread died")

@@ -13,12 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import AbortRequest, GenerateAccepted, GenerateRequest, Load, TokenChunk
 from moebus.shared.service import Service
 from moebus.shared.toy_model import TOY_MODEL
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
 from .config import WorkerConfig
 from .engine_loop import AddFailed, EngineLoop
@@ -88,7 +89,8 @@ class WorkerService(Service):
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
-        self._loop = EngineLoop(self._factory, asyncio.get_running_loop(), self._on_outputs, self._on_fatal)
+        self._loop = EngineLoop(self._factory, asyncio.get_running_loop(), self._on_outputs, self._on_fatal,
+                                on_ready=lambda: self.spawn(self.publish_heartbeat()))  # be routable at once
         self._loop.start()
         self.spawn(self._publisher())
         s, i = self.subjects, self.instance_id

@@ -1,0 +1,89 @@
+"""Fixtures: a real nats-server per test module, and a whole toy-model stack in this process."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI
+from opentelemetry.sdk.trace import TracerProvider
+
+from moebus.services.balancer import BalancerConfig, BalancerService
+from moebus.services.frontend import FrontendConfig, start_frontend
+from moebus.services.tokenizer import TokenizerConfig, TokenizerService
+from moebus.services.worker import WorkerConfig, WorkerService
+from moebus.shared.nats_server import NatsServer
+
+HEARTBEAT = 0.1  # fast heartbeats: dead workers are noticed in ~0.3 s
+
+
+@pytest.fixture(scope="module")
+def nats_server() -> Iterator[NatsServer]:
+    with NatsServer() as server:  # free port, JetStream on, temporary store dir
+        yield server
+
+
+@dataclass
+class ToyStack:
+    base_url: str
+    prefix: str
+    nats_url: str
+    tokenizer: TokenizerService
+    balancer: BalancerService
+    workers: list[WorkerService]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def client(self, api_key: str = "none", **kw: Any) -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=self.base_url + "/v1", api_key=api_key, max_retries=0, **kw)
+
+    async def wait_idle(self, timeout: float = 5.0) -> None:
+        """Until every worker has no request left and all its KV blocks are free."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(not w._active and w._loop.stats.get("num_running", 0) == 0
+                   and w._loop.stats.get("kv_blocks_free") == w._loop.stats.get("kv_blocks_total")
+                   for w in self.workers):
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"workers not idle: {[w.stats() for w in self.workers]}")
+
+
+async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)
+
+
+@asynccontextmanager
+async def toy_stack(nats_url: str, *, workers: int = 1, engine: dict | None = None, worker: dict | None = None,
+                    frontend: dict | None = None, tracer_provider: TracerProvider | None = None) -> AsyncIterator[ToyStack]:
+    """tokenizer + balancer + N workers + frontend on the toy model, isolated by a subject prefix."""
+    prefix = f"t{uuid.uuid4().hex[:8]}.moebus.v1"
+    common = {"nats_url": nats_url, "subject_prefix": prefix, "heartbeat_interval_s": HEARTBEAT}
+    kw = {"tracer_provider": tracer_provider}
+    async with AsyncExitStack() as stack:
+        tok = await stack.enter_async_context(TokenizerService(TokenizerConfig(model="toy", **common), **kw))
+        bal = await stack.enter_async_context(BalancerService(BalancerConfig(**common), **kw))
+        ws = []
+        for i in range(workers):
+            cfg = WorkerConfig(model="toy", instance_id=f"worker-{i}", engine={"step_delay_s": 0.002, **(engine or {})},
+                               drain_grace_s=2.0, **(worker or {}), **common)
+            ws.append(await stack.enter_async_context(WorkerService(cfg, **kw)))
+        fcfg = FrontendConfig(host="127.0.0.1", port=0, models=["toy"], **(frontend or {}), **common)
+        runner, port = await start_frontend(fcfg, tracer_provider)
+        stack.push_async_callback(runner.cleanup)
+        await wait_for(lambda: len(bal.table.candidates("toy", time.monotonic())) == workers)
+        yield ToyStack(f"http://127.0.0.1:{port}", prefix, nats_url, tok, bal, ws)
+
+
+@pytest.fixture
+async def stack(nats_server: NatsServer) -> AsyncIterator[ToyStack]:
+    async with toy_stack(nats_server.url) as s:
+        yield s

@@ -1,0 +1,63 @@
+"""WorkerTable: least-loaded order with tiebreaks, pending load between heartbeats, expiry."""
+from __future__ import annotations
+
+from moebus.services.balancer.table import WorkerTable
+from moebus.shared.messages import Heartbeat, Load
+
+
+def beat(wid: str, waiting: int = 0, running: int = 0, free: int = 100, *, model: str = "m", ready: bool = True,
+         draining: bool = False, max_waiting: int = 8) -> Heartbeat:
+    return Heartbeat(service="worker", instance_id=wid, ts=0, interval_s=1.0, ready=ready, draining=draining,
+                     model=model, load=Load(num_running=running, num_waiting=waiting, max_waiting=max_waiting,
+                                            kv_blocks_free=free, kv_blocks_total=100))
+
+
+def order(t: WorkerTable, now: float = 0.0, **kw) -> list[str]:
+    return [e.worker_id for e in t.candidates("m", now, **kw)]
+
+
+def test_least_loaded_first_with_tiebreaks() -> None:
+    t = WorkerTable()
+    t.observe(beat("a", waiting=2), 0)
+    t.observe(beat("b", waiting=0, running=5), 0)
+    t.observe(beat("c", waiting=0, running=1, free=10), 0)
+    t.observe(beat("d", waiting=0, running=1, free=50), 0)
+    assert order(t) == ["d", "c", "b", "a"]  # queue, then running, then free KV
+
+
+def test_assignments_count_until_the_next_heartbeat() -> None:
+    t = WorkerTable()
+    t.observe(beat("a"), 0)
+    t.observe(beat("b"), 0)
+    picks = []
+    for _ in range(4):
+        first = order(t)[0]
+        picks.append(first)
+        t.assigned(first)
+    assert sorted(picks) == ["a", "a", "b", "b"], "a burst is spread, not piled on one worker"
+    t.observe(beat("a"), 0.5)  # the heartbeat now includes what we sent: pending resets
+    assert t.get("a").pending == 0
+
+
+def test_filters_and_full_workers_last() -> None:
+    t = WorkerTable()
+    t.observe(beat("full", waiting=8), 0)
+    t.observe(beat("busy", waiting=3), 0)
+    t.observe(beat("other-model", model="x"), 0)
+    t.observe(beat("loading", ready=False), 0)
+    t.observe(beat("leaving", draining=True), 0)
+    assert order(t) == ["busy", "full"]
+    assert order(t, exclude={"busy"}) == ["full"]
+    t.skip("busy", now=0)
+    assert order(t, now=1.0) == ["full"]
+    assert order(t, now=2.0) == ["busy", "full"]
+
+
+def test_expiry_after_missed_heartbeats() -> None:
+    t = WorkerTable(missed_heartbeats=3)
+    t.observe(beat("a"), 0)
+    t.observe(beat("b"), 0)
+    t.observe(beat("b"), 2.5)
+    assert t.expire(2.9) == []
+    assert t.expire(3.1) == ["a"]
+    assert "a" not in t and "b" in t
