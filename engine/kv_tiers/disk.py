@@ -1,0 +1,82 @@
+"""DiskTier: one file per block hash in a directory, LRU by bytes, survives restarts.
+
+Writes go to a temporary file that is renamed into place, so a crash never leaves a torn
+block; start-up deletes leftover temporaries and rebuilds the LRU index from the files'
+mtimes (reads touch the mtime, so recency survives a restart too).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from moebus.engine.kv_tiers.base import Tier
+from moebus.engine.kv_transfer.payload import KVBlock
+
+log = logging.getLogger(__name__)
+SUFFIX = ".kvb"
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False) -> None:
+        super().__init__(capacity_bytes)
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        self._rebuild()
+
+    def _path(self, block_hash: int) -> Path:
+        return self.dir / f"{block_hash:016x}{SUFFIX}"
+
+    def _rebuild(self) -> None:
+        found: list[tuple[float, int, int]] = []
+        for p in self.dir.iterdir():
+            if p.name.endswith(".tmp"):
+                p.unlink(missing_ok=True)  # an interrupted write
+            elif p.suffix == SUFFIX:
+                try:
+                    st = p.stat()
+                    found.append((st.st_mtime, int(p.stem, 16), st.st_size))
+                except (OSError, ValueError):
+                    log.warning("ignoring %s in the KV disk tier", p)
+        for _, h, size in sorted(found):
+            self._lru[h] = size
+            self._bytes += size
+        while self._bytes > self.capacity_bytes and self._lru:  # the limit may have shrunk
+            self._drop(next(iter(self._lru)))
+
+    def _read(self, block_hash: int) -> KVBlock | None:
+        path = self._path(block_hash)
+        try:
+            block = KVBlock.decode(path.read_bytes())
+            os.utime(path)
+            return block
+        except (OSError, ValueError, KeyError):
+            log.warning("unreadable KV block %s; dropping it", path)
+            return None
+
+    def _write(self, block_hash: int, block: KVBlock) -> None:
+        path = self._path(block_hash)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        data = block.packed().to_bytes()
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _size_of(self, block: KVBlock) -> int:
+        return block.packed().nbytes  # the file's size: header + aligned blobs
+
+    def _remove(self, block_hash: int) -> None:
+        self._path(block_hash).unlink(missing_ok=True)
+
+    def _touch(self, block_hash: int) -> None:
+        try:
+            os.utime(self._path(block_hash))
+        except OSError:
+            pass

@@ -1,0 +1,90 @@
+"""Self-describing binary layout for a list of tensors plus a JSON header.
+
+`MAGIC | u16 version | u16 0 | u32 header_len | header JSON | pad | blob 0 | pad | blob 1 ...`
+Blobs start on 64-byte boundaries (relative to the data start) so views of any dtype stay
+aligned. The header lists each blob's dtype, shape and offset; bfloat16 travels as raw bytes.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+MAGIC = b"MBKV"
+VERSION = 1
+ALIGN = 64
+_PREFIX = struct.Struct("<4sHHI")
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class PackedTensors:
+    """Header + blob layout computed once, so callers can size a buffer before writing."""
+
+    def __init__(self, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+        self.tensors = [t.detach().cpu().contiguous() for t in tensors]
+        specs, off = [], 0
+        for t in self.tensors:
+            n = t.numel() * t.element_size()
+            specs.append({"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": off, "nbytes": n})
+            off = _align(off + n)
+        self.header = json.dumps({**meta, "tensors": specs}, separators=(",", ":")).encode()
+        self.data_start = _align(_PREFIX.size + len(self.header))
+        self.specs = specs
+        self.nbytes = self.data_start + (specs[-1]["offset"] + specs[-1]["nbytes"] if specs else 0)
+
+    def write_into(self, buf: memoryview | bytearray) -> int:
+        """Write the whole encoding into buf[:nbytes] (a bytearray or a shared-memory view)."""
+        out = np.frombuffer(buf, dtype=np.uint8, count=self.nbytes)
+        out[: self.data_start] = 0
+        out[: _PREFIX.size] = np.frombuffer(_PREFIX.pack(MAGIC, VERSION, 0, len(self.header)), np.uint8)
+        out[_PREFIX.size: _PREFIX.size + len(self.header)] = np.frombuffer(self.header, np.uint8)
+        for t, s in zip(self.tensors, self.specs, strict=True):
+            start = self.data_start + s["offset"]
+            out[start: start + s["nbytes"]] = _as_bytes(t)
+        return self.nbytes
+
+    def to_bytes(self) -> bytearray:
+        buf = bytearray(self.nbytes)
+        self.write_into(buf)
+        return buf
+
+
+def pack(meta: dict[str, Any], tensors: list[torch.Tensor]) -> bytearray:
+    return PackedTensors(meta, tensors).to_bytes()
+
+
+def unpack(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Decode into freshly allocated tensors (one copy; buf may be read-only or released after)."""
+    mv = memoryview(buf).cast("B")
+    if len(mv) < _PREFIX.size:
+        raise ValueError("truncated KV encoding")
+    magic, version, _, hlen = _PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC or version != VERSION:
+        raise ValueError(f"not a KV encoding (magic {magic!r}, version {version})")
+    meta = json.loads(bytes(mv[_PREFIX.size: _PREFIX.size + hlen]))
+    data_start = _align(_PREFIX.size + hlen)
+    src = np.frombuffer(mv, dtype=np.uint8)
+    tensors = []
+    for s in meta.pop("tensors"):
+        start = data_start + s["offset"]
+        if start + s["nbytes"] > len(mv):
+            raise ValueError("truncated KV encoding")
+        t = torch.empty(s["shape"], dtype=getattr(torch, s["dtype"]))
+        if s["nbytes"]:
+            t.reshape(-1).view(torch.uint8).numpy()[:] = src[start: start + s["nbytes"]]
+        tensors.append(t)
+    return meta, tensors

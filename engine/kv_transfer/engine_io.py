@@ -1,0 +1,185 @@
+"""Reading a request's KV out of an engine and admitting a prefilled request into another.
+
+Only the engine's public attributes are used (scheduler lists, block manager verbs, the
+runner's kv_caches, `tracked`); call these on the engine's own thread, between steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
+from moebus.engine.kv_transfer.payload import KVPayload, LayerKV
+from moebus.engine.llm_engine import LLMEngine, RequestOutput
+from moebus.engine.model_runner import PLACEHOLDER
+from moebus.engine.request import Request, RequestStatus
+from moebus.engine.sampling import SamplingParams
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def gather_blocks(kv_caches: KVCaches, block_ids: list[int], device: str | torch.device = "cpu") -> LayerKV:
+    """Per layer (k, v) [len(block_ids), block_size, Hkv, D]: one gather per cache tensor."""
+    out = []
+    for k, v in kv_caches:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=k.device)
+        out.append((k.index_select(0, idx).to(device), v.index_select(0, idx).to(device)))
+    return out
+
+
+def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], layers: LayerKV) -> None:
+    """Write per-layer block data (first len(block_ids) blocks of each tensor) into the cache."""
+    if len(layers) != len(kv_caches):
+        raise ValueError(f"payload has {len(layers)} layers, the cache {len(kv_caches)}")
+    n = len(block_ids)
+    for (k, v), (sk, sv) in zip(kv_caches, layers, strict=True):
+        if sk.shape[1:] != k.shape[1:] or sv.shape[1:] != v.shape[1:]:
+            raise ValueError(f"block shape {tuple(sk.shape[1:])} does not match the cache {tuple(k.shape[1:])}")
+        idx = torch.tensor(block_ids, dtype=torch.long, device=k.device)
+        k.index_copy_(0, idx, sk[:n].to(k.device, k.dtype))
+        v.index_copy_(0, idx, sv[:n].to(v.device, v.dtype))
+
+
+def lookup(engine: LLMEngine, request: str | Request) -> Request:
+    if isinstance(request, Request):
+        return request
+    req = engine.scheduler.by_id.get(request)
+    if req is None:
+        raise KeyError(f"no live request {request!r}")
+    return req
+
+
+def settled_tokens(engine: LLMEngine, req: Request) -> int:
+    """Tokens whose KV is written. Under async scheduling the step in flight already counts as
+    computed, so its tokens are excluded (read-only peek at the engine's in-flight batch)."""
+    n = req.num_computed_tokens
+    inflight = getattr(engine, "_inflight", None)
+    if inflight is not None:
+        for s in inflight[0].scheduled:
+            if s.request is req:
+                n = min(n, s.start)
+    return n
+
+
+def extract_kv(engine: LLMEngine, request: str | Request, num_tokens: int | None = None,
+               device: str | torch.device = "cpu") -> KVPayload:
+    """Copy the KV of the request's first num_tokens tokens (default: its computed prompt) out of
+    the engine. Call it after the step that sampled the first token, before aborting it."""
+    req = lookup(engine, request)
+    bs = engine.block_manager.block_size
+    settled = settled_tokens(engine, req)
+    n = min(settled, req.num_prompt_tokens) if num_tokens is None else num_tokens
+    nb = -(-n // bs)
+    if n <= 0 or n > settled or nb > len(req.block_ids):
+        raise ValueError(f"{req.request_id}: {n} tokens requested, {settled} computed")
+    tokens = req.all_token_ids[:n]
+    ns = kv_namespace(engine)
+    outs = req.output_token_ids
+    return KVPayload(gather_blocks(engine.runner.kv_caches, req.block_ids[:nb], device), bs, n, tokens,
+                     stable_block_hashes(tokens, bs, ns), ns, req.request_id,
+                     outs[0] if outs and outs[0] != PLACEHOLDER else None,
+                     req.generator.get_state() if req.generator is not None else None)
+
+
+@dataclass(slots=True)
+class InjectResult:
+    injected: bool  # False: the request was queued to recompute its prompt (see reason)
+    num_tokens: int = 0  # prompt tokens whose KV is now present
+    num_copied_blocks: int = 0
+    num_local_hit_blocks: int = 0  # blocks the decode engine's own prefix cache already had
+    reason: str = ""
+
+
+def _payload_problem(engine: LLMEngine, prompt: list[int], payload: KVPayload | None) -> str:
+    if payload is None:
+        return "no payload"
+    if payload.namespace and payload.namespace != kv_namespace(engine):
+        return f"namespace {payload.namespace!r} differs"
+    if payload.block_size != engine.block_manager.block_size:
+        return "block size differs"
+    n = min(payload.num_tokens, len(prompt))
+    if n <= 0 or (payload.token_ids and payload.token_ids[:n] != prompt[:n]):
+        return "payload tokens are not a prefix of the prompt"
+    caches = engine.runner.kv_caches
+    if len(payload.layers) != len(caches) or any(
+            pk.shape[1:] != k.shape[1:] or pv.shape[1:] != v.shape[1:]
+            for (pk, pv), (k, v) in zip(payload.layers, caches, strict=True)):
+        return "layer shapes differ"
+    return ""
+
+
+def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
+                     params: SamplingParams, payload: KVPayload | None, priority: int = 0) -> InjectResult:
+    """Admit a request whose prompt was prefilled elsewhere: its KV comes from `payload` and its
+    first output token is `first_token` (already streamed by the prefill worker, so not emitted
+    again). The next step() decodes the second token. Any problem with the payload (missing,
+    mismatched, no free blocks) queues the request to recompute prompt + first token instead,
+    which gives the same result, only slower."""
+    engine.add_request(request_id, prompt_token_ids, params, priority)
+    req, tr = engine.scheduler.by_id[request_id], engine.tracked[request_id]
+    req.output_token_ids.append(first_token)
+    if req.grammar is not None:
+        req.grammar.accept_token(first_token)
+    tr.stops.feed(tr.detok.push([first_token]))  # keep detokenizer/stop-string state in step
+    engine.runner.last_sampled[request_id] = first_token
+    stops = first_token in req.eos_token_ids or first_token in params.stop_token_ids
+    if req.max_tokens <= 1 or tr.stops.stopped or (params.min_tokens <= 1 and stops) or (
+            req.grammar is not None and req.grammar.is_terminated()):
+        engine.abort_request(request_id)
+        raise ValueError(f"{request_id} finished at its first token: nothing to decode")
+    if payload is not None and payload.generator_state is not None and req.generator is not None:
+        req.generator.set_state(payload.generator_state)
+    problem = _payload_problem(engine, prompt_token_ids, payload)
+    if problem:
+        return InjectResult(False, reason=problem)
+    bm, bs = engine.block_manager, engine.block_manager.block_size
+    hits = bm.match_prefix(req)
+    n = max(min(payload.num_tokens, len(prompt_token_ids)), len(hits) * bs)
+    if not bm.can_allocate(req, n, hits):
+        return InjectResult(False, reason="no free KV blocks")
+    bm.allocate(req, n, hits)
+    fresh = req.block_ids[len(hits):]
+    if fresh:
+        scatter_blocks(engine.runner.kv_caches, fresh,
+                       [(k[len(hits):], v[len(hits):]) for k, v in payload.layers])
+    req.num_computed_tokens = n
+    bm.cache_blocks(req)
+    sched = engine.scheduler
+    if len(sched.running) < sched.config.max_num_seqs:
+        sched.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        sched.running.append(req)
+    # else: it waits with its KV attached; admission then schedules just the decode token.
+    return InjectResult(True, n, len(fresh), len(hits))
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    first_token: int
+    payload: KVPayload | None  # None: the request finished at its first token (no decode stage)
+    output: RequestOutput  # the first output (text, logprobs, finish reason) to stream
+    other_outputs: list[RequestOutput] = field(default_factory=list)  # other requests' outputs
+
+
+def prefill(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            priority: int = 0, **extract_kw: Any) -> PrefillResult:
+    """Run a request on a prefill engine until its first token, extract its prompt KV, drop it.
+    Pass the request's real params: the first token is sampled (and may finish it) as usual."""
+    engine.add_request(request_id, prompt_token_ids, params, priority)
+    others: list[RequestOutput] = []
+    while True:
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"{request_id} ended without output")
+        outs = engine.step()
+        mine = [o for o in outs if o.request_id == request_id]
+        others += [o for o in outs if o.request_id != request_id]
+        if mine:
+            break
+    out = mine[0]
+    if out.finished:
+        return PrefillResult(out.new_token_ids[0], None, out, others)
+    payload = extract_kv(engine, request_id, **extract_kw)
+    engine.abort_request(request_id)
+    return PrefillResult(out.new_token_ids[0], payload, out, others)
