@@ -44,6 +44,11 @@ class DPStats:
 
 
 class DPEngine:
+    """LLMEngine-shaped (add_request / abort_request / step / stats / close), but `step` is a
+    collective: serving loops must call it every iteration, idle or not (`lockstep`)."""
+
+    lockstep = True  # for serving loops: call step() even with no local requests
+
     def __init__(self, config: EngineConfig, group: EPGroup, ep: EPConfig | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
         if config.async_scheduling:
@@ -60,7 +65,7 @@ class DPEngine:
         if self.ep.eplb_interval or self.ep.count_loads:
             for layer in self.layers:
                 layer.enable_load_counting()
-        self.stats = DPStats()
+        self.dp_stats = DPStats()
         self.group_idle = False  # set by step(): no rank had work
 
     # --- per-rank request API (local, no collectives) -------------------------------------
@@ -74,8 +79,15 @@ class DPEngine:
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
 
+    def stats(self) -> dict[str, float | int]:
+        s = self.dp_stats
+        return {**self.engine.stats(), "ep_rank": self.group.rank, "ep_size": self.group.world_size,
+                "group_steps": s.group_steps, "dummy_steps": s.dummy_steps, "rebalances": len(s.rebalances)}
+
     # --- collectives: every rank calls these in the same order -----------------------------
     def step(self) -> list[RequestOutput]:
+        if self.group.device.type == "cuda":  # the current device is per thread; a serving loop may own its own
+            torch.cuda.set_device(self.group.device)
         busy = torch.tensor([int(self.engine.has_unfinished_requests())], device=self.group.device)
         dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=self.group.group)
         self.group_idle = not bool(busy.item())
@@ -89,9 +101,9 @@ class DPEngine:
                 raise RuntimeError(f"engine ran {ran} forwards in one step; the group expects 1")
             if ran == 0:
                 dummy_forward(self.layers)
-                self.stats.dummy_steps += 1
-        self.stats.group_steps += 1
-        if self.ep.eplb_interval and self.stats.group_steps % self.ep.eplb_interval == 0:
+                self.dp_stats.dummy_steps += 1
+        self.dp_stats.group_steps += 1
+        if self.ep.eplb_interval and self.dp_stats.group_steps % self.ep.eplb_interval == 0:
             self.rebalance()
         return outs
 
@@ -108,7 +120,7 @@ class DPEngine:
         """EPLB over the loads recorded since the last rebalance (collective)."""
         gain = self.ep.eplb_min_gain if min_gain is None else min_gain
         reports = rebalance(self.layers, self.group, gain)
-        self.stats.rebalances.append(reports)
+        self.dp_stats.rebalances.append(reports)
         return reports
 
     def rank_loads(self) -> list[list[int]]:

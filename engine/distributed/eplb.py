@@ -64,6 +64,14 @@ def _pack(weight: list[float], reps: list[int], num_ranks: int, width: int) -> l
     return bins
 
 
+def _anchored(weight: list[float], previous: Placement) -> list[set[int]]:
+    """The previous placement improved by swaps only: no new replicas, few moves."""
+    bins = [set(row) for row in previous.slots]
+    load = [sum(weight[e] for e in b) for b in bins]
+    _improve(bins, load, weight)
+    return bins
+
+
 def _improve(bins: list[set[int]], load: list[float], weight: list[float]) -> None:
     """Swap one expert of the most loaded rank with one of another rank while that lowers the max."""
     for _ in range(4 * sum(len(b) for b in bins)):
@@ -110,11 +118,22 @@ def _keep_in_place(bins: list[set[int]], previous: Placement | None, width: int)
 
 def plan_placement(loads: Sequence[float], num_ranks: int, slots_per_rank: int,
                    previous: Placement | None = None) -> Placement:
-    """A placement of len(loads) experts on num_ranks x slots_per_rank slots minimising the max rank load."""
+    """A placement of len(loads) experts on num_ranks x slots_per_rank slots minimising the max rank load.
+
+    With `previous`, the previous layout improved by swaps is a second candidate; it wins ties
+    (fewer weight moves), so the plan is never worse than `previous` and keeps it when balanced.
+    """
     reps = replica_counts(loads, num_ranks * slots_per_rank, num_ranks)
     weight = [float(w) / r for w, r in zip(loads, reps, strict=True)]
-    bins = _pack(weight, reps, num_ranks, slots_per_rank)
-    return Placement.from_lists(len(loads), _keep_in_place(bins, previous, slots_per_rank))
+    packed = Placement.from_lists(len(loads), _keep_in_place(_pack(weight, reps, num_ranks, slots_per_rank),
+                                                             previous, slots_per_rank))
+    if previous is None or previous.num_ranks != num_ranks or previous.slots_per_rank != slots_per_rank:
+        return packed
+    prev_weight = [float(w) / r for w, r in zip(loads, previous.num_replicas(), strict=True)]
+    anchored = Placement.from_lists(len(loads), _keep_in_place(_anchored(prev_weight, previous), previous,
+                                                               slots_per_rank))
+    max_packed, max_anchored = max(packed.rank_loads(loads)), max(anchored.rank_loads(loads))
+    return anchored if max_anchored <= max_packed * (1 + 1e-9) else packed
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ def prompt(n: int, seed: int, vocab: list[int] | None = None) -> list[int]:
 
 def reference_tokens(ckpt: Path, requests: list[tuple[str, list[int], int]]) -> dict[str, list[int]]:
     """Greedy tokens of (id, prompt, max_tokens) requests on one single-process engine."""
-    engine = LLMEngine(EngineConfig(model=str(ckpt), **ENGINE_KWARGS))
+    engine = LLMEngine(EngineConfig(model=str(ckpt), **{**ENGINE_KWARGS, "num_kv_blocks": 512}))
     for rid, ids, n in requests:
         engine.add_request(rid, ids, greedy(n))
     out: dict[str, list[int]] = {}

@@ -10,6 +10,7 @@ One group launch per world size runs every phase (launches dominate the runtime)
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -41,6 +42,10 @@ def engine_requests(rank: int) -> list[tuple[str, list[int], int]]:
 def eplb_requests(rank: int, phase: int) -> list[tuple[str, list[int], int]]:
     return [(f"eplb{phase}-r{rank}-{i}", prompt(24, seed=1000 * phase + 10 * rank + i, vocab=HOT_TOKENS),
              10 if phase == 1 else 3) for i in range(2)]
+
+
+def auto_requests(rank: int) -> list[tuple[str, list[int], int]]:
+    return [(f"auto-r{rank}-{i}", prompt(16, seed=5000 + 10 * rank + i, vocab=HOT_TOKENS), 5) for i in range(2)]
 
 
 @torch.inference_mode()
@@ -75,7 +80,7 @@ def rank_main(engine: DPEngine) -> dict:
     else:
         out["logits2"] = batch_logits(model, [5], seed=77 * rank)
     out["tokens"] = run_tokens(engine, engine_requests(rank))
-    out["dummy_steps"] = engine.stats.dummy_steps
+    out["dummy_steps"] = engine.dp_stats.dummy_steps
     # EPLB: phase-1 requests run 3 steps, then rebalance mid-generation, then phase 2 joins.
     engine.reset_loads()
     for rid, ids, n in eplb_requests(rank, 1):
@@ -96,6 +101,11 @@ def rank_main(engine: DPEngine) -> dict:
     for rid, toks in engine.run_to_completion().items():
         eplb_tokens.setdefault(rid, []).extend(toks)
     out["eplb_tokens"] = eplb_tokens
+    # Automatic EPLB every 2 group steps while requests run.
+    engine.ep = dataclasses.replace(engine.ep, eplb_interval=2, eplb_min_gain=0.0)
+    done = len(engine.dp_stats.rebalances)
+    out["auto_tokens"] = run_tokens(engine, auto_requests(rank))
+    out["auto_rebalances"] = len(engine.dp_stats.rebalances) - done
     return out
 
 
@@ -106,6 +116,19 @@ def ep_run(request: pytest.FixtureRequest, moe_ckpt) -> tuple[int, list[dict]]:
                               ep=EPConfig(num_redundant_experts=world, count_loads=True),
                               start_method="forkserver", preload=PRELOAD, timeout_s=150)
     return world, results
+
+
+@pytest.fixture(scope="module")
+def reference(moe_ckpt) -> dict[str, list[int]]:
+    """Single-process greedy tokens of every request any rank serves (one engine run: greedy
+    tokens do not depend on the batch a request shares)."""
+    reqs = [r for rank in range(4) for r in engine_requests(rank) + eplb_requests(rank, 1)
+            + eplb_requests(rank, 2) + auto_requests(rank)]
+    return reference_tokens(moe_ckpt, reqs)
+
+
+def expected(reference: dict[str, list[int]], reqs: list[tuple[str, list[int], int]]) -> dict[str, list[int]]:
+    return {rid: reference[rid] for rid, _, _ in reqs}
 
 
 @pytest.fixture(scope="module")
@@ -127,16 +150,16 @@ def test_forward_logits_match_single_process(ep_run, plain_model):
             assert float(np.abs(res["logits2"] - batch_logits(plain_model, [5], seed=77 * rank)).max()) < 1e-5
 
 
-def test_greedy_tokens_match_single_process(ep_run, moe_ckpt):
+def test_greedy_tokens_match_single_process(ep_run, reference):
     world, results = ep_run
     for rank, res in enumerate(results):
         reqs = engine_requests(rank)
-        assert res["tokens"] == reference_tokens(moe_ckpt, reqs)
+        assert res["tokens"] == expected(reference, reqs)
         assert [len(res["tokens"][rid]) for rid, _, _ in reqs] == [n for _, _, n in reqs]
     assert results[0]["dummy_steps"] > 0  # rank 0 has the shortest requests: it idled while others ran
 
 
-def test_eplb_lowers_imbalance_and_keeps_outputs(ep_run, moe_ckpt):
+def test_eplb_lowers_imbalance_and_keeps_outputs(ep_run, reference):
     world, results = ep_run
     before, after = results[0]["measured_before"], results[0]["measured_after"]
     planned = results[0]["planned"]
@@ -147,4 +170,18 @@ def test_eplb_lowers_imbalance_and_keeps_outputs(ep_run, moe_ckpt):
     assert sum(m for _, _, m in planned) > 0
     for rank, res in enumerate(results):
         reqs = eplb_requests(rank, 1) + eplb_requests(rank, 2)
-        assert res["eplb_tokens"] == reference_tokens(moe_ckpt, reqs)  # none dropped, same tokens
+        assert res["eplb_tokens"] == expected(reference, reqs)  # none dropped, same tokens
+        assert res["auto_rebalances"] >= 2
+        assert res["auto_tokens"] == expected(reference, auto_requests(rank))
+
+
+def failing_rank_main(engine: DPEngine) -> None:
+    if engine.group.rank == 1:
+        raise ValueError("boom")
+    run_tokens(engine, engine_requests(0))  # blocks in a collective that rank 1 never joins
+
+
+def test_launcher_reports_a_failed_rank_and_stops_the_group(moe_ckpt):
+    with pytest.raises(RuntimeError, match="EP rank 1 failed(.|\n)*boom"):
+        launch_ep_group(str(moe_ckpt), 2, failing_rank_main, engine_kwargs=ENGINE_KWARGS,
+                        start_method="forkserver", preload=PRELOAD, timeout_s=60)
