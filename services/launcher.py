@@ -6,6 +6,7 @@ to kill a worker process for real); `serve()` runs a single service in this proc
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import logging
 import os
@@ -91,6 +92,8 @@ class Stack:
         return out
 
     def start(self) -> Self:
+        if self.cfg.log_dir:
+            Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
         if not self.cfg.nats_url:
             log_file = str(Path(self.cfg.log_dir) / "nats.log") if self.cfg.log_dir else None
             self.nats = NatsServer(port=self.cfg.nats_port, log_file=log_file).start()
@@ -106,7 +109,6 @@ class Stack:
         cmd = [sys.executable, "-m", f"moebus.services.{service}", *to_cli_args(scfg)]
         out = None
         if self.cfg.log_dir:
-            Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.cfg.log_dir) / f"{scfg.instance_id}.log", "ab")  # noqa: SIM115
         # Own session: Ctrl-C reaches only the launcher, which then stops everyone in order.
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
@@ -115,9 +117,17 @@ class Stack:
         return proc
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        asyncio.run(self._wait_ready(timeout or self.cfg.ready_timeout_s))
+        coro = self.wait_ready_async(timeout)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coro)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from async code: no nested loops
+            pool.submit(asyncio.run, coro).result()
 
-    async def _wait_ready(self, timeout: float) -> None:
+    async def wait_ready_async(self, timeout: float | None = None) -> None:
+        """Until every instance answers `ready` and each balancer sees every worker."""
+        timeout = timeout or self.cfg.ready_timeout_s
         bus = await Bus.connect(BusConfig(servers=[self.nats_url], name="launcher"), Tracing("launcher"))
         subjects, pending = Subjects(), dict(self.services)
         deadline = time.monotonic() + timeout

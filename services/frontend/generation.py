@@ -89,6 +89,9 @@ class Generation:
 
     async def _retry(self) -> None:
         failed = self.worker_id
+        if failed:  # it may be alive after all (a NATS blip looks like a death): stop the old attempt
+            await self.router.bus.publish(self.router.subjects.worker_abort(failed),
+                                          AbortRequest(request_id=self.request_id, reason="rerouted"))
         self.req = self.req.model_copy(update={
             "attempt": self.req.attempt + 1, "exclude_workers": [*self.req.exclude_workers, failed]})
         self.open, self._got_tokens, self.worker_id = set(range(self.req.params.n)), False, None

@@ -1,0 +1,108 @@
+"""The whole stack as real processes on the real model (SmolLM2-135M), driven with the openai SDK."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from moebus.services.launcher import Stack, StackConfig
+from moebus.shared.bus import Bus, BusConfig
+from moebus.shared.nats_server import free_port
+from moebus.shared.service import Empty, Stats
+from moebus.shared.subjects import Subjects
+from moebus.shared.tracing import Tracing
+
+pytest.importorskip("torch")
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    try:
+        from moebus.engine.loader.gguf_file import embedded_gguf_path
+
+        embedded_gguf_path()
+    except Exception:
+        pytest.skip("the embedded SmolLM2 GGUF is not available")
+    cfg = StackConfig(port=free_port(), host="127.0.0.1", model="smollm2", workers=1, heartbeat_interval_s=0.25,
+                      engine={"num_kv_blocks": 256, "max_num_seqs": 8}, ready_timeout_s=180,
+                      log_dir=str(tmp_path_factory.mktemp("logs")))
+    with Stack(cfg) as s:
+        yield s
+
+
+def client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+
+
+async def worker_stats(stack: Stack) -> dict:
+    bus = await Bus.connect(BusConfig(servers=[stack.nats_url], name="test"), Tracing("test"))
+    try:
+        return (await bus.request(Subjects().stats("worker", "worker-0"), Empty(), Stats, 5)).stats
+    finally:
+        await bus.drain()
+
+
+async def test_chat_greedy_stream_equals_non_stream(stack: Stack) -> None:
+    c = client(stack)
+    r = await c.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=12, temperature=0)
+    text = r.choices[0].message.content
+    assert "Paris" in text
+    assert r.usage.prompt_tokens > 10 and 0 < r.usage.completion_tokens <= 12
+    stream = await c.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=12, temperature=0,
+                                             stream=True, stream_options={"include_usage": True})
+    chunks = [ch async for ch in stream]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # same prompt: prefix cache hit
+
+
+async def test_stop_string_and_logprobs(stack: Stack) -> None:
+    c = client(stack)
+    r = await c.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=12, temperature=0,
+                                        stop=["Paris"], logprobs=True, top_logprobs=2)
+    choice = r.choices[0]
+    assert "Paris" not in choice.message.content and choice.finish_reason == "stop"
+    assert choice.logprobs.content and all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    r = await c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=3,
+                                   temperature=0, logprobs=1)
+    assert len(r.choices[0].logprobs.tokens) == 3 and r.choices[0].finish_reason == "length"
+
+
+async def test_sampling_n_seed_and_json(stack: Stack) -> None:
+    c = client(stack)
+    r = await c.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=6, n=2, temperature=0.8,
+                                        top_p=0.95, seed=3, frequency_penalty=0.3)
+    assert len(r.choices) == 2 and r.usage.completion_tokens <= 12
+    r = await c.chat.completions.create(
+        model="smollm2", max_tokens=40, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give a JSON object with the key city set to Paris."}])
+    content = r.choices[0].message.content.strip()
+    assert content.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+
+
+async def test_cancelled_stream_frees_kv_blocks(stack: Stack) -> None:
+    c = client(stack)
+    before = await worker_stats(stack)
+    stream = await c.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=200, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == 3:
+            break
+    busy = await worker_stats(stack)
+    assert busy["engine"]["kv_blocks_free"] < busy["engine"]["kv_blocks_total"]
+    await stream.close()
+    for _ in range(100):
+        stats = await worker_stats(stack)
+        if stats["aborted"] == before["aborted"] + 1 and stats["engine"]["num_running"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert stats["aborted"] == before["aborted"] + 1 and stats["active_requests"] == 0
+    # Blocks of the aborted request are free again (the prefix cache may keep cached ones: they are evictable).
+    assert stats["engine"]["kv_blocks_free"] >= before["engine"]["kv_blocks_free"]
