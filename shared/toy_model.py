@@ -58,6 +58,7 @@ class ToyEngineConfig:
     max_num_seqs: int = 8
     block_size: int = 16
     num_blocks: int = 256
+    max_model_len: int = 2048
 
 
 @dataclass
@@ -90,6 +91,8 @@ class ToyEngine:
         self._free = self.cfg.num_blocks
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        if len(prompt_token_ids) >= self.cfg.max_model_len:  # the same check (and error type) as the engine
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.cfg.max_model_len}")
         structured = getattr(params, "structured", None)
         reply = TOY_JSON if structured is not None else TOY_REPLY
         self._waiting.append(_Req(request_id, list(prompt_token_ids), params, self.tokenizer.encode(reply)))

@@ -82,6 +82,13 @@ async def models(request: web.Request) -> web.Response:
         {"id": m, "object": "model", "created": 0, "owned_by": "moebus"} for m in names]})
 
 
+async def model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    if name not in request.app[CONFIG].models:
+        raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+    return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "moebus"})
+
+
 async def health(request: web.Request) -> web.Response:
     fe = request.app[FRONTEND]
     ok = fe.bus.connected and not fe.draining
@@ -113,6 +120,7 @@ def create_app(cfg: FrontendConfig, tracer_provider: TracerProvider | None = Non
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

@@ -23,6 +23,8 @@ class PrefixIndex:
         if ev.snapshot:
             self._discard(key, list(self._by_key.get(key, ())))
         self._discard(key, ev.evicted)
+        if not ev.stored:
+            return
         held = self._by_key[key]
         for h in ev.stored:
             held.add(h)

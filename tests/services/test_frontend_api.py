@@ -161,3 +161,16 @@ async def test_api_keys(nats_server) -> None:
         async with aiohttp.ClientSession() as http:  # probes stay open
             async with http.get(stack.base_url + "/health") as r:
                 assert r.status == 200
+
+
+async def test_prompt_too_long_is_a_400_even_when_streaming(stack: ToyStack) -> None:
+    client = stack.client()
+    long = [{"role": "user", "content": "x" * 3000}]  # the toy engine's max_model_len is 2048 tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="toy", messages=long)
+    assert "max_model_len" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model="toy", messages=long, stream=True)
+    assert (await client.models.retrieve("toy")).id == "toy"
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("nope")
