@@ -32,7 +32,7 @@ H_ID, H_SEQ, H_TOTAL, H_BYTES, H_CRC = ("Moebus-Kv-Id", "Moebus-Kv-Seq", "Moebus
 @dataclass(slots=True)
 class NatsTransportConfig:
     chunk_bytes: int = 512 * 1024  # capped by the server's max_payload
-    window: int = 8  # chunks per acked round trip
+    window: int = 16  # chunks per acked round trip (bounds bytes in flight)
     ack_timeout_s: float = 10.0
     ttl_s: float = 60.0  # partial or unclaimed transfers are dropped after this
     pending_bytes_limit: int = 512 * 1024 * 1024  # receiver subscription buffer

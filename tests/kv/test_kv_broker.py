@@ -1,0 +1,145 @@
+"""KV broker: prefix index, the service over a real nats-server, and falling back when it dies."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import nats
+import pytest
+
+from moebus.engine.kv_tiers import CpuTier, KVOffloader, TieredKVStore, load_prefix
+from moebus.engine.kv_transfer import kv_namespace, stable_block_hashes
+from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService, PrefixIndex
+from moebus.services.kvbroker.client import KVBrokerClient
+from moebus.shared.kv_messages import KVEvent, KVSubjects
+from moebus.shared.messages import WorkerLost
+from moebus.shared.subjects import Subjects
+
+from .conftest import run
+from .test_kv_tiers import block, same
+
+
+def test_index_longest_prefix_per_holder_and_tier():
+    idx = PrefixIndex()
+    idx.apply(KVEvent(holder="w1", stored=[1, 2, 3, 4]), now=0)
+    idx.apply(KVEvent(holder="w2", stored=[1, 2, 9]), now=0)
+    idx.apply(KVEvent(holder="w2", tier="cpu", stored=[1, 2, 3]), now=0)
+    idx.apply(KVEvent(holder="w3", stored=[2, 3, 4]), now=0)  # no first block: no prefix at all
+    got = [(m.holder, m.tier, m.num_blocks) for m in idx.longest_prefix([1, 2, 3, 4, 5])]
+    assert got == [("w1", "device", 4), ("w2", "cpu", 3), ("w2", "device", 2)]
+    assert [m.holder for m in idx.longest_prefix([1, 2], holders={"w2"})] == ["w2", "w2"]
+    idx.apply(KVEvent(holder="w1", evicted=[3]), now=1)  # a hole ends w1's prefix
+    assert idx.longest_prefix([1, 2, 3, 4])[0].num_blocks == 3 and idx.longest_prefix([1, 2, 3, 4])[0].holder == "w2"
+    idx.apply(KVEvent(holder="w2", tier="cpu", stored=[7], snapshot=True), now=1)  # replaces w2/cpu
+    assert ("w2", "cpu") not in {(m.holder, m.tier) for m in idx.longest_prefix([1])}
+    idx.apply(KVEvent(holder="w1", cleared=True), now=2)
+    assert idx.holder_sizes() == {"w2": 4, "w3": 3}
+    assert sorted(idx.expire(now=32, ttl_s=30)) == ["w2", "w3"] and idx.holder_sizes() == {}
+
+
+async def test_broker_service_index_queries_and_tier_put_get(nats_server, tmp_path):
+    prefix = "moebus.v1"
+    cfg = KVBrokerConfig(nats_server.url, prefix, cpu_bytes=2 * block(0).nbytes, disk_dir=str(tmp_path),
+                         expire_interval_s=0.05, holder_ttl_s=30)
+    nc = await nats.connect(nats_server.url)
+    async with KVBrokerService(cfg), KVBrokerClient(nc, "worker-1") as w1, KVBrokerClient(nc, "worker-2") as w2:
+        await w1.publish(stored=[10, 11, 12])
+        await w2.publish(stored=[10, 11])
+        await nc.flush()
+        await asyncio.sleep(0.05)
+        matches = await w1.query([10, 11, 12, 13])
+        assert [(m.holder, m.num_blocks) for m in matches] == [("worker-1", 3), ("worker-2", 2)]
+
+        blocks = [block(i) for i in range(3)]
+        assert await w1.put_blocks([10, 11, 12], blocks)  # more than the CPU tier: spills to disk
+        matches = await w2.query([10, 11, 12, 13])
+        assert ("kvbroker", 3) in [(m.holder, m.num_blocks) for m in matches]
+        got = await w2.get_blocks([10, 11, 12, 13])
+        assert len(got) == 3 and all(same(a, b) for a, b in zip(got, blocks, strict=True))
+        assert await w2.get_blocks([99]) == []
+
+        await nc.publish(Subjects(prefix).balancer_worker_lost, WorkerLost(worker_id="worker-1").encode())
+        await nc.flush()
+        await asyncio.sleep(0.05)
+        stats = await w1.stats()
+        assert "worker-1" not in stats.holders and stats.holders["worker-2"] == 2
+        assert stats.puts == 1 and stats.gets == 2 and stats.tiers["disk"]["blocks"] >= 1
+        local = TieredKVStore([CpuTier(1 << 20)])
+        assert await w1.fetch_into(local, [10, 11, 12]) == 3 and local.longest_prefix([10, 11, 12]) == 3
+    await nc.close()
+
+
+def _start_broker(url: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "moebus.services.kvbroker", "--nats-url", url,
+                             "--cpu-bytes", "256M", "--log-level", "WARNING"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "kvbroker ready" in line:
+            return proc
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"kvbroker did not start: {proc.stdout.read()}")
+
+
+def test_broker_killed_midway_falls_back_to_recompute(engine_b, prompt, reference, nats_server):
+    proc = _start_broker(nats_server.url)
+    bm, ns = engine_b.block_manager, kv_namespace(engine_b)
+    hashes = stable_block_hashes(prompt, 16, ns)[: (len(prompt) - 1) // 16]
+
+    async def main() -> None:
+        nc = await nats.connect(nats_server.url)
+        async with KVBrokerClient(nc, "worker-b", KVSubjects(), timeout_s=1.0) as client:
+            # Offload the prompt's blocks to the broker, as a worker would after prefill.
+            bm.reset_prefix_cache()
+            staged = TieredKVStore([CpuTier(64 << 20)])
+            off = KVOffloader(staged)
+            run(engine_b, "to-broker", prompt, after_step=lambda: off.offload(engine_b))
+            held = staged.get_prefix(hashes)
+            assert await client.put_blocks(hashes, held)
+            m = await client.query(hashes)
+            assert m and m[0].holder == "kvbroker" and m[0].num_blocks == len(hashes)
+
+            # The happy path: fetch, load, prefix hit.
+            bm.reset_prefix_cache()
+            local = TieredKVStore([CpuTier(64 << 20)])
+            assert await client.fetch_into(local, hashes) == len(hashes)
+            hit = run(engine_b, "from-broker", prompt, before_step=lambda: load_prefix(engine_b, "from-broker", local))
+            assert hit.tokens == reference and hit.computed < len(prompt)
+
+            # The broker dies mid-way: queries and fetches degrade, the request recomputes.
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            bm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            assert await client.query(hashes) is None
+            empty = TieredKVStore([CpuTier(64 << 20)])
+            assert await client.fetch_into(empty, hashes) == 0
+            assert await client.put_blocks(hashes, held) is False
+            assert time.perf_counter() - t0 < 3  # no-responders fail fast
+            loaded: list[int] = []
+            cold = run(engine_b, "after-kill", prompt,
+                       before_step=lambda: loaded.append(load_prefix(engine_b, "after-kill", empty)))
+            assert loaded == [0] and cold.tokens == reference and cold.computed == len(prompt) + 5
+        await nc.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        bm.reset_prefix_cache()
+
+
+@pytest.mark.parametrize("size", ["512M", "4GiB", "1024", "2k"])
+def test_cli_sizes(size):
+    from moebus.services.kvbroker.__main__ import parse_bytes
+
+    assert parse_bytes(size) in (512 << 20, 4 << 30, 1024, 2048)

@@ -1,0 +1,101 @@
+"""Prefill on engine A, move the KV, decode on engine B: same tokens as one aggregated engine."""
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+from moebus.engine.kv_transfer import (
+    KVTransferTimeout,
+    NatsKVTransport,
+    ShmKVTransport,
+    ShmTransportConfig,
+    extract_kv,
+    inject_prefilled,
+    kv_namespace,
+    prefill,
+)
+from moebus.engine.sampling import SamplingParams
+
+from .conftest import GREEDY, run
+
+
+async def _transfer(kind: str, payload, url: str):
+    if kind == "shm":
+        rx, tx = ShmKVTransport(ShmTransportConfig(address="moebus-kv-disagg")), ShmKVTransport()
+        await tx.send(payload, rx.address, "req-1#0")
+        return await rx.receive("req-1#0", 5)
+    a, b = await nats.connect(url), await nats.connect(url)
+    try:
+        rx = await NatsKVTransport(b, "moebus.v1.kvtransfer.push.decode-0").start()
+        await NatsKVTransport(a, None).send(payload, rx.address, "req-1#0")
+        return await rx.receive("req-1#0", 5)
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize("kind", ["nats", "shm"])
+def test_disaggregated_matches_aggregated(engine_a, engine_b, prompt, reference, nats_server, kind):
+    engine_b.block_manager.reset_prefix_cache()
+    pre = prefill(engine_a, f"p-{kind}", prompt, GREEDY)
+    assert pre.payload is not None and pre.payload.num_tokens == len(prompt)
+    assert pre.first_token == reference[0] and not engine_a.has_unfinished_requests()
+    got = asyncio.run(_transfer(kind, pre.payload, nats_server.url))
+    assert got.equal(pre.payload)
+    res = inject_prefilled(engine_b, f"d-{kind}", prompt, pre.first_token, GREEDY, got)
+    assert res.injected and res.num_tokens == len(prompt) and res.num_copied_blocks == -(-len(prompt) // 16)
+    out = run(engine_b, f"d-{kind}")
+    assert [pre.first_token] + out.tokens == reference
+    assert out.computed == GREEDY.max_tokens - 1  # decode steps only: no prompt recompute
+    assert engine_b.block_manager.num_free_blocks == len(engine_b.block_manager.blocks)
+    # The injected prompt blocks are now ordinary prefix-cache entries on B.
+    assert run(engine_b, f"again-{kind}", prompt).tokens == reference
+    engine_b.block_manager.reset_prefix_cache()
+
+
+def test_seeded_sampling_continues_the_same_stream(engine_a, engine_b, prompt):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=5)
+    engine_b.block_manager.reset_prefix_cache()
+    aggregated = run(engine_b, "seeded-agg", prompt, params).tokens
+    engine_b.block_manager.reset_prefix_cache()
+    pre = prefill(engine_a, "seeded-p", prompt, params)
+    assert pre.payload.generator_state is not None
+    inject_prefilled(engine_b, "seeded-d", prompt, pre.first_token, params, pre.payload)
+    assert [pre.first_token] + run(engine_b, "seeded-d").tokens == aggregated
+    engine_b.block_manager.reset_prefix_cache()
+
+
+def test_lost_or_bad_payload_falls_back_to_recompute(engine_a, engine_b, prompt, reference):
+    engine_b.block_manager.reset_prefix_cache()
+
+    async def lost():  # the prefill worker died mid-transfer: nothing arrives
+        return await ShmKVTransport(ShmTransportConfig(address="moebus-kv-lost")).receive("gone", 0.05)
+
+    with pytest.raises(KVTransferTimeout):
+        asyncio.run(lost())
+    res = inject_prefilled(engine_b, "lost", prompt, reference[0], GREEDY, None)
+    assert not res.injected and res.reason == "no payload"
+    out = run(engine_b, "lost")
+    assert [reference[0]] + out.tokens == reference
+    assert out.computed == len(prompt) + GREEDY.max_tokens - 1  # prompt + first token recomputed
+    engine_b.block_manager.reset_prefix_cache()
+
+    pre = prefill(engine_a, "other", prompt[::-1], GREEDY)  # KV of a different prompt
+    res = inject_prefilled(engine_b, "bad", prompt, reference[0], GREEDY, pre.payload)
+    assert not res.injected and "prefix" in res.reason
+    assert [reference[0]] + run(engine_b, "bad").tokens == reference
+    engine_b.block_manager.reset_prefix_cache()
+
+
+def test_extract_needs_a_live_request_and_first_token_stop_is_refused(engine_a, engine_b, prompt, reference):
+    with pytest.raises(KeyError):
+        extract_kv(engine_a, "no-such-request")
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    pre = prefill(engine_a, "one", prompt, one)  # done at its first token: nothing to move
+    assert pre.payload is None and pre.output.finished and pre.first_token == reference[0]
+    with pytest.raises(ValueError, match="first token"):
+        inject_prefilled(engine_b, "one", prompt, pre.first_token, one, None)
+    assert "one" not in engine_b.tracked and not engine_b.has_unfinished_requests()
+    assert kv_namespace(engine_a) == kv_namespace(engine_b)
