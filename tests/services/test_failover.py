@@ -15,7 +15,7 @@ from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.nats_server import free_port
 from moebus.shared.service import Empty, Stats
 from moebus.shared.subjects import Subjects
-from moebus.shared.toy_model import TOY_REPLY
+from moebus.shared.toy_model import TOY_REPLY, ToyTokenizer
 from moebus.shared.tracing import Tracing
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -83,3 +83,23 @@ async def test_drained_worker_hands_back_its_queue(stack: Stack) -> None:
         else:
             assert r.choices[0].message.content == TOY_REPLY[:8]
     assert stack.procs["worker-0"].wait(10) == 0
+
+
+async def test_started_stream_on_a_dead_worker_errors_instead_of_hanging(stack: Stack) -> None:
+    c = client(stack)
+    streams = [await c.chat.completions.create(model="toy", messages=CHAT, max_tokens=40, stream=True)
+               for _ in range(2)]  # one per worker, both past their first token
+    stack.kill("worker-0", signal.SIGKILL)
+
+    async def consume(s) -> str:
+        try:
+            return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+        except openai.APIError as e:  # the in-band SSE error event
+            return f"error: {e.message}"
+
+    started = time.monotonic()
+    results = sorted(await asyncio.wait_for(asyncio.gather(*(consume(s) for s in streams)), 20))
+    tok = ToyTokenizer()
+    assert results[0] == tok.decode(tok.encode(TOY_REPLY)[:40])
+    assert results[1].startswith("error:") and "lost" in results[1]
+    assert time.monotonic() - started < 5
