@@ -22,11 +22,8 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 def gather_blocks(kv_caches: KVCaches, block_ids: list[int], device: str | torch.device = "cpu") -> LayerKV:
     """Per layer (k, v) [len(block_ids), block_size, Hkv, D]: one gather per cache tensor."""
-    out = []
-    for k, v in kv_caches:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=k.device)
-        out.append((k.index_select(0, idx).to(device), v.index_select(0, idx).to(device)))
-    return out
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
+    return [(k.index_select(0, idx).to(device), v.index_select(0, idx).to(device)) for k, v in kv_caches]
 
 
 def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], layers: LayerKV) -> None:
@@ -34,10 +31,10 @@ def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], layers: LayerKV) -
     if len(layers) != len(kv_caches):
         raise ValueError(f"payload has {len(layers)} layers, the cache {len(kv_caches)}")
     n = len(block_ids)
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
     for (k, v), (sk, sv) in zip(kv_caches, layers, strict=True):
         if sk.shape[1:] != k.shape[1:] or sv.shape[1:] != v.shape[1:]:
             raise ValueError(f"block shape {tuple(sk.shape[1:])} does not match the cache {tuple(k.shape[1:])}")
-        idx = torch.tensor(block_ids, dtype=torch.long, device=k.device)
         k.index_copy_(0, idx, sk[:n].to(k.device, k.dtype))
         v.index_copy_(0, idx, sv[:n].to(v.device, v.dtype))
 

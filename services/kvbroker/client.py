@@ -70,9 +70,10 @@ class KVBrokerClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _request(self, subject: str, msg: Message, reply_type: type, timeout: float | None = None):
+    async def _request(self, subject: str, msg: Message | None, reply_type: type, timeout: float | None = None):
         try:
-            reply = await self.nc.request(subject, msg.encode(), timeout=timeout or self.timeout_s)
+            body = msg.encode() if msg is not None else b""
+            reply = await self.nc.request(subject, body, timeout=timeout or self.timeout_s)
         except nats.errors.NoRespondersError as e:
             raise BrokerUnavailable("no KV broker is running") from e
         except (TimeoutError, nats.errors.TimeoutError) as e:
@@ -103,7 +104,7 @@ class KVBrokerClient:
 
     async def stats(self) -> BrokerStats | None:
         try:
-            return await self._request(self.subjects.stats, PrefixQuery(hashes=[]), BrokerStats)
+            return await self._request(self.subjects.stats, None, BrokerStats)
         except BrokerUnavailable:
             return None
 

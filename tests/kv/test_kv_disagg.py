@@ -99,3 +99,24 @@ def test_extract_needs_a_live_request_and_first_token_stop_is_refused(engine_a, 
         inject_prefilled(engine_b, "one", prompt, pre.first_token, one, None)
     assert "one" not in engine_b.tracked and not engine_b.has_unfinished_requests()
     assert kv_namespace(engine_a) == kv_namespace(engine_b)
+
+
+def test_async_scheduling_engine_extracts_and_injects(prompt, reference):
+    # Under async scheduling the next step is already in flight when outputs come back: extract
+    # must skip its tokens and inject must not disturb it.
+    from .conftest import make_engine
+
+    eng = make_engine(async_scheduling=True, num_kv_blocks=32)
+    try:
+        pre = prefill(eng, "async-p", prompt, GREEDY)
+        assert pre.payload.num_tokens == len(prompt) and pre.first_token == reference[0]
+        eng.block_manager.reset_prefix_cache()
+        while eng.has_unfinished_requests():  # let the aborted request's in-flight step land
+            eng.step()
+        eng.block_manager.reset_prefix_cache()
+        assert inject_prefilled(eng, "async-d", prompt, pre.first_token, GREEDY, pre.payload).injected
+        out = run(eng, "async-d")
+        # decode steps only (async runs one step past the end before it sees the finish)
+        assert [pre.first_token] + out.tokens == reference and out.computed <= GREEDY.max_tokens
+    finally:
+        eng.close()
