@@ -14,7 +14,7 @@ import pytest
 from moebus.engine.kv_tiers import CpuTier, KVOffloader, TieredKVStore, load_prefix
 from moebus.engine.kv_transfer import kv_namespace, stable_block_hashes
 from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService, PrefixIndex
-from moebus.services.kvbroker.client import KVBrokerClient
+from moebus.services.kvbroker.tier_client import KVBrokerClient
 from moebus.shared.kv_messages import KVEvent, KVSubjects
 from moebus.shared.messages import WorkerLost
 from moebus.shared.subjects import Subjects

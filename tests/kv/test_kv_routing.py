@@ -66,3 +66,13 @@ def test_overlaps_from_broker_matches():
     assert device == {"w1": 7, "w2": 1} and tiers == {"w2": 3} and shared == 5
     workers = [WorkerState(w, cached_blocks=device.get(w, 0), tier_blocks=tiers.get(w, 0)) for w in ("w1", "w2", "w3")]
     assert [w for w, _ in rank_workers(160, workers, W, shared)] == ["w1", "w2", "w3"]
+
+
+def test_index_side_imports_stay_torch_free():
+    import subprocess
+    import sys
+
+    mods = ["moebus.services.kvbroker", "moebus.services.kvbroker.routing", "moebus.services.kvbroker.client",
+            "moebus.services.kvbroker.index", "moebus.shared.kv_messages"]
+    code = f"import sys\nfor m in {mods!r}: __import__(m)\nassert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
