@@ -8,8 +8,9 @@ from moebus.engine.request import Request
 
 
 def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
-    # Chaining makes a block's hash name its whole prefix, so equal hashes mean equal KV.
-    return hash((prev, tokens))
+    # Chaining makes a block's hash name its whole prefix, so equal hashes mean equal KV. Only ints are
+    # hashed (hash(None) is per-process on 3.11), so the value is the same in every process.
+    return hash((-1 if prev is None else prev, tokens))
 
 
 @dataclass(slots=True)
