@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -9,11 +11,15 @@ from moebus.shared.errors import ServiceError
 from moebus.shared.messages import RenderRequest
 
 from .body import parse_body
+from .choice import ChoiceState
 from .errors import APIError, bad_request
-from .events import Delta, Finish, events
+from .events import Delta, Event, Finish, events
 from .formats import SSE, chat_logprobs, usage
 from .keys import FRONTEND
 from .protocol import ChatCompletionRequest
+
+if TYPE_CHECKING:
+    from .service import FrontendService
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -47,7 +53,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              len(prompt), started)
 
 
-async def _with_errors(stream):
+async def _with_errors(stream: AsyncIterator[Event]) -> AsyncIterator[Event]:
     try:
         async for ev in stream:
             yield ev
@@ -55,7 +61,9 @@ async def _with_errors(stream):
         raise APIError.from_service_error(e) from None
 
 
-async def _stream(request, fe, body, base, stream, choices, want_logprobs, n_prompt, started):
+async def _stream(request: web.Request, fe: FrontendService, body: ChatCompletionRequest, base: dict,
+                  stream: AsyncIterator[Event], choices: list[ChoiceState], want_logprobs: bool, n_prompt: int,
+                  started: float) -> web.StreamResponse:
     sse = SSE(request)
     base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
     extra = {"usage": None} if body.include_usage else {}

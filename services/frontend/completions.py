@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -10,11 +12,16 @@ from moebus.shared.errors import ServiceError
 from moebus.shared.messages import RenderRequest
 
 from .body import parse_body
+from .choice import ChoiceState
 from .errors import APIError, bad_request
-from .events import Delta, Finish, Restart, events
+from .events import Delta, Event, Finish, Restart, events
 from .formats import SSE, completion_logprobs, usage
+from .generation import Generation
 from .keys import FRONTEND
 from .protocol import CompletionRequest
+
+if TYPE_CHECKING:
+    from .service import FrontendService
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -63,7 +70,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await _stream(request, fe, body, base, stream, pairs, prompts, want_lp, n_prompt, started)
 
 
-async def _stream(request, fe, body, base, stream, pairs, prompts, want_lp, n_prompt, started):
+async def _stream(request: web.Request, fe: FrontendService, body: CompletionRequest, base: dict,
+                  stream: AsyncIterator[Event], pairs: list[tuple[Generation, list[ChoiceState]]],
+                  prompts: list[tuple[list[int], str]], want_lp: bool, n_prompt: int,
+                  started: float) -> web.StreamResponse:
     extra = {"usage": None} if body.include_usage else {}
     offsets: dict[int, int] = {}
 

@@ -116,8 +116,9 @@ class WorkerService(Service):
         await self._outbox.put(None)
         await self._outbox_drained()
 
-    async def _outbox_drained(self) -> None:
-        while not self._outbox.empty():
+    async def _outbox_drained(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout  # bounded: a dead NATS must not hang the shutdown
+        while not self._outbox.empty() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
     # ---- endpoints -------------------------------------------------------------------------
