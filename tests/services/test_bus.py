@@ -72,16 +72,16 @@ async def test_service_errors_travel_as_headers(bus: Bus) -> None:
 async def test_slow_handler_does_not_block_the_subject(bus: Bus) -> None:
     async def handler(req: AbortRequest, _msg) -> GenerateAccepted:
         if req.request_id == "slow":
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(1.5)
         return GenerateAccepted(request_id=req.request_id, worker_id="w")
 
     await bus.subscribe("t.bus.mixed", AbortRequest, handler)
     await bus.flush()
-    slow = asyncio.create_task(bus.request("t.bus.mixed", AbortRequest(request_id="slow"), GenerateAccepted, 2))
+    slow = asyncio.create_task(bus.request("t.bus.mixed", AbortRequest(request_id="slow"), GenerateAccepted, 5))
     await asyncio.sleep(0.05)
     started = time.monotonic()
     await bus.request("t.bus.mixed", AbortRequest(request_id="fast"), GenerateAccepted, timeout=2)
-    assert time.monotonic() - started < 0.3
+    assert time.monotonic() - started < 1
     await slow
 
 

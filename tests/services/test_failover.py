@@ -102,4 +102,4 @@ async def test_started_stream_on_a_dead_worker_errors_instead_of_hanging(stack: 
     tok = ToyTokenizer()
     assert results[0] == tok.decode(tok.encode(TOY_REPLY)[:40])
     assert results[1].startswith("error:") and "lost" in results[1]
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 10  # noticed via missed heartbeats, not the 120 s idle timeout
