@@ -21,13 +21,14 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.models.deepseek_v4_attention import DeepseekV4Attention, RMSNorm
 from moebus.engine.models.hf_checkpoint import is_mtp_key, to_hf_names
 from moebus.engine.models.hyper_connections import HyperConnection, HyperHead
 from moebus.engine.models.moe import SCORING_FUNCS, MoE
 from moebus.kernels import rotary_cos_sin
-from torch import nn
 
 ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_KINDS = ("hash_moe", "moe")

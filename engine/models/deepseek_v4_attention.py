@@ -16,9 +16,10 @@ the same way, so the layer computes exactly the HF function.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from moebus.engine.attention import AttentionMetadata, attend
 from moebus.kernels import apply_rotary, rms_norm
-from torch import nn
 
 
 class RMSNorm(nn.Module):

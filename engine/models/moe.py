@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from moebus.kernels import fused_moe, silu_and_mul
 from torch import nn
+
+from moebus.kernels import fused_moe, silu_and_mul
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 

@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+
 from moebus.engine.attention import AttentionMetadata
 from moebus.engine.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
 from moebus.engine.models.hf_checkpoint import read_hf_checkpoint, write_tiny_deepseek_v4

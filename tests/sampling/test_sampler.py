@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+
 from moebus.engine.sampling import (
     Sampler,
     SamplingBatch,

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+
 from moebus.engine.sampling import (
     DraftModelProposer,
     NgramProposer,

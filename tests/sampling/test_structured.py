@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+
 from moebus.engine.sampling import (
     GrammarState,
     Sampler,
