@@ -7,17 +7,26 @@ import json
 
 from .launcher import SERVICES, up
 
+ROLES = ("prefill", "decode")  # `moebus serve decode ...` = `moebus serve worker --role decode ...`
+
 
 def _up(args: argparse.Namespace) -> int:
+    worker = json.loads(args.worker)
+    if args.torch_threads:
+        worker["torch_threads"] = args.torch_threads
     return up(port=args.port, model=args.model, host=args.host, workers=args.workers,
               served_model_name=args.served_model_name, nats_url=args.nats_url, nats_port=args.nats_port,
               api_keys=args.api_key or [], heartbeat_interval_s=args.heartbeat_interval,
-              max_queued=args.max_queued, engine=json.loads(args.engine), log_dir=args.log_dir)
+              max_queued=args.max_queued, engine=json.loads(args.engine), log_dir=args.log_dir,
+              mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+              kvbroker=False if args.no_kvbroker else None, worker=worker)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    main = importlib.import_module(f"moebus.services.{args.service}.__main__")
-    rest = list(args.options)
+    service, rest = args.service, list(args.options)
+    if service in ROLES:
+        service, rest = "worker", ["--role", service, *rest]
+    main = importlib.import_module(f"moebus.services.{service}.__main__")
     if args.nats_url:
         rest = ["--nats-url", args.nats_url, *rest]
     main.main(rest)
@@ -38,12 +47,19 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--max-queued", type=int, default=128, help="per worker, before answering 429")
     u.add_argument("--engine", default="{}", help='extra EngineConfig fields as JSON, e.g. \'{"max_num_seqs": 8}\'')
     u.add_argument("--log-dir", default=None)
+    u.add_argument("--mode", choices=("aggregated", "disaggregated"), default="aggregated",
+                   help="disaggregated: separate prefill and decode pools, KV moved between them")
+    u.add_argument("--prefill-workers", type=int, default=1)
+    u.add_argument("--decode-workers", type=int, default=1)
+    u.add_argument("--no-kvbroker", action="store_true", help="no KV broker (no KV-aware routing, no shared tiers)")
+    u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    u.add_argument("--worker", default="{}", help='extra WorkerConfig fields as JSON, e.g. \'{"kv_cpu_bytes": 1e9}\'')
     u.set_defaults(func=_up)
 
     s = subparsers.add_parser("serve", help="run one service in this process",
                               description="Options after the service name go to it; see "
                                           "`python -m moebus.services.<service> --help`.")
-    s.add_argument("service", choices=SERVICES)
+    s.add_argument("service", choices=(*SERVICES, *ROLES, "kvbroker"))
     s.add_argument("--nats-url", default=None)
     s.add_argument("options", nargs=argparse.REMAINDER)
     s.set_defaults(func=_serve)

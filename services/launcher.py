@@ -2,6 +2,8 @@
 
 `up()` blocks until SIGINT/SIGTERM; `Stack` is the same thing as a context manager (tests use it
 to kill a worker process for real); `serve()` runs a single service in this process.
+Real models also get a KV broker process (prefix index for KV-aware routing, shared tiers);
+`mode="disaggregated"` starts a prefill pool and a decode pool instead of `workers`.
 """
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.config_cli import to_cli_args
-from moebus.shared.errors import ServiceError
+from moebus.shared.kv_messages import KVSubjects
 from moebus.shared.messages import HealthReply
 from moebus.shared.nats_server import NatsServer
 from moebus.shared.service import Empty, ServiceConfig, Stats
@@ -31,6 +33,7 @@ from moebus.shared.tracing import Tracing
 
 log = logging.getLogger(__name__)
 SERVICES = ("tokenizer", "balancer", "worker", "frontend")
+STOP_ORDER = ("kvbroker", *SERVICES)  # stopped in reverse: frontends first, the broker last
 
 
 class StackConfig(BaseModel):
@@ -41,6 +44,13 @@ class StackConfig(BaseModel):
     model: str = "smollm2"
     served_model_name: str | None = None  # default: the model argument
     workers: int = Field(1, ge=1)
+    mode: Literal["aggregated", "disaggregated"] = "aggregated"
+    prefill_workers: int = Field(1, ge=1)  # disaggregated mode: the two pools
+    decode_workers: int = Field(1, ge=1)
+    kvbroker: bool | None = None  # None: on for real models (the toy engine has no KV cache)
+    kvbroker_args: list[str] = []  # extra flags, e.g. ["--cpu-bytes", "1G"]
+    worker: dict[str, Any] = {}  # extra WorkerConfig fields for every worker (e.g. torch_threads)
+    balancer: dict[str, Any] = {}  # extra BalancerConfig fields
     nats_url: str | None = None  # use a running NATS instead of starting one
     nats_port: int = 0  # 0: a free port
     api_keys: list[str] = []
@@ -82,11 +92,15 @@ class Stack:
         out: list[tuple[str, ServiceConfig]] = [
             ("tokenizer", classes["tokenizer"](instance_id="tokenizer-0", model=c.model, served_model_name=name,
                                                **common)),
-            ("balancer", classes["balancer"](instance_id="balancer-0", **common)),
+            ("balancer", classes["balancer"](instance_id="balancer-0", mode=c.mode, **c.balancer, **common)),
         ]
-        for i in range(c.workers):
-            out.append(("worker", classes["worker"](instance_id=f"worker-{i}", model=c.model, served_model_name=name,
-                                                    max_queued=c.max_queued, engine=c.engine, **common)))
+        pools = [("worker", "both", c.workers)] if c.mode == "aggregated" else [
+            ("prefill", "prefill", c.prefill_workers), ("decode", "decode", c.decode_workers)]
+        for prefix, role, n in pools:
+            for i in range(n):
+                wcfg = {"max_queued": c.max_queued, "engine": c.engine, "role": role, **c.worker}
+                out.append(("worker", classes["worker"](instance_id=f"{prefix}-{i}", model=c.model,
+                                                        served_model_name=name, **wcfg, **common)))
         out.append(("frontend", classes["frontend"](instance_id="frontend-0", host=c.host, port=c.port,
                                                     models=[name], **c.frontend, **common)))
         return out
@@ -101,19 +115,33 @@ class Stack:
         env = dict(os.environ)
         if self.cfg.api_keys:  # through the environment: keys stay out of `ps`
             env["MOEBUS_API_KEYS"] = ",".join(self.cfg.api_keys)
+        if self.kvbroker_on:
+            self.spawn_kvbroker(env)
         for service, scfg in self.service_configs():
             self.spawn(service, scfg, env)
         return self
 
+    @property
+    def kvbroker_on(self) -> bool:
+        return self.cfg.kvbroker if self.cfg.kvbroker is not None else self.cfg.model != "toy"
+
+    def spawn_kvbroker(self, env: dict[str, str] | None = None, instance_id: str = "kvbroker-0") -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "moebus.services.kvbroker", "--nats-url", self.nats_url,
+               *self.cfg.kvbroker_args]
+        return self._popen(instance_id, "kvbroker", cmd, env)
+
     def spawn(self, service: str, scfg: ServiceConfig, env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", f"moebus.services.{service}", *to_cli_args(scfg)]
+        return self._popen(scfg.instance_id, service, cmd, env)
+
+    def _popen(self, instance_id: str, service: str, cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
         out = None
         if self.cfg.log_dir:
-            out = open(Path(self.cfg.log_dir) / f"{scfg.instance_id}.log", "ab")  # noqa: SIM115
+            out = open(Path(self.cfg.log_dir) / f"{instance_id}.log", "ab")  # noqa: SIM115
         # Own session: Ctrl-C reaches only the launcher, which then stops everyone in order.
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                 start_new_session=True)
-        self.procs[scfg.instance_id], self.services[scfg.instance_id] = proc, service
+        self.procs[instance_id], self.services[instance_id] = proc, service
         return proc
 
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -138,9 +166,12 @@ class Stack:
                     if code is not None:
                         raise RuntimeError(f"{instance} exited with code {code} before it was ready")
                     try:
-                        await bus.request(subjects.ready(service, instance), Empty(), HealthReply, timeout=0.5)
+                        if service == "kvbroker":  # not a shared.Service: its stats endpoint answers once up
+                            await bus.nc.request(KVSubjects().stats, b"", timeout=0.5)
+                        else:
+                            await bus.request(subjects.ready(service, instance), Empty(), HealthReply, timeout=0.5)
                         del pending[instance]
-                    except ServiceError:
+                    except Exception:  # not up yet (no responders, timeout, error reply)
                         pass
                 if pending and time.monotonic() > deadline:
                     raise TimeoutError(f"not ready after {timeout:g}s: {sorted(pending)}")
@@ -166,7 +197,7 @@ class Stack:
 
     def stop(self, timeout: float = 20.0) -> None:
         # Frontends first (no new work), then the rest; each drains on SIGTERM.
-        order = sorted(self.procs, key=lambda i: SERVICES.index(self.services[i]), reverse=True)
+        order = sorted(self.procs, key=lambda i: STOP_ORDER.index(self.services[i]), reverse=True)
         for instance in order:
             if self.procs[instance].poll() is None:
                 self.procs[instance].terminate()
@@ -203,8 +234,10 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
     try:
         stack.start()
         stack.wait_ready()
-        print(f"moebus up: {stack.url}/v1 (model {cfg.served_model_name or model}, {cfg.workers} worker(s), "
-              f"NATS {stack.nats_url})", flush=True)
+        pools = f"{cfg.workers} worker(s)" if cfg.mode == "aggregated" else \
+            f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)"
+        print(f"moebus up: {stack.url}/v1 (model {cfg.served_model_name or model}, {pools}, "
+              f"{'KV broker, ' if stack.kvbroker_on else ''}NATS {stack.nats_url})", flush=True)
         while not stop.wait(0.5):
             dead = [i for i, p in stack.procs.items() if p.poll() is not None]
             if dead:

@@ -13,8 +13,8 @@ from typing import Self
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from moebus.shared.codec import Message
-from moebus.shared.kv_messages import (
+from .codec import Message
+from .kv_messages import (
     ERROR_HEADER,
     BrokerStats,
     KVEvent,

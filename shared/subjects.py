@@ -72,6 +72,10 @@ class Subjects:
     def worker_abort(self, instance_id: str) -> str:
         return self._s("worker", "abort", instance_id)
 
+    def worker_handoff(self, instance_id: str) -> str:
+        """Prefill -> decode worker: the first token of a split request."""
+        return self._s("worker", "handoff", instance_id)
+
     @property
     def worker_abort_all(self) -> str:
         """Abort broadcast, for a request whose worker the sender does not know."""

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from moebus.shared.service import ServiceConfig
@@ -8,3 +10,9 @@ from moebus.shared.service import ServiceConfig
 class BalancerConfig(ServiceConfig):
     missed_heartbeats: int = Field(3, ge=1)  # a worker silent this many intervals is dead
     worker_timeout_s: float = 5.0  # how long a worker may take to accept (not to finish) a request
+    # aggregated: any worker runs a whole request; disaggregated: a prefill worker runs it to its
+    # first token, a decode worker (which receives the KV) the rest.
+    mode: Literal["aggregated", "disaggregated"] = "aggregated"
+    kv_aware: bool = True  # rank workers by the prompt prefix they cache (KV broker index)
+    kv_query_timeout_s: float = 0.25
+    kv_transfer_timeout_s: float = 20.0  # how long a decode worker waits for its prefill half

@@ -2,9 +2,14 @@
 
 `route` (queue group: any replica may answer; each keeps its own table from the heartbeats that
 all of them receive) forwards the request to the best worker's `generate.<id>` and returns its
-GenerateAccepted. Overloaded or vanished workers are skipped for the next candidate. A worker
-that misses heartbeats is dropped and announced on `balancer.worker_lost`; frontends rerun the
-requests it had not started.
+GenerateAccepted. "Best" is the cheapest estimated prefill given the prompt prefix each worker
+caches (KV broker index, kv_rank.py), then the least loaded. Overloaded or vanished workers are
+skipped for the next candidate. A worker that misses heartbeats is dropped and announced on
+`balancer.worker_lost`; frontends rerun the requests it had not started.
+
+Disaggregated mode: the decode worker is asked first (it starts waiting for the KV), then the
+prefill worker, with one KVTransferSpec naming both; the accept reply names both workers. A
+missing pool (or n > 1) runs the request whole on whichever pool is left.
 """
 from __future__ import annotations
 
@@ -15,12 +20,23 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from moebus.shared.errors import ErrorCode, NoResponders, RequestTimeout, ServiceError
-from moebus.shared.messages import AbortRequest, GenerateAccepted, GenerateRequest, Heartbeat, WorkerLost
+from moebus.shared.kv_messages import KVSubjects
+from moebus.shared.messages import (
+    AbortRequest,
+    GenerateAccepted,
+    GenerateRequest,
+    Heartbeat,
+    KVTransferSpec,
+    WorkerLost,
+)
 from moebus.shared.service import Service
 from moebus.shared.subjects import Queues
 
 from .config import BalancerConfig
-from .table import WorkerTable
+from .kv_rank import KVRanker
+from .table import WorkerEntry, WorkerTable
+
+PREFILL, DECODE = ("prefill", "both"), ("decode", "both")
 
 
 class BalancerService(Service):
@@ -33,12 +49,17 @@ class BalancerService(Service):
         self._m_routed = self.metrics.counter("routed_total", "Route outcomes", ["outcome"])
         self._m_lost = self.metrics.counter("workers_lost_total", "Workers dropped for missed heartbeats")
         self._m_workers = self.metrics.gauge("workers", "Workers in the table")
+        self.ranker: KVRanker | None = None
+        self.picks: dict[str, int] = {}  # worker id -> requests routed there (both halves of splits)
 
     def stats(self) -> dict[str, Any]:
-        return {"workers": self.table.snapshot()}
+        kv = {"queries": self.ranker.queries, "hits": self.ranker.hits} if self.ranker else {}
+        return {"workers": self.table.snapshot(), "mode": self.cfg.mode, "kv": kv, "picks": dict(self.picks)}
 
     async def setup(self) -> None:
         s = self.subjects
+        if self.cfg.kv_aware:
+            self.ranker = KVRanker(self.bus.nc, KVSubjects(self.cfg.subject_prefix), self.cfg.kv_query_timeout_s)
         await self.bus.subscribe(s.heartbeat_all("worker"), Heartbeat, self._on_heartbeat, concurrent=False,
                                  endpoint="heartbeat")
         await self.bus.subscribe(s.balancer_route, GenerateRequest, self.route, queue=Queues.BALANCER,
@@ -59,10 +80,35 @@ class BalancerService(Service):
 
     async def route(self, req: GenerateRequest, _: Msg) -> GenerateAccepted:
         tried = set(req.exclude_workers)
-        overloaded = False
         await self._await_first_worker(req.model, tried)
-        while candidates := self.table.candidates(req.model, time.monotonic(), tried):
-            worker = candidates[0].worker_id
+        self._overloaded = False
+        if self.cfg.mode == "disaggregated":
+            accepted = await self._route_split(req, tried)
+        else:
+            accepted = await self._dispatch(req, await self._ordered(req, tried, None), tried)
+        if accepted is not None:
+            self._m_routed.labels("ok").inc()
+            return accepted
+        if self._overloaded:
+            self._m_routed.labels("overloaded").inc()
+            raise ServiceError(ErrorCode.OVERLOADED, "every worker's queue is full", retry_after=1)
+        self._m_routed.labels("unavailable").inc()
+        raise ServiceError(ErrorCode.UNAVAILABLE, f"no live worker serves {req.model!r}", retry_after=2)
+
+    async def _ordered(self, req: GenerateRequest, tried: set[str], roles: tuple[str, ...] | None,
+                       kv_aware: bool = True) -> list[WorkerEntry]:
+        cands = self.table.candidates(req.model, time.monotonic(), tried, roles)
+        if kv_aware and self.ranker is not None:
+            cands = await self.ranker.order(req.prompt_token_ids, cands)
+        return cands
+
+    async def _dispatch(self, req: GenerateRequest, ordered: list[WorkerEntry],
+                        tried: set[str]) -> GenerateAccepted | None:
+        """Offer the request to each candidate in turn; None when none of them took it."""
+        for entry in ordered:
+            worker = entry.worker_id
+            if worker in tried:
+                continue
             tried.add(worker)
             self.table.assigned(worker)
             try:
@@ -72,15 +118,36 @@ class BalancerService(Service):
                 self.table.assigned(worker, -1)
                 if not await self._next_candidate(e, req, worker):
                     raise
-                overloaded |= e.code is ErrorCode.OVERLOADED
+                self._overloaded |= e.code is ErrorCode.OVERLOADED
                 continue
-            self._m_routed.labels("ok").inc()
+            self.picks[worker] = self.picks.get(worker, 0) + 1
             return accepted
-        if overloaded:
-            self._m_routed.labels("overloaded").inc()
-            raise ServiceError(ErrorCode.OVERLOADED, "every worker's queue is full", retry_after=1)
-        self._m_routed.labels("unavailable").inc()
-        raise ServiceError(ErrorCode.UNAVAILABLE, f"no live worker serves {req.model!r}", retry_after=2)
+        return None
+
+    async def _route_split(self, req: GenerateRequest, tried: set[str]) -> GenerateAccepted | None:
+        prefill = await self._ordered(req, tried, PREFILL)
+        decode = [e for e in await self._ordered(req, tried, DECODE, kv_aware=False)
+                  if e.beat.kv is not None and e.beat.kv.transfer_address]
+        if len({e.worker_id for e in prefill + decode}) < 2:  # one worker cannot be both halves
+            prefill = [] if decode else prefill
+        if req.params.n != 1 or not prefill or not decode:  # run it whole where we can
+            whole = req.model_copy(update={"stage": "aggregated", "kv_transfer": None})
+            return await self._dispatch(whole, decode or prefill or await self._ordered(req, tried, None), tried)
+        tid = f"{req.request_id}#{req.attempt}"
+        for d in decode:
+            spec = KVTransferSpec(transfer_id=tid, prefill_worker=prefill[0].worker_id, decode_worker=d.worker_id,
+                                  address=d.beat.kv.transfer_address, timeout_s=self.cfg.kv_transfer_timeout_s)
+            dec = await self._dispatch(req.model_copy(update={"stage": "decode", "kv_transfer": spec}), [d], tried)
+            if dec is None:
+                continue
+            pre_req = req.model_copy(update={"stage": "prefill", "kv_transfer": spec})
+            pre = await self._dispatch(pre_req, [p for p in prefill if p.worker_id != d.worker_id], tried)
+            if pre is None:  # no prefill worker took it: the decode half must not wait for nothing
+                await self.bus.publish(self.subjects.worker_abort(d.worker_id),
+                                       AbortRequest(request_id=req.request_id, reason="no prefill worker"))
+                return None
+            return pre.model_copy(update={"decode_worker_id": dec.worker_id})
+        return None
 
     async def _await_first_worker(self, model: str, exclude: set[str]) -> None:
         """Right after a (re)start the table fills within one heartbeat interval: wait for it

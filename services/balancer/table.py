@@ -75,11 +75,14 @@ class WorkerTable:
         if entry is not None:
             entry.skip_until = now + 1.5 * entry.beat.interval_s
 
-    def candidates(self, model: str, now: float, exclude: set[str] = frozenset()) -> list[WorkerEntry]:
-        """Routable workers for `model`, best first (full ones last: their numbers may be stale)."""
+    def candidates(self, model: str, now: float, exclude: set[str] = frozenset(),
+                   roles: tuple[str, ...] | None = None) -> list[WorkerEntry]:
+        """Routable workers for `model` (of `roles`, None: any), best first (full ones last:
+        their numbers may be stale)."""
         ok = [e for e in self._workers.values()
               if e.beat.model == model and e.beat.ready and not e.beat.draining
-              and e.worker_id not in exclude and e.skip_until <= now]
+              and e.worker_id not in exclude and e.skip_until <= now
+              and (roles is None or (e.beat.role or "both") in roles)]
         return sorted(ok, key=WorkerEntry.sort_key)
 
     def assigned(self, worker_id: str, n: int = 1) -> None:
@@ -91,6 +94,6 @@ class WorkerTable:
             entry.assigned_total += max(n, 0)
 
     def snapshot(self) -> list[dict]:
-        return [{"worker_id": e.worker_id, "model": e.beat.model, "ready": e.beat.ready,
+        return [{"worker_id": e.worker_id, "model": e.beat.model, "ready": e.beat.ready, "role": e.beat.role,
                  "draining": e.beat.draining, "queued": e.queued, "pending": e.pending,
                  "load": e.beat.load.model_dump() if e.beat.load else None} for e in self._workers.values()]

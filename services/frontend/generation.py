@@ -4,7 +4,8 @@ Retries: a retryable failure (worker lost, worker draining, engine crash) reruns
 another worker, excluding the ones that failed it, as long as no token reached the client: before
 the first token for streams, any time for non-streamed requests (their consumer gets `RESTART`
 and drops what it had). Chunks of an older attempt are ignored, so a late worker cannot
-interleave with its replacement.
+interleave with its replacement. A split request (prefill worker, then decode worker) takes
+chunks from both, in sequence-number order (they come from two publishers).
 """
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ class Generation:
         self.router, self.req, self.restartable = router, req, restartable
         self.queue: asyncio.Queue[TokenChunk | Lost] = asyncio.Queue()
         self.worker_id: str | None = None
+        self.decode_worker_id: str | None = None  # split requests: the second half's worker
         self.open = set(range(req.params.n))  # choices the worker is still generating
+        self._next_seq = [0] * req.params.n
+        self._held: dict[tuple[int, int], TokenChunk] = {}  # arrived ahead of their turn
         self._got_tokens = False
         self._cut = False  # the consumer ended a choice early: the worker must be told
 
@@ -57,7 +61,17 @@ class Generation:
         cfg = self.router.cfg
         accepted = await self.router.bus.request(self.router.subjects.balancer_route, self.req, GenerateAccepted,
                                                  timeout=cfg.route_timeout_s)
-        self.worker_id = accepted.worker_id
+        self.worker_id, self.decode_worker_id = accepted.worker_id, accepted.decode_worker_id
+
+    def watches(self, worker_id: str) -> bool:
+        """Whether losing this worker loses the request (the prefill worker stops mattering
+        once the decode worker streams)."""
+        if worker_id == self.decode_worker_id:
+            return True
+        return worker_id == self.worker_id and not (self.decode_worker_id and any(self._next_seq))
+
+    def _workers(self) -> list[str]:
+        return [w for w in (self.worker_id, self.decode_worker_id) if w]
 
     async def chunks(self) -> AsyncIterator[TokenChunk | object]:
         idle = self.router.cfg.stream_idle_timeout_s
@@ -67,34 +81,54 @@ class Generation:
             except TimeoutError:
                 raise ServiceError(ErrorCode.TIMEOUT, f"no tokens for {idle:g}s from {self.worker_id}") from None
             if isinstance(item, Lost):
-                if item.worker_id != self.worker_id:
+                if not self.watches(item.worker_id):
                     continue
                 err, retryable = ServiceError(ErrorCode.WORKER_LOST, f"worker {item.worker_id} was lost"), True
-            elif item.attempt != self.req.attempt or item.worker_id != self.worker_id:
+                failed = item.worker_id
+            elif item.attempt != self.req.attempt or item.worker_id not in self._workers():
                 continue  # from an abandoned attempt
             elif item.error:
                 err, retryable = ServiceError(item.error, item.error_message or item.error), item.retryable
+                failed = item.worker_id
             else:
-                self._got_tokens |= bool(item.token_ids)
-                if item.finished:
-                    self.open.discard(item.index)
-                yield item
+                for chunk in self._in_order(item):
+                    self._got_tokens |= bool(chunk.token_ids)
+                    if chunk.finished:
+                        self.open.discard(chunk.index)
+                    yield chunk
                 continue
             if not (retryable and self.req.attempt + 1 < self.router.cfg.max_attempts
                     and (self.restartable or not self._got_tokens)):
                 raise err
             if self._got_tokens:
                 yield RESTART
-            await self._retry()
+            await self._retry(failed)
 
-    async def _retry(self) -> None:
-        failed = self.worker_id
-        if failed:  # it may be alive after all (a NATS blip looks like a death): stop the old attempt
-            await self.router.bus.publish(self.router.subjects.worker_abort(failed),
+    def _in_order(self, chunk: TokenChunk) -> list[TokenChunk]:
+        """This chunk and any held ones that follow it, once it is its choice's next; a chunk
+        that is early waits, one already passed (a duplicate) is dropped."""
+        i = chunk.index
+        if i >= len(self._next_seq) or chunk.seq < self._next_seq[i]:
+            return []
+        if chunk.seq > self._next_seq[i]:
+            self._held[(i, chunk.seq)] = chunk
+            return []
+        out = [chunk]
+        self._next_seq[i] += 1
+        while (nxt := self._held.pop((i, self._next_seq[i]), None)) is not None:
+            out.append(nxt)
+            self._next_seq[i] += 1
+        return out
+
+    async def _retry(self, failed: str | None) -> None:
+        for worker in self._workers():  # alive after all (a NATS blip looks like a death)? stop the old attempt
+            await self.router.bus.publish(self.router.subjects.worker_abort(worker),
                                           AbortRequest(request_id=self.request_id, reason="rerouted"))
-        self.req = self.req.model_copy(update={
-            "attempt": self.req.attempt + 1, "exclude_workers": [*self.req.exclude_workers, failed]})
-        self.open, self._got_tokens, self.worker_id = set(range(self.req.params.n)), False, None
+        excluded = [*self.req.exclude_workers, *([failed] if failed else [])]
+        self.req = self.req.model_copy(update={"attempt": self.req.attempt + 1, "exclude_workers": excluded})
+        self.open, self._got_tokens = set(range(self.req.params.n)), False
+        self.worker_id = self.decode_worker_id = None
+        self._next_seq, self._held = [0] * self.req.params.n, {}
         self.router.retries.inc()
         await self._route()
 
@@ -107,6 +141,7 @@ class Generation:
         """Forget the request; if it is still running (client gone, stop string), abort it on its worker."""
         self.router.unregister(self)
         if (self.open or self._cut) and self.worker_id:
-            await self.router.bus.publish(self.router.subjects.worker_abort(self.worker_id),
-                                          AbortRequest(request_id=self.request_id))
+            for worker in self._workers():
+                await self.router.bus.publish(self.router.subjects.worker_abort(worker),
+                                              AbortRequest(request_id=self.request_id))
             self.router.aborts.inc()

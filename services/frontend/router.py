@@ -53,5 +53,5 @@ class StreamRouter:
 
     async def _on_lost(self, event: WorkerLost, _: Msg) -> None:
         for gen in list(self._gens.values()):
-            if gen.worker_id == event.worker_id:
+            if gen.watches(event.worker_id):
                 gen.queue.put_nowait(Lost(event.worker_id))

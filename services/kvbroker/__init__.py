@@ -5,10 +5,18 @@ them); the service and the tier client import the engine's KV code (and torch) o
 """
 from typing import Any
 
-from .client import BrokerUnavailable, KVIndexClient
+from moebus.shared.kv_index_client import BrokerUnavailable, KVIndexClient
+from moebus.shared.kv_routing import (
+    RoutingWeights,
+    WorkerState,
+    choose_worker,
+    overlaps,
+    rank_workers,
+    routing_cost,
+)
+
 from .config import KVBrokerConfig
 from .index import PrefixIndex
-from .routing import RoutingWeights, WorkerState, choose_worker, overlaps, rank_workers, routing_cost
 
 __all__ = ["BrokerUnavailable", "KVBrokerClient", "KVBrokerConfig", "KVBrokerService", "KVIndexClient",
            "PrefixIndex", "RoutingWeights", "WorkerState", "choose_worker", "overlaps", "rank_workers",

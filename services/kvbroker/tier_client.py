@@ -19,9 +19,8 @@ from moebus.engine.kv_transfer import (
     NatsKVTransport,
     NatsTransportConfig,
 )
+from moebus.shared.kv_index_client import BrokerUnavailable, KVIndexClient
 from moebus.shared.kv_messages import BlockGet, BlockGetReply, KVSubjects
-
-from .client import BrokerUnavailable, KVIndexClient
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,13 @@ from .service import WorkerService
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m moebus.services.worker")
     add_model_args(parser, WorkerConfig)
-    run(WorkerService(model_from_args(WorkerConfig, parser.parse_args(argv))))
+    cfg = model_from_args(WorkerConfig, parser.parse_args(argv))
+    if cfg.ep > 1:
+        from .ep import serve_ep_group
+
+        serve_ep_group(cfg)
+        return
+    run(WorkerService(cfg))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -13,3 +13,14 @@ class WorkerConfig(ServiceConfig):
     max_queued: int = Field(128, ge=1)  # requests waiting for their first token; beyond: "overloaded"
     drain_grace_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
     engine: dict[str, Any] = {}  # extra EngineConfig (or ToyEngineConfig) fields, e.g. {"max_num_seqs": 8}
+    # Prefill/decode split: what the balancer routes here (any worker still runs whole requests).
+    role: Literal["both", "prefill", "decode"] = "both"
+    kv_transport: Literal["nats", "shm"] = "nats"  # how KV reaches this decode worker (shm: same host)
+    # KV broker: publish prefix-cache events (KV-aware routing); a local CPU tier; sharing its
+    # blocks through the broker's tiers (needs kv_cpu_bytes > 0).
+    kv_events: bool = True
+    kv_cpu_bytes: int = Field(0, ge=0)
+    kv_share: bool = False
+    kv_snapshot_s: float = Field(10.0, gt=0)  # full index snapshot this often (< the broker's holder_ttl_s)
+    torch_threads: int | None = None  # torch intra-op threads of this process (None: torch's default)
+    ep: int = Field(1, ge=1)  # expert-parallel group size: this many ranks, one WorkerService each

@@ -1,8 +1,14 @@
 """Drives the synchronous engine on one dedicated thread.
 
-The asyncio side only enqueues commands (add/abort/stop); the thread applies them between
-steps, so the engine is never touched from two threads. Outputs go back to the event loop with
-call_soon_threadsafe, with a stats snapshot taken on the engine thread.
+The asyncio side only enqueues commands (add/inject/abort/call/stop); the thread applies them
+between steps, so the engine is never touched from two threads. Outputs go back to the event
+loop with call_soon_threadsafe, with a stats snapshot taken on the engine thread.
+
+KV hooks (`kv`, see worker.kv.EngineKV) also run here: loading a request's prefix from the KV
+tiers after add, offloading after steps, and extracting a prefill request's KV right after the
+step that sampled its first token (then aborting it there, before the next step reuses blocks).
+Lockstep engines (an EP group's DPEngine) step every iteration, idle or not: the step is a
+collective the other ranks wait in.
 """
 from __future__ import annotations
 
@@ -25,14 +31,23 @@ class AddFailed:
     error: str
 
 
-OnOutputs = Callable[[list[Any], list[AddFailed]], None]
+@dataclass(slots=True)
+class Prefilled:
+    """A prefill-only request reached its first token: its KV (None: extraction failed)."""
+
+    sub_id: str
+    payload: Any
+
+
+OnOutputs = Callable[[list[Any], list[AddFailed], list[Prefilled]], None]
 _STOP = object()
 
 
 class EngineLoop:
     def __init__(self, factory: Callable[[], Any], loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs,
-                 on_fatal: Callable[[BaseException], None], on_ready: Callable[[], None] = lambda: None) -> None:
-        self._factory, self._loop = factory, loop
+                 on_fatal: Callable[[BaseException], None], on_ready: Callable[[], None] = lambda: None,
+                 kv: Any = None) -> None:
+        self._factory, self._loop, self.kv = factory, loop, kv
         self._on_outputs, self._on_fatal, self._on_ready = on_outputs, on_fatal, on_ready
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="moebus-engine", daemon=True)
@@ -40,6 +55,7 @@ class EngineLoop:
         self.failed: BaseException | None = None
         self.stats: dict[str, Any] = {}  # replaced wholesale by the engine thread (atomic for readers)
         self.engine: Any = None
+        self._prefill_only: set[str] = set()  # sub ids to stop (and extract) at their first token
 
     def start(self) -> None:
         self._thread.start()
@@ -48,8 +64,19 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() or not self._thread.ident
 
-    def add(self, sub_id: str, prompt_token_ids: list[int], params: Any) -> None:
-        self._cmds.put(("add", sub_id, prompt_token_ids, params))
+    def add(self, sub_id: str, prompt_token_ids: list[int], params: Any, prefill_only: bool = False) -> None:
+        self._cmds.put(("add", sub_id, prompt_token_ids, params, prefill_only))
+
+    def inject(self, sub_id: str, prompt_token_ids: list[int], first_token: int, params: Any,
+               payload: Any) -> None:
+        """Admit a request prefilled elsewhere (payload None: recompute its prompt here)."""
+        self._cmds.put(("inject", sub_id, prompt_token_ids, first_token, params, payload))
+
+    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+        """Run fn(engine) on the engine thread between steps; the future gets its result."""
+        fut = self._loop.create_future()
+        self._cmds.put(("call", fn, fut))
+        return fut
 
     def abort(self, sub_id: str) -> None:
         self._cmds.put(("abort", sub_id))
@@ -77,11 +104,14 @@ class EngineLoop:
 
     def _loop_forever(self) -> None:
         engine = self.engine
+        lockstep = bool(getattr(engine, "lockstep", False))
         while True:
             idle = not engine.has_unfinished_requests()
             failed: list[AddFailed] = []
-            try:  # block only when idle; otherwise just take what has arrived
-                cmd = self._cmds.get(timeout=0.5) if idle else self._cmds.get_nowait()
+            # Block only when idle; a lockstep rank only briefly (the group waits on its step).
+            wait = (0.002 if getattr(engine, "group_idle", True) else 0.0) if lockstep else (0.5 if idle else 0.0)
+            try:
+                cmd = self._cmds.get(timeout=wait) if wait else self._cmds.get_nowait()
                 while True:
                     if cmd is _STOP:
                         return
@@ -89,17 +119,66 @@ class EngineLoop:
                     cmd = self._cmds.get_nowait()
             except queue.Empty:
                 pass
-            outputs = engine.step() if engine.has_unfinished_requests() else []
+            outputs = engine.step() if lockstep or engine.has_unfinished_requests() else []
+            if self.kv is not None and outputs:
+                self.kv.after_step(engine)  # before extraction aborts prefill requests: they are still live
+            prefilled = self._extract_prefilled(outputs) if self._prefill_only else []
             self.stats = dict(engine.stats())
-            if outputs or failed:
-                self._loop.call_soon_threadsafe(self._on_outputs, outputs, failed)
+            if outputs or failed or prefilled:
+                self._loop.call_soon_threadsafe(self._on_outputs, outputs, failed, prefilled)
+
+    def _extract_prefilled(self, outputs: list[Any]) -> list[Prefilled]:
+        done: list[Prefilled] = []
+        for out in outputs:
+            if out.request_id not in self._prefill_only:
+                continue
+            self._prefill_only.discard(out.request_id)
+            if out.finished:
+                continue  # ended at its first token: nothing to hand over
+            payload = None
+            try:
+                payload = self.kv.extract(self.engine, out.request_id)
+            except Exception:  # the decode worker then recomputes the prompt
+                log.warning("KV extraction of %s failed", out.request_id, exc_info=True)
+            self.engine.abort_request(out.request_id)
+            done.append(Prefilled(out.request_id, payload))
+        return done
 
     def _apply(self, cmd: tuple, failed: list[AddFailed]) -> None:
-        if cmd[0] == "add":
-            _, sub_id, prompt, params = cmd
+        kind = cmd[0]
+        if kind == "call":
+            _, fn, fut = cmd
+            try:
+                result, exc = fn(self.engine), None
+            except Exception as e:
+                result, exc = None, e
+            self._loop.call_soon_threadsafe(_settle, fut, result, exc)
+        elif kind == "add":
+            _, sub_id, prompt, params, prefill_only = cmd
             try:
                 self.engine.add_request(sub_id, prompt, params)
             except (ValueError, KeyError, TypeError) as e:
                 failed.append(AddFailed(sub_id, str(e)))
+                return
+            if prefill_only:
+                self._prefill_only.add(sub_id)
+            if self.kv is not None:
+                self.kv.after_add(self.engine, sub_id)
+        elif kind == "inject":
+            _, sub_id, prompt, first_token, params, payload = cmd
+            try:
+                self.kv.inject(self.engine, sub_id, prompt, first_token, params, payload)
+            except (ValueError, KeyError, TypeError) as e:
+                failed.append(AddFailed(sub_id, str(e)))
         else:
+            self._prefill_only.discard(cmd[1])
             self.engine.abort_request(cmd[1])
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

@@ -12,8 +12,12 @@ from .config import WorkerConfig
 def make_engine(cfg: WorkerConfig) -> Any:
     if cfg.model == TOY_MODEL:
         return ToyEngine(ToyEngineConfig(**cfg.engine))
-    from moebus.engine.llm_engine import EngineConfig, LLMEngine  # torch lives behind this import
+    import torch  # torch lives behind this import
 
+    from moebus.engine.llm_engine import EngineConfig, LLMEngine
+
+    if cfg.torch_threads:  # few shared cores: one intra-op thread runs a small model several times faster
+        torch.set_num_threads(cfg.torch_threads)
     return LLMEngine(EngineConfig(model=cfg.model, **cfg.engine))
 
 

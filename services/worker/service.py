@@ -4,6 +4,8 @@ Lifecycle of a request: `generate.<id>` (admission: draining/unready -> unavaila
 overloaded) -> GenerateAccepted reply -> TokenChunks on `reply_to` -> done, or `abort.<id>`.
 n > 1 runs n engine requests ``<request_id>#<i>``. On drain, requests that have not produced a
 token are handed back (retryable error chunk) so the frontend reruns them elsewhere.
+Split requests (stage prefill / decode, see split.py) and the KV broker hooks (kv_link.py) are
+only wired up for real engines; the toy engine runs aggregated requests only.
 """
 from __future__ import annotations
 
@@ -17,14 +19,24 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from moebus.shared.errors import ErrorCode, ServiceError
-from moebus.shared.messages import AbortRequest, GenerateAccepted, GenerateRequest, Load, TokenChunk
+from moebus.shared.messages import (
+    AbortRequest,
+    GenerateAccepted,
+    GenerateRequest,
+    Handoff,
+    Heartbeat,
+    KVInfo,
+    Load,
+    TokenChunk,
+)
 from moebus.shared.service import Service
 from moebus.shared.toy_model import TOY_MODEL
 
 from .config import WorkerConfig
-from .engine_loop import AddFailed, EngineLoop
+from .engine_loop import AddFailed, EngineLoop, Prefilled
 from .engines import choice_params, make_engine
 from .outputs import chunk_from_output
+from .split import SplitStages
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +49,8 @@ class _Active:
     seq: list[int] = field(default_factory=list)
     open: set[int] = field(default_factory=set)  # choice indices not finished yet
     started: bool = False  # some token went out: no longer safe to hand back for a rerun
+    params: list[Any] = field(default_factory=list)  # engine parameters per choice
+    first_token: int | None = None  # stage prefill: the token streamed, handed to the decode worker
 
     def sub_ids(self) -> list[str]:
         return [f"{self.req.request_id}#{i}" for i in sorted(self.open)]
@@ -49,13 +63,17 @@ class WorkerService(Service):
         super().__init__(cfg, **kw)
         self.cfg: WorkerConfig = cfg
         self.served_model = cfg.served_model_name or cfg.model
+        self.toy = cfg.model == TOY_MODEL and engine_factory is None
         self._factory = engine_factory or (lambda: make_engine(cfg))
+        self.kv: Any = None  # EngineKV (real engines): engine-thread KV hooks
+        self.link: Any = None  # WorkerKVLink: transports, broker index and tiers
+        self.split = SplitStages(self)
         self._active: dict[str, _Active] = {}
-        self._outbox: asyncio.Queue[tuple[str, TokenChunk, dict[str, str]] | None] = asyncio.Queue()
+        self._outbox: asyncio.Queue[tuple[str, TokenChunk | Handoff, dict[str, str]] | None] = asyncio.Queue()
         self._loop: EngineLoop | None = None
         self._generate_sub: Subscription | None = None
         self.counters = {"accepted": 0, "finished": 0, "aborted": 0, "rejected_overloaded": 0,
-                         "handed_back": 0, "failed": 0}
+                         "handed_back": 0, "failed": 0, "handed_off": 0}
         m = self.metrics
         self._m_requests = m.counter("requests_total", "Requests by outcome", ["outcome"])
         self._m_ttft = m.histogram("time_to_first_token_seconds", "Accept to first token")
@@ -85,15 +103,38 @@ class WorkerService(Service):
 
     def stats(self) -> dict[str, Any]:
         engine = dict(self._loop.stats) if self._loop else {}
-        return {"engine": engine, "active_requests": len(self._active), "queued": self.queued(), **self.counters}
+        kv = dict(self.link.counters) if self.link is not None else {}
+        return {"engine": engine, "active_requests": len(self._active), "queued": self.queued(), "role": self.cfg.role,
+                "kv": kv, **self.counters}
+
+    def heartbeat(self) -> Heartbeat:
+        beat = super().heartbeat()
+        beat.role = self.cfg.role
+        if self.kv is not None and self.kv.block_size:
+            beat.kv = KVInfo(namespace=self.kv.namespace, block_size=self.kv.block_size,
+                             transfer_address=self.link.address if self.link is not None else None)
+        return beat
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
+        if not self.toy:
+            from .kv_engine import EngineKV  # torch lives behind this import
+
+            self.kv = EngineKV(self.cfg.kv_cpu_bytes)
         self._loop = EngineLoop(self._factory, asyncio.get_running_loop(), self._on_outputs, self._on_fatal,
-                                on_ready=lambda: self.spawn(self.publish_heartbeat()))  # be routable at once
+                                on_ready=lambda: self.spawn(self.publish_heartbeat()),  # be routable at once
+                                kv=self.kv)
         self._loop.start()
         self.spawn(self._publisher())
         s, i = self.subjects, self.instance_id
+        if self.kv is not None:
+            from .kv_link import WorkerKVLink
+
+            self.link = WorkerKVLink(self.cfg, self.bus.nc, i, self._loop, self.kv)
+            await self.link.start()
+            self.spawn(self.link.run(self.cfg.heartbeat_interval_s))
+            await self.bus.subscribe(s.worker_handoff(i), Handoff, self.split.on_handoff, concurrent=False,
+                                     endpoint="handoff")
         self._generate_sub = await self.bus.subscribe(s.worker_generate(i), GenerateRequest, self.generate,
                                                       concurrent=False, endpoint="generate")
         await self.bus.subscribe(s.worker_abort(i), AbortRequest, self.abort, concurrent=False, endpoint="abort")
@@ -115,6 +156,8 @@ class WorkerService(Service):
             await asyncio.to_thread(self._loop.stop)
         await self._outbox.put(None)
         await self._outbox_drained()
+        if self.link is not None:
+            await self.link.close()
 
     async def _outbox_drained(self, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout  # bounded: a dead NATS must not hang the shutdown
@@ -134,16 +177,34 @@ class WorkerService(Service):
             self.counters["rejected_overloaded"] += 1
             self._m_requests.labels("overloaded").inc()
             raise ServiceError(ErrorCode.OVERLOADED, f"{self.instance_id} queue is full", retry_after=1)
-        toy = self.cfg.model == TOY_MODEL
-        params = [choice_params(req.params, i, toy) for i in range(req.params.n)]  # ValueError -> 400
+        self.split.check(req)  # stage prefill / decode: ServiceError when it cannot run here
+        params = [choice_params(req.params, i, self.toy) for i in range(req.params.n)]  # ValueError -> 400
         a = _Active(req, self.tracing.inject(), time.monotonic(), seq=[0] * req.params.n,
-                    open=set(range(req.params.n)))
+                    open=set(range(req.params.n)), params=params)
         self._active[req.request_id] = a
-        for i, p in enumerate(params):
-            self._loop.add(f"{req.request_id}#{i}", req.prompt_token_ids, p)
+        if req.stage == "decode":
+            a.seq[0] = 1  # the prefill worker sent chunk 0 (the first token)
+            self.spawn(self.split.start_decode(a))
+        elif self.link is not None and self.link.broker is not None:
+            self.spawn(self._fetch_then_add(a))  # the broker's tiers may hold this prompt's prefix
+        else:
+            self._add(a)
         self.counters["accepted"] += 1
         self._m_queue.set(self.queued())
         return accepted
+
+    def _add(self, a: _Active) -> None:
+        prefill = a.req.stage == "prefill"
+        for i, p in enumerate(a.params):
+            self._loop.add(f"{a.req.request_id}#{i}", a.req.prompt_token_ids, p, prefill_only=prefill)
+
+    async def _fetch_then_add(self, a: _Active) -> None:
+        try:
+            await self.link.fetch(a.req.prompt_token_ids)
+        except Exception:  # the tiers are an optimisation: recompute instead
+            log.warning("KV tier fetch for %s failed", a.req.request_id, exc_info=True)
+        if self._active.get(a.req.request_id) is a:  # not aborted meanwhile
+            self._add(a)
 
     async def abort(self, req: AbortRequest, _: Msg) -> None:
         a = self._active.pop(req.request_id, None)
@@ -155,7 +216,7 @@ class WorkerService(Service):
         self._m_requests.labels("aborted").inc()
 
     # ---- engine side -----------------------------------------------------------------------
-    def _on_outputs(self, outputs: list[Any], failed: list[AddFailed]) -> None:
+    def _on_outputs(self, outputs: list[Any], failed: list[AddFailed], prefilled: list[Prefilled] = ()) -> None:
         for f in failed:
             rid = f.sub_id.rsplit("#", 1)[0]
             self._fail(rid, ErrorCode.BAD_REQUEST, f.error, retryable=False, counter="failed")
@@ -167,6 +228,12 @@ class WorkerService(Service):
                 continue  # aborted while the step ran
             i = int(idx)
             chunk = chunk_from_output(out, a.req, self.instance_id, i, a.seq[i], tok)
+            if a.req.stage == "decode":
+                chunk.num_cached_tokens = 0  # the prompt came from the prefill worker: its count stands
+            elif a.req.stage == "prefill":
+                a.first_token = chunk.token_ids[0] if chunk.token_ids else None
+                if chunk.finished:
+                    self.split.finished_at_first_token(a)
             a.seq[i] += 1
             if not a.started:
                 a.started = True
@@ -179,6 +246,8 @@ class WorkerService(Service):
                     self.counters["finished"] += 1
                     self._m_requests.labels("finished").inc()
             self._outbox.put_nowait((a.req.reply_to, chunk, a.trace_headers))
+        for p in prefilled:
+            self.split.prefilled(p)
         self._m_queue.set(self.queued())
 
     def _on_fatal(self, exc: BaseException) -> None:
@@ -189,6 +258,8 @@ class WorkerService(Service):
         a = self._active.pop(rid, None)
         if a is None:
             return
+        if a.req.stage == "prefill":
+            self.split.cancelled(a)
         if self._loop is not None and self._loop.failed is None:
             for sub in a.sub_ids():
                 self._loop.abort(sub)

@@ -1,9 +1,11 @@
 """Bus message schemas, grouped by the service that receives them (round-trip tested)."""
-from .control import HealthReply, Heartbeat, Load, WorkerLost
+from .control import HealthReply, Heartbeat, KVInfo, Load, WorkerLost
 from .generate import (
     AbortRequest,
     GenerateAccepted,
     GenerateRequest,
+    Handoff,
+    KVTransferSpec,
     SamplingOptions,
     StructuredOptions,
     TokenChunk,
@@ -14,7 +16,7 @@ from .tokenizer import ChatMessage, DetokenizeReply, DetokenizeRequest, RenderRe
 
 __all__ = [
     "AbortRequest", "ChatMessage", "DetokenizeReply", "DetokenizeRequest", "GenerateAccepted",
-    "GenerateRequest", "HealthReply", "Heartbeat", "Load", "RenderReply", "RenderRequest",
+    "GenerateRequest", "Handoff", "HealthReply", "Heartbeat", "KVInfo", "KVTransferSpec", "Load", "RenderReply", "RenderRequest",
     "SamplingOptions", "StructuredOptions", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WorkerLost",
 ]

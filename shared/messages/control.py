@@ -12,6 +12,14 @@ class Load(Message):
     kv_blocks_total: int = 0
 
 
+class KVInfo(Message):
+    """What a balancer needs to hash prompts the way this worker's KV cache names blocks."""
+
+    namespace: str
+    block_size: int
+    transfer_address: str | None = None  # decode side: where prefill workers push KV payloads
+
+
 class Heartbeat(Message):
     service: str
     instance_id: str
@@ -21,6 +29,8 @@ class Heartbeat(Message):
     draining: bool = False  # going away: route nothing new here
     model: str | None = None
     load: Load | None = None
+    role: str | None = None  # workers: "both" | "prefill" | "decode"
+    kv: KVInfo | None = None  # workers with a real KV cache
 
 
 class HealthReply(Message):

@@ -1,8 +1,8 @@
 """Generation traffic: frontend -> balancer -> worker, and the token stream back.
 
-Designed for a later prefill/decode split: `stage` says which part a worker runs and
-`kv_transfer` carries where a decode worker pulls the prompt's KV blocks from. Today every
-request is ``stage="aggregated"`` (one worker does both).
+Prefill/decode split: `stage` says which part a worker runs; `kv_transfer` (a KVTransferSpec)
+names the transfer between the two workers of one attempt. ``stage="aggregated"``: one worker
+does both.
 """
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ class SamplingOptions(Message):
     structured: StructuredOptions | None = None
 
 
+class KVTransferSpec(Message):
+    """Where the prefill worker pushes the prompt's KV and the first token (one attempt)."""
+
+    transfer_id: str  # f"{request_id}#{attempt}"
+    prefill_worker: str
+    decode_worker: str
+    address: str  # the decode worker's KV transport address
+    timeout_s: float = 30.0  # how long the decode worker waits for the first token / the KV
+
+
 class GenerateRequest(Message):
     request_id: str
     model: str
@@ -50,7 +60,7 @@ class GenerateRequest(Message):
     reply_to: str  # subject that receives this request's TokenChunks
     attempt: int = 0  # bumped on every retry; chunks of older attempts are dropped
     stage: Literal["aggregated", "prefill", "decode"] = "aggregated"
-    kv_transfer: dict | None = None  # reserved for the prefill/decode split
+    kv_transfer: KVTransferSpec | None = None  # stage prefill / decode
     exclude_workers: list[str] = []  # balancer skips these (e.g. the worker that just died)
 
 
@@ -58,6 +68,7 @@ class GenerateAccepted(Message):
     request_id: str
     worker_id: str
     attempt: int = 0
+    decode_worker_id: str | None = None  # split requests: chunks after the first come from it
 
 
 class TopLogprob(Message):
@@ -94,6 +105,16 @@ class TokenChunk(Message):
     error: str | None = None
     error_message: str | None = None
     retryable: bool = False
+
+
+class Handoff(Message):
+    """Prefill worker -> decode worker: the first token (already streamed to the client)."""
+
+    request_id: str
+    attempt: int = 0
+    first_token: int | None = None  # None: the prefill failed; the decode worker hands back
+    finished: bool = False  # the request ended at its first token: nothing to decode
+    kv_sent: bool = False  # the KV payload went out (else: recompute the prompt)
 
 
 class AbortRequest(Message):

@@ -1,0 +1,54 @@
+"""KV-aware ordering of candidate workers: ask the KV broker's index which workers hold the
+prompt's leading blocks and rank by the estimated time to finish its prefill (kv_routing).
+
+No broker (or no KV info in the heartbeats: toy workers) -> the plain least-loaded order. After
+a failed query the broker is left alone for a while so a dead broker costs routes nothing.
+"""
+from __future__ import annotations
+
+import time
+
+from nats.aio.client import Client as NATS
+
+from moebus.shared.kv_hashing import stable_block_hashes
+from moebus.shared.kv_index_client import KVIndexClient
+from moebus.shared.kv_messages import KVSubjects
+from moebus.shared.kv_routing import RoutingWeights, WorkerState, overlaps, rank_workers
+
+from .table import WorkerEntry
+
+
+class KVRanker:
+    def __init__(self, nc: NATS, subjects: KVSubjects, timeout_s: float = 0.25, backoff_s: float = 2.0) -> None:
+        self.index = KVIndexClient(nc, "balancer", subjects, timeout_s)
+        self.backoff_s = backoff_s
+        self._quiet_until = 0.0
+        self.queries = 0
+        self.hits = 0  # routes where some worker held a prefix of the prompt
+
+    async def order(self, prompt: list[int], entries: list[WorkerEntry]) -> list[WorkerEntry]:
+        kv = next((e.beat.kv for e in entries if e.beat.kv is not None), None)
+        if kv is None or len(entries) < 2:
+            return entries
+        matches = None
+        hashes = stable_block_hashes(prompt, kv.block_size, kv.namespace)
+        if hashes and time.monotonic() >= self._quiet_until:
+            self.queries += 1
+            matches = await self.index.query(hashes, holders=[e.worker_id for e in entries] + ["kvbroker"])
+            if matches is None:
+                self._quiet_until = time.monotonic() + self.backoff_s
+        device, tiers, shared = overlaps(matches or [])
+        self.hits += bool(device or tiers)
+        states = [_state(e, device, tiers) for e in entries]
+        ranked = dict(rank_workers(len(prompt), states, RoutingWeights(kv.block_size), shared))
+        # Equal cost: fewest past picks first (round robin); full workers last (stale numbers).
+        return sorted(entries, key=lambda e: (e.worker_id not in ranked, ranked.get(e.worker_id, 0.0),
+                                              e.assigned_total, e.worker_id))
+
+
+def _state(e: WorkerEntry, device: dict[str, int], tiers: dict[str, int]) -> WorkerState:
+    load = e.beat.load
+    return WorkerState(e.worker_id, cached_blocks=device.get(e.worker_id, 0), tier_blocks=tiers.get(e.worker_id, 0),
+                       num_running=load.num_running if load else 0, num_waiting=e.queued,
+                       max_waiting=load.max_waiting if load else 0,
+                       kv_blocks_free=load.kv_blocks_free if load and load.kv_blocks_total else None)

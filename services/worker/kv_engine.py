@@ -1,0 +1,103 @@
+"""Engine-thread side of a worker's KV features (imports torch: real engines only).
+
+Every method runs on the engine thread (EngineLoop calls them between steps), so the engine,
+the local tiered store and the trackers are only ever touched from that one thread.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from moebus.engine.kv_tiers import CacheEventTracker, CpuTier, KVOffloader, TieredKVStore, load_prefix
+from moebus.engine.kv_transfer import KVBlock, KVPayload, extract_kv, inject_prefilled, kv_namespace
+
+
+class EngineKV:
+    def __init__(self, cpu_bytes: int = 0, share_limit: int = 64) -> None:
+        """cpu_bytes: size of the local host-memory tier (0: none); share_limit: most blocks
+        handed to the broker's tiers per call of take_fresh (the rest wait for the next)."""
+        self.store: TieredKVStore | None = None
+        if cpu_bytes > 0:
+            self.store = TieredKVStore([CpuTier(cpu_bytes)], on_evict=self._evicted)
+        self.offloader = KVOffloader(self.store) if self.store is not None else None
+        self.tracker = CacheEventTracker()
+        self.share_limit = share_limit
+        self.namespace = ""
+        self.block_size = 0
+        self._fresh: list[int] = []  # offloaded to the local tier, not yet shared with the broker
+        self._cpu_stored: list[int] = []  # ... not yet reported to the index
+        # Device cache events, polled after every step: the tracker only sees live requests, and
+        # a short request is gone long before the next heartbeat.
+        self._dev_stored: list[int] = []
+        self._dev_evicted: list[int] = []
+        self._cpu_evicted: list[int] = []
+
+    def bind(self, engine: Any) -> None:
+        self.namespace = kv_namespace(engine)
+        self.block_size = engine.block_manager.block_size
+        self.tracker.namespace = self.namespace
+        if self.offloader is not None:
+            self.offloader.namespace = self.namespace
+
+    def _evicted(self, hashes: list[int]) -> None:
+        self._cpu_evicted += hashes
+
+    # ---- EngineLoop hooks ------------------------------------------------------------------
+    def after_add(self, engine: Any, sub_id: str) -> None:
+        if self.store is not None:
+            load_prefix(engine, sub_id, self.store, self.namespace)
+
+    def after_step(self, engine: Any) -> None:
+        stored, evicted = self.tracker.poll(engine)
+        self._dev_stored += stored
+        self._dev_evicted += evicted
+        if self.offloader is not None:
+            new = self.offloader.offload(engine)
+            self._fresh += new
+            self._cpu_stored += new
+
+    def extract(self, engine: Any, sub_id: str) -> KVPayload:
+        return extract_kv(engine, sub_id)
+
+    def inject(self, engine: Any, sub_id: str, prompt: list[int], first_token: int, params: Any,
+               payload: KVPayload | None) -> None:
+        inject_prefilled(engine, sub_id, prompt, first_token, params, payload)
+
+    # ---- called through EngineLoop.call ----------------------------------------------------
+    def poll(self, engine: Any) -> dict[str, tuple[list[int], list[int]]]:
+        """Per tier, (stored, evicted) stable hashes since the last poll."""
+        stored, evicted = self.tracker.poll(engine)
+        out = {"device": (self._dev_stored + stored, self._dev_evicted + evicted)}
+        self._dev_stored, self._dev_evicted = [], []
+        if self.store is not None:
+            out["cpu"] = (self._cpu_stored, self._cpu_evicted)
+            self._cpu_stored, self._cpu_evicted = [], []
+        return out
+
+    def held(self, engine: Any) -> dict[str, list[int]]:
+        """Everything held per tier (for snapshots that heal lost events)."""
+        out = {"device": self.tracker.held}
+        if self.store is not None:
+            out["cpu"] = [h for t in self.store.tiers for h in t.keys()]
+        return out
+
+    def take_fresh(self, engine: Any) -> tuple[list[int], list[KVBlock]]:
+        """Newly offloaded blocks (at most share_limit) for the broker's shared tiers."""
+        hashes, self._fresh = self._fresh[: self.share_limit], self._fresh[self.share_limit:]
+        blocks = [self.store.get(h) for h in hashes] if self.store is not None else []
+        kept = [(h, b) for h, b in zip(hashes, blocks, strict=True) if b is not None]
+        return [h for h, _ in kept], [b for _, b in kept]
+
+    def put_local(self, engine: Any, hashes: list[int], blocks: list[KVBlock]) -> int:
+        if self.store is None:
+            return 0
+        for h, b in zip(hashes, blocks, strict=False):
+            self.store.put(h, b)
+        return len(blocks)
+
+    def local_prefix(self, engine: Any, hashes: list[int]) -> int:
+        """Leading blocks this worker already has (device prefix cache or local tier)."""
+        device = set(self.tracker.held)
+        n = 0
+        while n < len(hashes) and (hashes[n] in device or (self.store is not None and hashes[n] in self.store)):
+            n += 1
+        return n

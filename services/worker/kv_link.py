@@ -1,0 +1,152 @@
+"""Asyncio side of a worker's KV features: the transports of a prefill/decode split, the KV
+broker's index (events) and shared tiers (put/get). Every broker call degrades (None / [] /
+False): a dead broker or tier only means recomputing, never a lost request."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from moebus.engine.kv_transfer import (
+    KVPayload,
+    KVTransferError,
+    KVTransport,
+    NatsKVTransport,
+    ShmKVTransport,
+    ShmTransportConfig,
+)
+from moebus.services.kvbroker.tier_client import KVBrokerClient
+from moebus.shared.kv_hashing import stable_block_hashes
+from moebus.shared.kv_index_client import KVIndexClient
+from moebus.shared.kv_messages import KVSubjects
+from moebus.shared.messages import KVTransferSpec
+
+from .config import WorkerConfig
+from .engine_loop import EngineLoop
+from .kv_engine import EngineKV
+
+log = logging.getLogger(__name__)
+
+
+class WorkerKVLink:
+    def __init__(self, cfg: WorkerConfig, nc: NATS, instance_id: str, loop: EngineLoop, kv: EngineKV) -> None:
+        self.cfg, self.nc, self.instance_id, self.loop, self.kv = cfg, nc, instance_id, loop, kv
+        self.subjects = KVSubjects(cfg.subject_prefix)
+        self.receiver: KVTransport | None = None
+        self._senders: dict[str, KVTransport] = {}
+        self.index: KVIndexClient | None = None
+        self.broker: KVBrokerClient | None = None
+        self.counters = {"kv_sent": 0, "kv_send_failed": 0, "kv_received": 0, "kv_receive_failed": 0,
+                         "tier_fetched_blocks": 0, "tier_shared_blocks": 0}
+
+    async def start(self) -> None:
+        if self.cfg.role != "prefill":  # decode workers (and "both", as spare decoders) receive KV
+            if self.cfg.kv_transport == "shm":
+                self.receiver = ShmKVTransport(ShmTransportConfig(address=f"moebus-kv-{self.instance_id}"))
+            else:
+                self.receiver = await NatsKVTransport(self.nc, self.subjects.transfer(self.instance_id)).start()
+        if self.cfg.kv_events:
+            self.index = KVIndexClient(self.nc, self.instance_id, self.subjects)
+        if self.cfg.kv_share and self.kv.store is not None:
+            self.broker = await KVBrokerClient(self.nc, self.instance_id, self.subjects).start()
+
+    async def close(self) -> None:
+        for t in (self.receiver, self.broker, *self._senders.values()):
+            if t is not None:
+                try:
+                    await t.close()
+                except Exception:
+                    log.debug("closing a KV transport failed", exc_info=True)
+
+    @property
+    def address(self) -> str | None:
+        return self.receiver.address if self.receiver is not None else None
+
+    @property
+    def transport_kind(self) -> str:
+        return self.cfg.kv_transport
+
+    # ---- prefill -> decode -----------------------------------------------------------------
+    def _sender(self, kind: str) -> KVTransport:
+        if kind not in self._senders:
+            self._senders[kind] = ShmKVTransport() if kind == "shm" else NatsKVTransport(self.nc, None)
+        return self._senders[kind]
+
+    async def send(self, payload: KVPayload | None, spec: KVTransferSpec) -> bool:
+        if payload is None:
+            return False
+        kind = "nats" if spec.address.startswith(self.subjects.prefix + ".") else "shm"
+        try:
+            await self._sender(kind).send(payload, spec.address, spec.transfer_id)
+        except (KVTransferError, OSError) as e:
+            log.warning("KV transfer %s to %s failed: %s (the decode worker recomputes)", spec.transfer_id,
+                        spec.decode_worker, e)
+            self.counters["kv_send_failed"] += 1
+            return False
+        self.counters["kv_sent"] += 1
+        return True
+
+    async def receive(self, transfer_id: str, timeout: float) -> KVPayload | None:
+        if self.receiver is None:
+            return None
+        try:
+            payload = await self.receiver.receive(transfer_id, timeout)
+        except (KVTransferError, OSError) as e:
+            log.warning("KV transfer %s did not arrive: %s (recomputing)", transfer_id, e)
+            self.counters["kv_receive_failed"] += 1
+            return None
+        self.counters["kv_received"] += 1
+        return payload
+
+    # ---- shared tiers and the index ---------------------------------------------------------
+    async def fetch(self, prompt: list[int]) -> int:
+        """Before queueing: copy the prompt's blocks the broker's tiers hold (beyond what this
+        worker has) into the local store, where load_prefix finds them after add_request."""
+        if self.broker is None or not self.kv.block_size:
+            return 0
+        n = (len(prompt) - 1) // self.kv.block_size  # the last token always runs
+        hashes = stable_block_hashes(prompt[: n * self.kv.block_size], self.kv.block_size, self.kv.namespace)
+        have = await self.loop.call(lambda e: self.kv.local_prefix(e, hashes))
+        if have >= len(hashes):
+            return 0
+        blocks = await self.broker.get_blocks(hashes[have:])
+        if not blocks:
+            return 0
+        got = await self.loop.call(lambda e: self.kv.put_local(e, hashes[have:], blocks))
+        self.counters["tier_fetched_blocks"] += got
+        return got
+
+    async def run(self, interval_s: float) -> None:
+        """Background: publish cache events every interval (a snapshot every kv_snapshot_s) and
+        hand newly offloaded blocks to the broker's tiers."""
+        last_snapshot = 0.0
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self._tick(snapshot=time.monotonic() - last_snapshot >= self.cfg.kv_snapshot_s)
+                if time.monotonic() - last_snapshot >= self.cfg.kv_snapshot_s:
+                    last_snapshot = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the broker is optional: never let its trouble stop this loop
+                log.warning("KV event/offload tick failed", exc_info=True)
+
+    async def _tick(self, snapshot: bool) -> None:
+        if not self.nc.is_connected or self.loop.failed is not None or not self.loop.ready.is_set():
+            return
+        if self.index is not None:
+            polled: dict[str, Any] = await self.loop.call(self.kv.poll)
+            if snapshot:
+                for tier, held in (await self.loop.call(self.kv.held)).items():
+                    await self.index.publish(held, tier=tier, snapshot=True)
+            else:
+                for tier, (stored, evicted) in polled.items():
+                    if stored or evicted:
+                        await self.index.publish(stored, evicted, tier=tier)
+        if self.broker is not None:
+            hashes, blocks = await self.loop.call(self.kv.take_fresh)
+            if hashes and await self.broker.put_blocks(hashes, blocks):
+                self.counters["tier_shared_blocks"] += len(hashes)
