@@ -89,6 +89,8 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self.engine = self._factory()
+            if self.kv is not None:
+                self.kv.bind(self.engine)
             self.stats = dict(self.engine.stats())
             self.ready.set()
             self._loop.call_soon_threadsafe(self._on_ready)

@@ -68,6 +68,7 @@ class WorkerService(Service):
         self.kv: Any = None  # EngineKV (real engines): engine-thread KV hooks
         self.link: Any = None  # WorkerKVLink: transports, broker index and tiers
         self.split = SplitStages(self)
+        self._beat_pending = False
         self._active: dict[str, _Active] = {}
         self._outbox: asyncio.Queue[tuple[str, TokenChunk | Handoff, dict[str, str]] | None] = asyncio.Queue()
         self._loop: EngineLoop | None = None
@@ -245,10 +246,24 @@ class WorkerService(Service):
                     del self._active[rid]
                     self.counters["finished"] += 1
                     self._m_requests.labels("finished").inc()
+                    self._beat_soon()
             self._outbox.put_nowait((a.req.reply_to, chunk, a.trace_headers))
         for p in prefilled:
             self.split.prefilled(p)
         self._m_queue.set(self.queued())
+
+    def _beat_soon(self) -> None:
+        """A finished request: tell the balancers now, not at the next beat, so its stale load
+        does not push the next request (maybe one with this worker's cached prefix) elsewhere."""
+        if self._beat_pending:
+            return
+        self._beat_pending = True
+
+        async def beat() -> None:
+            await asyncio.sleep(0.005)  # one beat for requests finishing together
+            self._beat_pending = False
+            await self.publish_heartbeat()
+        self.spawn(beat())
 
     def _on_fatal(self, exc: BaseException) -> None:
         for rid in list(self._active):
