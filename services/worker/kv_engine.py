@@ -11,6 +11,12 @@ from moebus.engine.kv_tiers import CacheEventTracker, CpuTier, KVOffloader, Tier
 from moebus.engine.kv_transfer import KVBlock, KVPayload, extract_kv, inject_prefilled, kv_namespace
 
 
+def _local(engine: Any) -> Any:
+    """An EP rank's DPEngine wraps its own LLMEngine; KV moves in and out of that one (between
+    the group's steps, so no collective is involved)."""
+    return engine.engine if getattr(engine, "lockstep", False) else engine
+
+
 class EngineKV:
     def __init__(self, cpu_bytes: int = 0, share_limit: int = 64) -> None:
         """cpu_bytes: size of the local host-memory tier (0: none); share_limit: most blocks
@@ -32,6 +38,7 @@ class EngineKV:
         self._cpu_evicted: list[int] = []
 
     def bind(self, engine: Any) -> None:
+        engine = _local(engine)
         self.namespace = kv_namespace(engine)
         self.block_size = engine.block_manager.block_size
         self.tracker.namespace = self.namespace
@@ -43,10 +50,12 @@ class EngineKV:
 
     # ---- EngineLoop hooks ------------------------------------------------------------------
     def after_add(self, engine: Any, sub_id: str) -> None:
+        engine = _local(engine)
         if self.store is not None:
             load_prefix(engine, sub_id, self.store, self.namespace)
 
     def after_step(self, engine: Any) -> None:
+        engine = _local(engine)
         stored, evicted = self.tracker.poll(engine)
         self._dev_stored += stored
         self._dev_evicted += evicted
@@ -56,15 +65,18 @@ class EngineKV:
             self._cpu_stored += new
 
     def extract(self, engine: Any, sub_id: str) -> KVPayload:
+        engine = _local(engine)
         return extract_kv(engine, sub_id)
 
     def inject(self, engine: Any, sub_id: str, prompt: list[int], first_token: int, params: Any,
                payload: KVPayload | None) -> None:
+        engine = _local(engine)
         inject_prefilled(engine, sub_id, prompt, first_token, params, payload)
 
     # ---- called through EngineLoop.call ----------------------------------------------------
     def poll(self, engine: Any) -> dict[str, tuple[list[int], list[int]]]:
         """Per tier, (stored, evicted) stable hashes since the last poll."""
+        engine = _local(engine)
         stored, evicted = self.tracker.poll(engine)
         out = {"device": (self._dev_stored + stored, self._dev_evicted + evicted)}
         self._dev_stored, self._dev_evicted = [], []
@@ -75,6 +87,7 @@ class EngineKV:
 
     def held(self, engine: Any) -> dict[str, list[int]]:
         """Everything held per tier (for snapshots that heal lost events)."""
+        engine = _local(engine)
         out = {"device": self.tracker.held}
         if self.store is not None:
             out["cpu"] = [h for t in self.store.tiers for h in t.keys()]

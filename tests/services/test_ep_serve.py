@@ -1,0 +1,68 @@
+"""`moebus serve worker --ep 2`: an expert-parallel worker group (2 ranks, attention DP) on a
+tiny MoE checkpoint answers chat requests through the frontend."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import AsyncExitStack
+
+import pytest
+
+from moebus.services.balancer import BalancerConfig, BalancerService
+from moebus.services.frontend import FrontendConfig, start_frontend
+from moebus.services.tokenizer import TokenizerConfig, TokenizerService
+
+from .conftest import wait_for
+
+pytest.importorskip("torch")
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from moebus.engine.distributed.tiny import write_tiny_moe_checkpoint
+
+    path = write_tiny_moe_checkpoint(tmp_path_factory.mktemp("moe"), seed=0)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return path
+
+
+async def test_ep_worker_group_answers_chat(nats_server, moe_dir, tmp_path) -> None:
+    from openai import AsyncOpenAI
+
+    model, prefix = str(moe_dir), f"t{uuid.uuid4().hex[:8]}.moebus.v1"
+    common = {"nats_url": nats_server.url, "subject_prefix": prefix, "heartbeat_interval_s": 0.25}
+    engine = json.dumps({"num_kv_blocks": 64, "max_num_seqs": 4, "max_model_len": 256})
+    log = open(tmp_path / "ep.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "moebus.cli", "serve", "worker", "--nats-url", nats_server.url,
+                             "--model", model, "--served-model-name", "tiny", "--ep", "2", "--instance-id", "ep",
+                             "--subject-prefix", prefix, "--heartbeat-interval-s", "0.25", "--engine", engine,
+                             "--torch-threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(TokenizerService(TokenizerConfig(model=model, served_model_name="tiny",
+                                                                             **common)))
+            bal = await stack.enter_async_context(BalancerService(BalancerConfig(**common)))
+            runner, port = await start_frontend(FrontendConfig(host="127.0.0.1", port=0, models=["tiny"], **common))
+            stack.push_async_callback(runner.cleanup)
+            await wait_for(lambda: proc.poll() is None and len(bal.table.candidates("tiny", time.monotonic())) == 2,
+                           timeout=120, interval=0.2)
+            assert {e.worker_id for e in bal.table.candidates("tiny", time.monotonic())} == {"ep-ep0", "ep-ep1"}
+            c = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            msgs = [{"role": "user", "content": "<5> <9> <13> <21>"}]
+            rs = [await c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                                  extra_body={"ignore_eos": True}) for _ in range(3)]
+            assert all(r.usage.completion_tokens == 6 for r in rs)
+            assert len({r.choices[0].message.content for r in rs}) == 1  # greedy: same answer on either rank
+            assert set(bal.picks) == {"ep-ep0", "ep-ep1"}  # attention DP: both ranks took requests
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        print((tmp_path / "ep.log").read_text()[-3000:])
