@@ -66,6 +66,7 @@ async def run(url: str, texts: list[str], concurrency: int, max_tokens: int) -> 
     t0 = time.perf_counter()
     await asyncio.gather(*[one(t) for t in texts])
     wall = time.perf_counter() - t0
+    await client.close()
     return {"ttft_mean_ms": 1000 * statistics.mean(ttfts), "ttft_p50_ms": 1000 * statistics.median(ttfts),
             "tok_s": tokens / wall, "req_s": len(texts) / wall, "cached_pct": 100 * cached / max(1, prompt_tokens)}
 
