@@ -27,13 +27,15 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     return b, hq, hkv, d, v_cache.shape[3], bs
 
 
-def _gather_heads_major(cache: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
-    """cache[phys] as float32 [n, Hkv, n_blk * bs, Dx]: the permute and upcast share one copy."""
+def _gather(cache: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
+    """cache[phys] as float32 [n, n_blk * bs, Hkv, Dx] (the upcast, when needed, shares the copy)."""
     n, n_blk = phys.shape
     _, bs, hkv, dx = cache.shape
-    out = torch.empty(n, hkv, n_blk * bs, dx, dtype=torch.float32, device=cache.device)
-    out.view(n, hkv, n_blk, bs, dx).copy_(cache[phys].permute(0, 3, 1, 2, 4))
-    return out
+    if cache.dtype == torch.float32:
+        return cache[phys].view(n, n_blk * bs, hkv, dx)
+    out = torch.empty(n, n_blk, bs, hkv, dx, dtype=torch.float32, device=cache.device)
+    out.copy_(cache[phys])
+    return out.view(n, n_blk * bs, hkv, dx)
 
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -58,21 +60,25 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     chunk = max(1, _REF_CHUNK_ELEMS // (n_blk * bs * hkv * (d + dv)))
     for s in range(0, b, chunk):  # batch chunks bound memory; everything inside is batched
         e = min(s + chunk, b)
-        k = _gather_heads_major(k_cache, phys[s:e])  # [n, Hkv, L, D] float32
-        v = _gather_heads_major(v_cache, phys[s:e])
+        # One gather copy per cache; each kv head is then a strided [n, L, D] view that BLAS reads
+        # in place (a heads-major permute would cost a second full copy).
+        k = _gather(k_cache, phys[s:e])
+        v = _gather(v_cache, phys[s:e])
         qg = q[s:e].float().reshape(e - s, hkv, g, d)  # q may be a strided view
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [n, Hkv, G, L]
-        scores.masked_fill_(~valid[s:e, None, None, :], float("-inf"))
-        m = scores.amax(dim=-1, keepdim=True)
-        if sink is not None:
-            m = torch.maximum(m, sink)
-        m = m.masked_fill(torch.isinf(m), 0.0)  # nothing visible: avoid inf - inf
-        p = torch.exp(scores - m)
-        denom = p.sum(dim=-1, keepdim=True)
-        if sink is not None:
-            denom = denom + torch.exp(sink - m)
-        o = torch.matmul(p, v) / denom.masked_fill(denom == 0, 1.0)
-        out[s:e] = o.reshape(e - s, hq, dv).to(q.dtype)
+        hidden = ~valid[s:e, None, :]
+        for h in range(hkv):
+            scores = torch.matmul(qg[:, h], k[:, :, h].transpose(1, 2)) * scale  # [n, G, L]
+            scores.masked_fill_(hidden, float("-inf"))
+            m = scores.amax(dim=-1, keepdim=True)
+            if sink is not None:
+                m = torch.maximum(m, sink[:, h])
+            m = m.masked_fill(torch.isinf(m), 0.0)  # nothing visible: avoid inf - inf
+            p = torch.exp(scores - m)
+            denom = p.sum(dim=-1, keepdim=True)
+            if sink is not None:
+                denom = denom + torch.exp(sink[:, h] - m)
+            o = torch.matmul(p, v[:, :, h]) / denom.masked_fill(denom == 0, 1.0)
+            out[s:e, h * g:(h + 1) * g] = o.to(q.dtype)
     return out
 
 
