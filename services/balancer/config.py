@@ -15,4 +15,6 @@ class BalancerConfig(ServiceConfig):
     mode: Literal["aggregated", "disaggregated"] = "aggregated"
     kv_aware: bool = True  # rank workers by the prompt prefix they cache (KV broker index)
     kv_query_timeout_s: float = 0.25
-    kv_transfer_timeout_s: float = 20.0  # how long a decode worker waits for its prefill half
+    # How long a decode worker waits for its prefill half (a queued prefill may take long; a dead
+    # prefill worker fails its halves at once through balancer.worker_lost).
+    kv_transfer_timeout_s: float = 300.0

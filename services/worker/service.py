@@ -28,6 +28,7 @@ from moebus.shared.messages import (
     KVInfo,
     Load,
     TokenChunk,
+    WorkerLost,
 )
 from moebus.shared.service import Service
 from moebus.shared.toy_model import TOY_MODEL
@@ -136,6 +137,8 @@ class WorkerService(Service):
             self.spawn(self.link.run(self.cfg.heartbeat_interval_s))
             await self.bus.subscribe(s.worker_handoff(i), Handoff, self.split.on_handoff, concurrent=False,
                                      endpoint="handoff")
+            await self.bus.subscribe(s.balancer_worker_lost, WorkerLost, self.split.on_worker_lost, concurrent=False,
+                                     endpoint="worker_lost")
         self._generate_sub = await self.bus.subscribe(s.worker_generate(i), GenerateRequest, self.generate,
                                                       concurrent=False, endpoint="generate")
         await self.bus.subscribe(s.worker_abort(i), AbortRequest, self.abort, concurrent=False, endpoint="abort")

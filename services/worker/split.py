@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from nats.aio.msg import Msg
 
 from moebus.shared.errors import ErrorCode, ServiceError
-from moebus.shared.messages import GenerateRequest, Handoff
+from moebus.shared.messages import GenerateRequest, Handoff, WorkerLost
 
 from .engine_loop import Prefilled
 
@@ -46,9 +46,10 @@ class SplitStages:
     def prefilled(self, p: Prefilled) -> None:
         """Engine thread extracted (and aborted) the request after its first token."""
         rid = p.sub_id.rsplit("#", 1)[0]
-        a = self.svc._active.pop(rid, None)
-        if a is None:
-            return  # aborted meanwhile (the frontend aborts the decode side too)
+        a = self.svc._active.get(rid)
+        if a is None or a.req.stage != "prefill":
+            return  # aborted meanwhile (maybe already replaced by a later attempt)
+        del self.svc._active[rid]
         self.svc.counters["handed_off"] += 1
         self.svc.spawn(self._hand_over(a, p.payload))
 
@@ -72,6 +73,15 @@ class SplitStages:
         self.svc._outbox.put_nowait((subject, h, a.trace_headers))
 
     # ---- decode side -----------------------------------------------------------------------
+    async def on_worker_lost(self, event: WorkerLost, _: Msg) -> None:
+        """A prefill worker died: its pending halves will never be handed over."""
+        for a in list(self.svc._active.values()):
+            spec = a.req.kv_transfer
+            if a.req.stage == "decode" and spec.prefill_worker == event.worker_id and spec.transfer_id in self._handoffs:
+                fut = self._handoffs[spec.transfer_id]
+                if not fut.done():
+                    fut.set_result(Handoff(request_id=a.req.request_id, attempt=a.req.attempt))
+
     async def on_handoff(self, h: Handoff, _: Msg) -> None:
         fut = self._handoffs.get(f"{h.request_id}#{h.attempt}")
         if fut is not None and not fut.done():
