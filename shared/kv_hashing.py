@@ -1,19 +1,23 @@
-"""Process-stable chained block hashes, torch-free (the balancer hashes prompts with it).
+"""Process-stable chained block hashes: the names KV blocks travel under between processes.
 
-The same algorithm as engine.kv_transfer.hashing.stable_block_hashes (a test keeps the two
-equal); duplicated because shared/ must not import the engine (and so torch).
+Torch-free, so the balancer hashes prompts with the same function the workers use. Keyed by the
+workers' KV namespace (model, dtype, block size, cache layout), so blocks are only ever matched
+between engines that can use each other's KV. Transfers, tiers and the broker's prefix index use
+these blake2b hashes; an engine's own prefix cache keeps its cheaper in-process hashes.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
 
-_MASK = (1 << 63) - 1
+_MASK = (1 << 63) - 1  # fits a signed int64 everywhere (orjson, databases)
 
 
-def stable_block_hashes(token_ids: list[int], block_size: int, namespace: str) -> list[int]:
-    """Chained blake2b hash of every full block, keyed by the workers' KV namespace."""
-    hashes: list[int] = []
+def stable_block_hashes(token_ids: list[int], block_size: int, namespace: str,
+                        known: list[int] | None = None) -> list[int]:
+    """Chained hash of every full block of `token_ids`. `known` (hashes of a prefix computed
+    earlier) is extended in place and returned, so growing sequences hash incrementally."""
+    hashes = known if known is not None else []
     key = hashlib.blake2b(namespace.encode(), digest_size=32).digest()
     while (len(hashes) + 1) * block_size <= len(token_ids):
         i = len(hashes)

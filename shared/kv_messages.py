@@ -1,6 +1,6 @@
 """KV broker messages and subjects: prefix-block events, longest-prefix queries, tier get/put.
 
-Block hashes are the process-stable chained hashes of engine.kv_transfer.hashing (63-bit ints);
+Block hashes are the process-stable chained hashes of shared.kv_hashing (63-bit ints);
 a hash names its whole token prefix. Block data never rides in these messages: it moves as a
 chunked KV transfer (engine.kv_transfer) to the address a message names.
 """
