@@ -54,7 +54,8 @@ class LLM:
                 comp.token_ids.extend(out.new_token_ids)
                 texts[out.request_id].append(out.new_text)
                 if out.logprobs:
-                    comp.logprobs = (comp.logprobs or []) + out.logprobs
+                    comp.logprobs = comp.logprobs or []
+                    comp.logprobs.extend(out.logprobs)
                 if out.finished:
                     comp.finish_reason = out.finish_reason
                     comp.text = "".join(texts[out.request_id])

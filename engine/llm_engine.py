@@ -79,8 +79,8 @@ class LLMEngine:
         caches = allocate_kv_caches(specs, num_blocks, config.block_size, config.torch_dtype, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
-        vocab = int(self.hf_config["vocab_size"])
-        self.runner = ModelRunner(self.model, caches, config.block_size, vocab, device,
+        self.vocab_size = vocab = int(self.hf_config["vocab_size"])
+        self.runner = ModelRunner(self.model, caches, config.block_size, device,
                                   list(self.tokenizer.eos_token_ids), batch_invariant=config.deterministic)
         self.grammars = GrammarHub(self.tokenizer, vocab)
         if draft_proposer is not None and not config.num_speculative_tokens:
@@ -105,8 +105,7 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
                              f"{self.config.max_model_len}")
-        vocab = int(self.hf_config["vocab_size"])
-        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+        if max(prompt_token_ids) >= self.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError("prompt token id out of the vocabulary")
         grammar = self.grammars.state_for(params.structured) if params.structured else None
         eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)

@@ -54,14 +54,13 @@ def kv_bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.d
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, vocab_size: int, device: torch.device, eos_token_ids: list[int],
+                 block_size: int, device: torch.device, eos_token_ids: list[int],
                  batch_invariant: bool = False) -> None:
         self.model = make_batch_invariant(model) if batch_invariant else model
         self.eos_token_ids = eos_token_ids
         self.batch_invariant = batch_invariant
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler()
         self.last_sampled: dict[str, int] = {}  # request id -> token sampled by the latest step

@@ -44,7 +44,6 @@ class Request:
     grammar: Any = None  # engine.sampling.structured state, when constrained
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to verify
     wait_for: Request | None = None  # n>1 siblings wait for the first one's prefill to share blocks
-    logprobs: list[dict[int, float]] = field(default_factory=list)
     stop_reason: int | str | None = None
 
     def __post_init__(self) -> None:

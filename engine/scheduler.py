@@ -79,7 +79,6 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
-        scheduled_ids: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -98,7 +97,6 @@ class Scheduler:
             self.bm.allocate(req, req.num_computed_tokens + n)
             num_draft = max(0, n - (req.num_tokens - req.num_computed_tokens))
             out.scheduled.append(self._entry(req, n, num_draft))
-            scheduled_ids.add(id(req))
             budget -= n
             i += 1
         if out.preempted:

@@ -13,6 +13,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from moebus.engine.detokenizer import IncrementalDetokenizer
 from moebus.engine.loader.gguf_file import GGUFCheckpoint, embedded_gguf_path, string_list
 
 _CONTROL = 3  # llama.cpp token type for special/control tokens
@@ -49,9 +50,8 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(messages=messages,
                                                           add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def detokenizer(self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
-        from moebus.engine.detokenizer import IncrementalDetokenizer
-
+    def detokenizer(self, prompt_ids: list[int] | None = None,
+                    skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids or [], skip_special_tokens)
 
 
