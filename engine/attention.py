@@ -62,21 +62,29 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     lq, hq, _ = q.shape
     L, hkv, _ = k.shape
     group = hq // hkv
-    qh = q.transpose(0, 1)  # [Hq, Lq, D]
-    kh = k.transpose(0, 1).repeat_interleave(group, 0) if group > 1 else k.transpose(0, 1)
-    vh = v.transpose(0, 1).repeat_interleave(group, 0) if group > 1 else v.transpose(0, 1)
-    if sliding_window is None and sinks is None and lq == L:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-        return out.transpose(0, 1)
+    # 4-D [1, H, L, D] with enable_gqa: torch's CPU flash kernel takes these (3-D inputs and
+    # repeated kv heads fall back to the unfused math path, ~10x slower).
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if sinks is None:
+        mask = None
+        if sliding_window is not None or lq != L:
+            qpos = torch.arange(L - lq, L, device=q.device)[:, None]
+            kpos = torch.arange(L, device=q.device)[None, :]
+            mask = kpos <= qpos
+            if sliding_window is not None:
+                mask &= kpos > qpos - sliding_window
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None,
+                                             scale=scale, enable_gqa=group > 1)
+        return out[0].transpose(0, 1)
     qpos = torch.arange(L - lq, L, device=q.device)[:, None]
     kpos = torch.arange(L, device=q.device)[None, :]
     mask = kpos <= qpos
     if sliding_window is not None:
         mask &= kpos > qpos - sliding_window
-    if sinks is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-        return out.transpose(0, 1)
-    scores = torch.einsum("hqd,hkd->hqk", qh.float(), kh.float()) * scale
+    kh, vh = kh[0], vh[0]
+    if group > 1:
+        kh, vh = kh.repeat_interleave(group, 0), vh.repeat_interleave(group, 0)
+    scores = torch.einsum("hqd,hkd->hqk", qh[0].float(), kh.float()) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.float()[:, None, None].expand(hq, lq, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

@@ -8,9 +8,12 @@ Softmax in float32; a sequence with nothing to attend (seq_len 0, no sink) gets 
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from ._compat import check_launchable, next_pow2, tl, triton, upcast_dots, use_triton
+from .cpu_build import I32, I64, PTR, library, on_cpu
 
 _REF_CHUNK_ELEMS = 1 << 26  # bound on gathered K+V elements per batch chunk in the reference
 
@@ -216,6 +219,38 @@ def paged_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     return out
 
 
+_CPU_SOURCE = "paged_attention_cpu.c"
+_CPU_ARGTYPES = [PTR, I64, I64, PTR, I64, I64, I64, PTR, I64, I64, I64, PTR, I64, PTR, PTR,
+                 PTR, I64, I64, I32, I32, I32, I32, I32, I32, I32, ctypes.c_float]
+
+
+def cpu_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
+    return library(_CPU_SOURCE).function("paged_decode", dtype, _CPU_ARGTYPES) is not None
+
+
+def paged_attention_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               sliding_window: int | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The C kernel in csrc/paged_attention_cpu.c; None when it does not apply (use the reference)."""
+    b, hq, hkv, d, dv, bs = _check(q, k_cache, v_cache, block_tables, seq_lens, sinks)
+    fn = library(_CPU_SOURCE).function("paged_decode", q.dtype, _CPU_ARGTYPES) if on_cpu(q, k_cache, v_cache) else None
+    if fn is None:
+        return None
+    bt = block_tables.to(torch.int32).contiguous()
+    sl = seq_lens.to(torch.int32).contiguous()
+    sk = sinks.float().contiguous() if sinks is not None else None
+    out = torch.empty(b, hq, dv, dtype=q.dtype)
+    if b == 0:
+        return out
+    status = fn(q.data_ptr(), q.stride(0), q.stride(1),
+                k_cache.data_ptr(), *k_cache.stride()[:3], v_cache.data_ptr(), *v_cache.stride()[:3],
+                bt.data_ptr(), bt.stride(0), sl.data_ptr(), sk.data_ptr() if sk is not None else None,
+                out.data_ptr(), out.stride(0), out.stride(1),
+                b, hq, hkv, d, dv, bs, int(sliding_window or 0), float(scale))
+    return out if status == 0 else None
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None,
@@ -225,5 +260,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(),
             seq_lens.to(torch.int32).contiguous(), scale, sliding_window,
             sinks.float().contiguous() if sinks is not None else None)
+    out = paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, sinks)
+    if out is not None:
+        return out
     return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                       sliding_window, sinks)

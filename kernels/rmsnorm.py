@@ -8,6 +8,9 @@ from __future__ import annotations
 import torch
 
 from ._compat import check_launchable, next_pow2, tl, triton, use_triton
+from .cpu_build import F32, I32, I64, PTR, library, on_cpu
+
+_CPU_ARGTYPES = [PTR, I64, PTR, I64, PTR, PTR, PTR, I64, I32, F32]
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,14 +77,53 @@ def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: t
     return out, res
 
 
+def _rows(x: torch.Tensor) -> int | None:
+    """Row stride when x is a stack of rows (contiguous, or 2-D with a contiguous last dim)."""
+    if x.is_contiguous():
+        return x.shape[-1]
+    return x.stride(0) if x.dim() == 2 and x.stride(1) == 1 else None
+
+
+def _launch_cpu(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The C kernel in csrc/elementwise_cpu.c; None when it does not apply."""
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if not on_cpu(*tensors) or not weight.is_contiguous() or weight.shape != (x.shape[-1],):
+        return None
+    xs, rs = _rows(x), _rows(residual) if residual is not None else 0
+    fn = library("elementwise_cpu.c").function("rms_norm", x.dtype, _CPU_ARGTYPES)
+    if fn is None or xs is None or rs is None:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    res_out = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
+    n = x.shape[-1]
+    status = fn(x.data_ptr(), xs, residual.data_ptr() if residual is not None else None, rs, weight.data_ptr(),
+                out.data_ptr(), res_out.data_ptr() if res_out is not None else None, x.numel() // max(n, 1), n, eps)
+    return (out, res_out) if status == 0 else None
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    res = _launch_cpu(x, None, weight, eps)
+    return None if res is None else res[0]
+
+
+def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if residual.shape != x.shape:
+        return None
+    return _launch_cpu(x, residual, weight, eps)  # type: ignore[return-value]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return rms_norm_triton(x.contiguous(), weight.contiguous(), eps)
-    return rms_norm_ref(x, weight, eps)
+    out = rms_norm_cpu(x, weight, eps)
+    return out if out is not None else rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
         return fused_add_rms_norm_triton(x.contiguous(), residual.contiguous(), weight.contiguous(), eps)
-    return fused_add_rms_norm_ref(x, residual, weight, eps)
+    out = fused_add_rms_norm_cpu(x, residual, weight, eps)
+    return out if out is not None else fused_add_rms_norm_ref(x, residual, weight, eps)

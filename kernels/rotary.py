@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 
 from ._compat import check_launchable, next_pow2, tl, triton, use_triton
+from .cpu_build import I32, I64, PTR, library, on_cpu
+
+_CPU_ARGTYPES = [PTR, I64, I64, PTR, PTR, I64, PTR, I64, I32, I32, I32]
 
 
 def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float,
@@ -97,8 +100,27 @@ def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return _rotate_triton(q, cos, sin, half), _rotate_triton(k, cos, sin, half)
 
 
+def apply_rotary_cpu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C kernel in csrc/elementwise_cpu.c; None when it does not apply."""
+    half = _check(q, k, cos, sin)
+    fn = library("elementwise_cpu.c").function("rotary", q.dtype, _CPU_ARGTYPES) if on_cpu(q, k) else None
+    if fn is None or cos.device.type != "cpu":
+        return None
+    c, s = cos.float().contiguous(), sin.float().contiguous()
+    outs = []
+    for x in (q, k):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        if x.numel():
+            fn(x.data_ptr(), x.stride(0), x.stride(1), c.data_ptr(), s.data_ptr(), c.stride(0), out.data_ptr(),
+               x.shape[0], x.shape[1], x.shape[2], half)
+        outs.append(out)
+    return outs[0], outs[1]
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(q):
         return apply_rotary_triton(q, k, cos.contiguous(), sin.contiguous())
-    return apply_rotary_ref(q, k, cos, sin)
+    out = apply_rotary_cpu(q, k, cos, sin)
+    return out if out is not None else apply_rotary_ref(q, k, cos, sin)

@@ -9,6 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ._compat import check_launchable, next_pow2, tl, triton, use_triton
+from .cpu_build import F32, I32, I64, PTR, library, on_cpu
+
+_CPU_ARGTYPES = [PTR, I64, PTR, I64, I32, I32, F32]
 
 
 def silu_and_mul_ref(x: torch.Tensor, *, limit: float | None = None) -> torch.Tensor:
@@ -50,7 +53,22 @@ def silu_and_mul_triton(x: torch.Tensor, *, limit: float | None = None) -> torch
     return out
 
 
+def silu_and_mul_cpu(x: torch.Tensor, *, limit: float | None = None) -> torch.Tensor | None:
+    """The C kernel in csrc/elementwise_cpu.c; None when it does not apply."""
+    fn = library("elementwise_cpu.c").function("silu_mul", x.dtype, _CPU_ARGTYPES) if on_cpu(x) else None
+    if fn is None or x.shape[-1] % 2 or not (x.is_contiguous() or x.dim() == 2):
+        return None
+    inter = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows:
+        fn(x.data_ptr(), x.shape[-1] if x.is_contiguous() else x.stride(0), out.data_ptr(), rows, inter,
+           limit is not None, 0.0 if limit is None else float(limit))
+    return out
+
+
 def silu_and_mul(x: torch.Tensor, *, limit: float | None = None) -> torch.Tensor:
     if use_triton(x):
         return silu_and_mul_triton(x.contiguous(), limit=limit)
-    return silu_and_mul_ref(x, limit=limit)
+    out = silu_and_mul_cpu(x, limit=limit)
+    return out if out is not None else silu_and_mul_ref(x, limit=limit)

@@ -62,6 +62,12 @@ class SamplingBatch:
     def size(self) -> int:
         return self.greedy.shape[0]
 
+    @property
+    def modifies_logits(self) -> bool:
+        """Whether prepare_logits has anything to do (penalties, bans, a grammar mask)."""
+        return (self.repetition_penalty is not None or self.frequency_penalty is not None
+                or self.stop_mask is not None or self.allowed_token_mask is not None)
+
     @classmethod
     def build(
         cls,
@@ -101,7 +107,8 @@ class SamplingBatch:
                 [t for t in (p.stop_token_ids + ([] if p.ignore_eos else eos)) if 0 <= t < vocab_size]
                 for p in params
             ]
-            stop_mask = _counts(stops, vocab_size, device) > 0
+            if any(s for s, n in zip(stops, left, strict=True) if n):  # else nothing to ban: skip [B, V]
+                stop_mask = _counts(stops, vocab_size, device) > 0
 
         output_counts = None
         if use_freq or use_rep:

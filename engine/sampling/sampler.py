@@ -102,7 +102,10 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape != (batch.size, batch.vocab_size):
             raise ValueError(f"logits {tuple(logits.shape)} != [{batch.size}, {batch.vocab_size}]")
-        x = prepare_logits(logits, batch)
+        if batch.all_greedy and not batch.modifies_logits:
+            x = logits  # nothing to apply: argmax of the raw logits, no [B, V] copy
+        else:
+            x = prepare_logits(logits, batch)
         tokens = x.argmax(dim=1)
         if not batch.all_greedy:
             probs = sampling_probs(x, batch)

@@ -2,6 +2,9 @@ import pytest
 import torch
 
 from moebus.kernels import paged_attention_decode, paged_attention_decode_ref, paged_attention_decode_triton
+from moebus.kernels.paged_attention import cpu_kernel_available, paged_attention_decode_cpu
+
+needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
 
 # bf16: the Triton kernel feeds bf16 probabilities to the PV dot, as flash attention does.
 TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
@@ -115,7 +118,50 @@ def test_triton_empty_sequence_gives_zeros(splits, triton_device):
     _check_empty_sequence_gives_zeros(paged_attention_decode_triton, triton_device, num_splits=splits)
 
 
-def test_dispatch_cpu_uses_reference():
+CPU_TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("group,window,use_sinks,d,dv", CASES)
+def test_cpu_kernel_matches_ref(dtype, group, window, use_sinks, d, dv, close):
+    q, kc, vc, bt, sl, scale, sinks = make_inputs(dtype, "cpu", group, d, dv)
+    sinks = sinks if use_sinks else None
+    out = paged_attention_decode_cpu(q, kc, vc, bt, sl, scale, window, sinks)
+    assert out is not None and out.shape == (q.shape[0], q.shape[1], dv) and out.dtype == dtype
+    # both accumulate in float32 from the same inputs: only summation order and rounding differ
+    close(out, paged_attention_decode_ref(q, kc, vc, bt, sl, scale, window, sinks), *CPU_TOL[dtype])
+    close(out, naive_decode(q, kc, vc, bt, sl, scale, window, sinks), *TOL.get(dtype, CPU_TOL[dtype]))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("bs", [1, 8, 32])
+def test_cpu_kernel_strided_q_page_sizes_long_context(bs, close):
+    # contexts longer than the kernel's 32-position tile, pages smaller and larger than it
+    q, kc, vc, bt, sl, scale, sinks = make_inputs(torch.float32, "cpu", 4, 64, 64, seq_lens=[150, 3, 64, 0], bs=bs)
+    q_view = torch.cat([q, torch.randn_like(q)], dim=1)[:, : q.shape[1]]
+    assert not q_view.is_contiguous()
+    for window, s in ((None, None), (100, sinks), (33, None)):
+        out = paged_attention_decode_cpu(q_view, kc, vc, bt, sl, scale, window, s)
+        close(out, naive_decode(q, kc, vc, bt, sl, scale, window, s), *TOL[torch.float32])
+        assert not out[3].any()  # the empty sequence
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_empty_sequence_gives_zeros():
+    _check_empty_sequence_gives_zeros(paged_attention_decode_cpu, "cpu")
+
+
+def test_cpu_kernel_declines_what_it_does_not_cover():
+    q, kc, vc, bt, sl, scale, _ = make_inputs(torch.float32, "cpu", 1, 64, 64)
+    assert paged_attention_decode_cpu(q, kc.double(), vc.double(), bt, sl, scale) is None  # no fp64 build
+    assert paged_attention_decode_cpu(q.bfloat16(), kc, vc, bt, sl, scale) is None  # mixed dtypes
+
+
+def test_dispatch_cpu_uses_kernel_else_reference(monkeypatch):
     q, kc, vc, bt, sl, scale, sinks = make_inputs(torch.bfloat16, "cpu", 4, 64, 64)
-    expected = paged_attention_decode_ref(q, kc, vc, bt, sl, scale, 20, sinks)
-    assert torch.equal(paged_attention_decode(q, kc, vc, bt, sl, scale, sliding_window=20, sinks=sinks), expected)
+    out = paged_attention_decode(q, kc, vc, bt, sl, scale, sliding_window=20, sinks=sinks)
+    if cpu_kernel_available(torch.bfloat16):
+        assert torch.equal(out, paged_attention_decode_cpu(q, kc, vc, bt, sl, scale, 20, sinks))
+    else:
+        assert torch.equal(out, paged_attention_decode_ref(q, kc, vc, bt, sl, scale, 20, sinks))
