@@ -7,6 +7,7 @@ import torch
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.batch_invariant import make_batch_invariant, tiled
+from moebus.engine.cpu_linear import pack_linears
 from moebus.engine.request import Request
 from moebus.engine.sampling.sampler import Sampler, SamplingBatch
 from moebus.engine.sampling.spec_decode import rejection_sample
@@ -57,6 +58,8 @@ class ModelRunner:
                  block_size: int, device: torch.device, eos_token_ids: list[int],
                  batch_invariant: bool = False) -> None:
         self.model = make_batch_invariant(model) if batch_invariant else model
+        if not batch_invariant and device.type == "cpu":
+            pack_linears(self.model)  # bf16 decode GEMMs on prepacked oneDNN weights
         self.eos_token_ids = eos_token_ids
         self.batch_invariant = batch_invariant
         self.kv_caches = kv_caches

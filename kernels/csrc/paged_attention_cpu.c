@@ -103,10 +103,20 @@ static inline __attribute__((always_inline)) void decode_one(
              void *out, int64_t o_sb, int64_t o_sh, int B, int Hq, int Hkv, int D, int Dv, int bs,  \
              int window, float scale) {                                                              \
         if (Hq > MAXHQ || D > MAXD || Dv > MAXD || Hq % Hkv) return 1;                              \
-        _Pragma("omp parallel for schedule(dynamic, 1)") for (int b = 0; b < B; b++)                 \
-            decode_one(DT, ES, (const char *)q + b * q_sb * ES, q_sh, kc, k_sn, k_ss, k_sh, vc, v_sn,  \
-                       v_ss, v_sh, bt + b * bt_sb, seq_lens[b], sinks, (char *)out + b * o_sb * ES, \
-                       o_sh, Hq, Hkv, D, Dv, bs, window, scale);                                     \
+        _Pragma("omp parallel for schedule(dynamic, 1)") for (int b = 0; b < B; b++) {               \
+            const char *qb = (const char *)q + b * q_sb * ES;                                           \
+            char *ob = (char *)out + b * o_sb * ES;                                                      \
+            /* constant head dims let the compiler unroll the row loops fully (~1.5x) */                \
+            if (D == 64 && Dv == 64)                                                                     \
+                decode_one(DT, ES, qb, q_sh, kc, k_sn, k_ss, k_sh, vc, v_sn, v_ss, v_sh, bt + b * bt_sb, \
+                           seq_lens[b], sinks, ob, o_sh, Hq, Hkv, 64, 64, bs, window, scale);            \
+            else if (D == 128 && Dv == 128)                                                              \
+                decode_one(DT, ES, qb, q_sh, kc, k_sn, k_ss, k_sh, vc, v_sn, v_ss, v_sh, bt + b * bt_sb, \
+                           seq_lens[b], sinks, ob, o_sh, Hq, Hkv, 128, 128, bs, window, scale);          \
+            else                                                                                         \
+                decode_one(DT, ES, qb, q_sh, kc, k_sn, k_ss, k_sh, vc, v_sn, v_ss, v_sh, bt + b * bt_sb, \
+                           seq_lens[b], sinks, ob, o_sh, Hq, Hkv, D, Dv, bs, window, scale);             \
+        }                                                                                                \
         return 0;                                                                                    \
     }
 

@@ -165,3 +165,11 @@ def test_dispatch_cpu_uses_kernel_else_reference(monkeypatch):
         assert torch.equal(out, paged_attention_decode_cpu(q, kc, vc, bt, sl, scale, 20, sinks))
     else:
         assert torch.equal(out, paged_attention_decode_ref(q, kc, vc, bt, sl, scale, 20, sinks))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("d", [128, 256])  # the kernel's unrolled D=128 path and its size limit
+def test_cpu_kernel_wide_heads(d, close):
+    q, kc, vc, bt, sl, scale, sinks = make_inputs(torch.bfloat16, "cpu", 2, d, d)
+    out = paged_attention_decode_cpu(q, kc, vc, bt, sl, scale, 20, sinks)
+    close(out, naive_decode(q, kc, vc, bt, sl, scale, 20, sinks), *TOL[torch.bfloat16])
