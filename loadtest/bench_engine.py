@@ -3,10 +3,12 @@
     python loadtest/bench_engine.py                       # SmolLM2-135M, 64 x (128 in / 128 out)
     python loadtest/bench_engine.py --model tiny-moe      # tiny DeepSeek-V4-style MoE
     python loadtest/bench_engine.py --requests 16 --output-len 32   # quick look
+    python loadtest/bench_engine.py --threads 1 --no-hf --dtypes bfloat16   # async vs sync, one core left to the host
 
-Prints output tokens/s and mean per-step latency for: HF generate at batch 1 (on a subset,
-per-request) and at --hf-batch, our engine (sync and async scheduling), and their ratios.
-Greedy, EOS ignored, so every request produces exactly --output-len tokens.
+For each dtype in --dtypes (default float32 and bfloat16) prints output tokens/s and mean
+per-step latency of our engine (sync and async scheduling) and of HF generate in that same
+dtype at --hf-batch (and at batch 1 on a subset, first dtype only), then the ratios, same-dtype
+first and then across dtypes. Greedy, EOS ignored: every request produces exactly --output-len tokens.
 """
 from __future__ import annotations
 
@@ -78,36 +80,61 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-batch", type=int, default=16)
-    ap.add_argument("--hf-single", type=int, default=4, help="requests run by HF at batch 1")
+    ap.add_argument("--hf-single", type=int, default=4, help="requests run by HF at batch 1 (first dtype)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="comma list; each dtype runs ours (sync + async) and HF in that same dtype")
+    ap.add_argument("--no-async", action="store_true", help="skip the async-scheduling run")
+    ap.add_argument("--no-hf", action="store_true", help="only our engine (e.g. for the async comparison)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch compute threads (default: all cores); fewer leaves cores to the host side")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     import transformers
 
+    dtypes = args.dtypes.split(",")
+    rows: dict[str, dict] = {}
+    ratios: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         model, tok, hf_dir = _model_paths(args.model, Path(tmp))
-        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        vocab = hf.config.vocab_size
-        prompts = _prompts(args.requests, args.prompt_len, vocab)
-        rows = {}
-        for mode in (False, True):
-            eng = LLMEngine(EngineConfig(model=model, tokenizer=tok, max_num_seqs=args.max_num_seqs,
-                                         max_num_batched_tokens=4096, async_scheduling=mode))
-            run_ours(eng, prompts[:2], 4)  # warm-up
-            rows[f"moebus (async={mode}, max_num_seqs={args.max_num_seqs})"] = run_ours(eng, prompts, args.output_len)
-            eng.close()
-        rows[f"HF generate batch={args.hf_batch}"] = run_hf(hf, prompts, args.output_len, args.hf_batch)
-        rows["HF generate batch=1"] = run_hf(hf, prompts[: args.hf_single], args.output_len, 1)
+        for dt in dtypes:
+            torch_dtype = getattr(torch, dt)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype).eval()
+            prompts = _prompts(args.requests, args.prompt_len, hf.config.vocab_size)
+            ours = {}
+            for mode in (False,) if args.no_async else (False, True):
+                eng = LLMEngine(EngineConfig(model=model, tokenizer=tok, dtype=dt, max_num_seqs=args.max_num_seqs,
+                                             max_num_batched_tokens=4096, async_scheduling=mode))
+                run_ours(eng, prompts[:2], 4)  # warm-up
+                ours[mode] = rows[f"moebus {dt} (async={mode}, max_num_seqs={args.max_num_seqs})"] = run_ours(
+                    eng, prompts, args.output_len)
+                eng.close()
+            if True in ours:
+                ratios.append(f"async scheduling gain ({dt}): {ours[True]['tok_s'] / ours[False]['tok_s']:.3f}x")
+            if args.no_hf:
+                continue
+            run_hf(hf, prompts[:1], 2, 1)  # warm-up
+            base = rows[f"HF generate {dt} batch={args.hf_batch}"] = run_hf(hf, prompts, args.output_len, args.hf_batch)
+            if dt == dtypes[0]:
+                single = rows[f"HF generate {dt} batch=1"] = run_hf(hf, prompts[: args.hf_single], args.output_len, 1)
+                ratios.append(f"ratio moebus/HF batch=1 ({dt}): {max(r['tok_s'] for r in ours.values()) / single['tok_s']:.2f}x")
+            best = max(r["tok_s"] for r in ours.values())
+            ratios.append(f"ratio moebus/HF batch={args.hf_batch} (both {dt}): {best / base['tok_s']:.2f}x")
+            del hf
+    if len(dtypes) > 1 and not args.no_hf:
+        ours_best = {dt: max(r["tok_s"] for k, r in rows.items() if k.startswith(f"moebus {dt}")) for dt in dtypes}
+        for dt in dtypes:
+            for hf_dt in dtypes:
+                if hf_dt != dt:
+                    ratios.append(f"ratio moebus {dt} / HF {hf_dt} batch={args.hf_batch}: "
+                                  f"{ours_best[dt] / rows[f'HF generate {hf_dt} batch={args.hf_batch}']['tok_s']:.2f}x")
     print(f"\nmodel={args.model} requests={args.requests} prompt={args.prompt_len} output={args.output_len} "
           f"torch_threads={torch.get_num_threads()}")
-    print(f"{'system':45s} {'out tok/s':>10s} {'step ms':>9s} {'seconds':>8s}")
+    print(f"{'system':55s} {'out tok/s':>10s} {'step ms':>9s} {'seconds':>8s}")
     for name, r in rows.items():
-        print(f"{name:45s} {r['tok_s']:10.1f} {r['step_ms']:9.1f} {r['seconds']:8.1f}")
-    ours_sync = rows[f"moebus (async=False, max_num_seqs={args.max_num_seqs})"]["tok_s"]
-    ours_async = rows[f"moebus (async=True, max_num_seqs={args.max_num_seqs})"]["tok_s"]
-    best = max(ours_sync, ours_async)
-    print(f"ratio moebus/HF batch={args.hf_batch}: {best / rows[f'HF generate batch={args.hf_batch}']['tok_s']:.2f}x")
-    print(f"ratio moebus/HF batch=1: {best / rows['HF generate batch=1']['tok_s']:.2f}x")
-    print(f"async scheduling gain: {ours_async / ours_sync:.3f}x")
+        print(f"{name:55s} {r['tok_s']:10.1f} {r['step_ms']:9.1f} {r['seconds']:8.1f}")
+    print("\n".join(ratios))
 
 
 if __name__ == "__main__":
