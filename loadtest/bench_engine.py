@@ -5,10 +5,11 @@
     python loadtest/bench_engine.py --requests 16 --output-len 32   # quick look
     python loadtest/bench_engine.py --threads 1 --no-hf --dtypes bfloat16   # async vs sync, one core left to the host
 
-For each dtype in --dtypes (default float32 and bfloat16) prints output tokens/s and mean
-per-step latency of our engine (sync and async scheduling) and of HF generate in that same
-dtype at --hf-batch (and at batch 1 on a subset, first dtype only), then the ratios, same-dtype
-first and then across dtypes. Greedy, EOS ignored: every request produces exactly --output-len tokens.
+For each dtype in --dtypes (default float32 and bfloat16) prints output tokens/s, mean per-step
+latency and, for our engine, host ms (wall time per step outside model execution: what async
+scheduling hides) for our engine (sync and async scheduling) and for HF generate in that same dtype
+at --hf-batch (and at batch 1 on a subset, first dtype only), then the ratios, same-dtype first
+and then across dtypes. Greedy, EOS ignored: every request produces exactly --output-len tokens.
 """
 from __future__ import annotations
 
@@ -40,7 +41,11 @@ def run_ours(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> dict:
         n_out += sum(len(o.new_token_ids) for o in engine.step())
     dt = time.perf_counter() - t0
     steps = engine.stats_.step_seconds[n0:]
-    return {"tok_s": n_out / dt, "seconds": dt, "tokens": n_out, "step_ms": 1000 * dt / max(len(steps), 1)}
+    step_ms = 1000 * dt / max(len(steps), 1)
+    # Wall time per step beyond the model's own execution: host work left on the critical path
+    # (all of it when sync; what async scheduling failed to overlap when async).
+    host_ms = step_ms - 1000 * sum(steps) / max(len(steps), 1)
+    return {"tok_s": n_out / dt, "seconds": dt, "tokens": n_out, "step_ms": step_ms, "host_ms": host_ms}
 
 
 @torch.inference_mode()
@@ -55,7 +60,7 @@ def run_hf(model, prompts: list[list[int]], out_len: int, batch: int) -> dict:
         n_out += (out.shape[1] - ids.shape[1]) * ids.shape[0]
         steps += out_len
     dt = time.perf_counter() - t0
-    return {"tok_s": n_out / dt, "seconds": dt, "tokens": n_out, "step_ms": 1000 * dt / steps}
+    return {"tok_s": n_out / dt, "seconds": dt, "tokens": n_out, "step_ms": 1000 * dt / steps, "host_ms": None}
 
 
 def _model_paths(name: str, tmp: Path) -> tuple[str, str | None, str]:
@@ -131,9 +136,10 @@ def main() -> None:
                                   f"{ours_best[dt] / rows[f'HF generate {hf_dt} batch={args.hf_batch}']['tok_s']:.2f}x")
     print(f"\nmodel={args.model} requests={args.requests} prompt={args.prompt_len} output={args.output_len} "
           f"torch_threads={torch.get_num_threads()}")
-    print(f"{'system':55s} {'out tok/s':>10s} {'step ms':>9s} {'seconds':>8s}")
+    print(f"{'system':55s} {'out tok/s':>10s} {'step ms':>9s} {'host ms':>8s} {'seconds':>8s}")
     for name, r in rows.items():
-        print(f"{name:55s} {r['tok_s']:10.1f} {r['step_ms']:9.1f} {r['seconds']:8.1f}")
+        host = "" if r["host_ms"] is None else f"{r['host_ms']:.2f}"
+        print(f"{name:55s} {r['tok_s']:10.1f} {r['step_ms']:9.1f} {host:>8s} {r['seconds']:8.1f}")
     print("\n".join(ratios))
 
 

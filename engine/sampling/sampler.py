@@ -28,6 +28,7 @@ from .processors import (
     apply_temperature,
     apply_top_k_top_p,
     exponential_race,
+    row_argmax,
 )
 
 
@@ -106,7 +107,7 @@ class Sampler:
             x = logits  # nothing to apply: argmax of the raw logits, no [B, V] copy
         else:
             x = prepare_logits(logits, batch)
-        tokens = x.argmax(dim=1)
+        tokens = row_argmax(x)
         if not batch.all_greedy:
             probs = sampling_probs(x, batch)
             q = draw_exponentials(batch, *probs.shape, probs.device, self.generator)

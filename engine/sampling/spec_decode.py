@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .batch import SamplingBatch
-from .processors import exponential_race
+from .processors import exponential_race, row_argmax
 from .sampler import prepare_logits, sampling_probs
 
 
@@ -123,7 +123,7 @@ def rejection_sample(
     drafts = draft_token_ids.to(device=device, dtype=torch.long).masked_fill(~real, 0)
     wide = batch.expand_for_spec(drafts, num_draft, allowed_token_mask)
     x = prepare_logits(target_logits.reshape(b * k1, vocab), wide)
-    argmax = x.argmax(dim=1).view(b, k1)
+    argmax = row_argmax(x).view(b, k1)
 
     if batch.all_greedy:
         accept = drafts == argmax[:, :k]

@@ -9,7 +9,8 @@ import moebus.kernels as K
 
 assert not K.HAS_TRITON
 x = torch.randn(3, 16)
-assert torch.equal(K.rms_norm(x, torch.ones(16), 1e-6), K.rms_norm_ref(x, torch.ones(16), 1e-6))
+# CPU dispatch is the C kernel (or the reference when no compiler): equal up to rounding
+torch.testing.assert_close(K.rms_norm(x, torch.ones(16), 1e-6), K.rms_norm_ref(x, torch.ones(16), 1e-6))
 assert K.silu_and_mul(x).shape == (3, 8)
 try:
     K.rms_norm_triton(x, torch.ones(16), 1e-6)
