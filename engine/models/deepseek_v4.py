@@ -192,8 +192,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        # Called as a module so a packed head (engine.cpu_linear, also for tied embeddings) is used.
+        logits = self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed_tokens.weight)
+        return logits.float()
 
     def enable_expert_load_counting(self) -> list[torch.Tensor]:
         """Start counting routed assignments; returns each layer's live `load_counter [E]`."""

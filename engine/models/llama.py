@@ -119,8 +119,9 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        # Called as a module so a packed head (engine.cpu_linear, also for tied embeddings) is used.
+        logits = self.lm_head(hidden) if self.lm_head is not None else torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        return logits.float()
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
