@@ -31,6 +31,21 @@ static inline float dot(const float *a, const float *b, int n) {
     return acc;
 }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* bf16 rows straight into vdpbf16ps: products of bf16 are exact in float32 and summed in float32,
+ * so this matches converting first, at half the instructions and no conversion (n % 32 == 0). */
+static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + i), (__m512bh)_mm512_loadu_si512(b + i));
+    return _mm512_reduce_add_ps(acc);
+}
+#define HAVE_DOT_BF16 1
+#else
+#define HAVE_DOT_BF16 0
+#endif
+
 static inline void axpy(float *y, float a, const float *x, int n) {
 #pragma omp simd
     for (int i = 0; i < n; i++) y[i] += a * x[i];
@@ -63,6 +78,14 @@ static inline __attribute__((always_inline)) void decode_one(
             const int pos = t0 + j;
             const char *slot = kc + ((int64_t)table[pos / bs] * k_sn + (pos % bs) * k_ss) * es;
             for (int kh = 0; kh < Hkv; kh++) {
+#if HAVE_DOT_BF16
+                if (t == BF16 && D % 32 == 0) {  /* unscaled bf16 q, scale applied to the score */
+                    const uint16_t *kr = (const uint16_t *)(slot + kh * k_sh * es);
+                    for (int g = kh * G; g < (kh + 1) * G; g++)
+                        s[g][j] = scale * dot_bf16((const uint16_t *)(q + g * q_sh * es), kr, D);
+                    continue;
+                }
+#endif
                 load_row(t, row, slot + kh * k_sh * es, D);
                 for (int g = kh * G; g < (kh + 1) * G; g++) s[g][j] = dot(qf[g], row, D);
             }

@@ -135,15 +135,16 @@ def test_cpu_kernel_matches_ref(dtype, group, window, use_sinks, d, dv, close):
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])  # bf16: the vdpbf16ps path
 @pytest.mark.parametrize("bs", [1, 8, 32])
-def test_cpu_kernel_strided_q_page_sizes_long_context(bs, close):
+def test_cpu_kernel_strided_q_page_sizes_long_context(bs, dtype, close):
     # contexts longer than the kernel's 32-position tile, pages smaller and larger than it
-    q, kc, vc, bt, sl, scale, sinks = make_inputs(torch.float32, "cpu", 4, 64, 64, seq_lens=[150, 3, 64, 0], bs=bs)
+    q, kc, vc, bt, sl, scale, sinks = make_inputs(dtype, "cpu", 4, 64, 64, seq_lens=[150, 3, 64, 0], bs=bs)
     q_view = torch.cat([q, torch.randn_like(q)], dim=1)[:, : q.shape[1]]
     assert not q_view.is_contiguous()
     for window, s in ((None, None), (100, sinks), (33, None)):
         out = paged_attention_decode_cpu(q_view, kc, vc, bt, sl, scale, window, s)
-        close(out, naive_decode(q, kc, vc, bt, sl, scale, window, s), *TOL[torch.float32])
+        close(out, naive_decode(q, kc, vc, bt, sl, scale, window, s), *TOL[dtype])
         assert not out[3].any()  # the empty sequence
 
 
