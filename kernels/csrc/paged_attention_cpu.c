@@ -31,8 +31,11 @@ static inline float dot(const float *a, const float *b, int n) {
     return acc;
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512BF16__)
 /* bf16 rows straight into vdpbf16ps: products of bf16 are exact in float32 and summed in float32,
  * so this matches converting first, at half the instructions and no conversion (n % 32 == 0). */
 static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int n) {
@@ -44,6 +47,50 @@ static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int n) {
 #define HAVE_DOT_BF16 1
 #else
 #define HAVE_DOT_BF16 0
+#endif
+
+#if defined(__AVX512F__)
+#define HAVE_PV_REGS 1
+/* 16 elements at p as float32. */
+static inline __attribute__((always_inline)) __m512 load16(enum dtype t, const char *p) {
+    if (t == F32) return _mm512_loadu_ps((const float *)p);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (t == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* acc[g0 + g] += sum_j s[g0 + g][j] * V[t0 + j, kh] for the G query heads of kv head kh over one
+ * tile, Dv = 16 * C. G and C are constants at every call, so the G * C accumulators stay in
+ * registers across the tile instead of a load + store of acc per row (the V side was half the
+ * kernel's instructions). */
+static inline __attribute__((always_inline)) void pv_tile(
+    enum dtype t, int es, float (*acc)[MAXD], float (*s)[TILE], int g0, int G, int C, const char *vc,
+    int64_t v_sn, int64_t v_ss, int64_t v_sh, const int32_t *table, int t0, int n, int kh, int bs) {
+    __m512 a[4][8];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) a[g][c] = _mm512_loadu_ps(acc[g0 + g] + 16 * c);
+    for (int j = 0; j < n; j++) {
+        const int pos = t0 + j;
+        const char *row = vc + ((int64_t)table[pos / bs] * v_sn + (pos % bs) * v_ss + kh * v_sh) * es;
+        __m512 p[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(s[g0 + g][j]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const __m512 v = load16(t, row + 16 * c * es);
+#pragma GCC unroll 4
+            for (int g = 0; g < G; g++) a[g][c] = _mm512_fmadd_ps(p[g], v, a[g][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(acc[g0 + g] + 16 * c, a[g][c]);
+}
+#else
+#define HAVE_PV_REGS 0
 #endif
 
 static inline void axpy(float *y, float a, const float *x, int n) {
@@ -105,6 +152,21 @@ static inline __attribute__((always_inline)) void decode_one(
             if (alpha != 1.f)
                 for (int d = 0; d < Dv; d++) acc[h][d] *= alpha;
         }
+#if HAVE_PV_REGS
+        if ((Dv == 64 || Dv == 128) && G <= 4) {
+            for (int kh = 0; kh < Hkv; kh++) {
+#define PV(GC) pv_tile(t, es, acc, s, kh * G, GC, Dv / 16, vc, v_sn, v_ss, v_sh, table, t0, n, kh, bs)
+                switch (G) {  /* literal G: see pv_tile */
+                case 1: PV(1); break;
+                case 2: PV(2); break;
+                case 3: PV(3); break;
+                default: PV(4); break;
+                }
+#undef PV
+            }
+            continue;
+        }
+#endif
         for (int j = 0; j < n; j++) {
             const int pos = t0 + j;
             const char *slot = vc + ((int64_t)table[pos / bs] * v_sn + (pos % bs) * v_ss) * es;

@@ -174,3 +174,13 @@ def test_cpu_kernel_wide_heads(d, close):
     q, kc, vc, bt, sl, scale, sinks = make_inputs(torch.bfloat16, "cpu", 2, d, d)
     out = paged_attention_decode_cpu(q, kc, vc, bt, sl, scale, 20, sinks)
     close(out, naive_decode(q, kc, vc, bt, sl, scale, 20, sinks), *TOL[torch.bfloat16])
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6])  # register-held V accumulators for G <= 4, loop above
+def test_cpu_kernel_every_group_size(group, d, dtype, close):
+    q, kc, vc, bt, sl, scale, sinks = make_inputs(dtype, "cpu", group, d, d, seq_lens=[70, 1, 33])
+    out = paged_attention_decode_cpu(q, kc, vc, bt, sl, scale, None, sinks)
+    close(out, naive_decode(q, kc, vc, bt, sl, scale, None, sinks), *TOL.get(dtype, CPU_TOL[dtype]))
