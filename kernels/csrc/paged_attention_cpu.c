@@ -33,30 +33,87 @@ static inline float dot(const float *a, const float *b, int n) {
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-
-#if defined(__AVX512BF16__)
-/* bf16 rows straight into vdpbf16ps: products of bf16 are exact in float32 and summed in float32,
- * so this matches converting first, at half the instructions and no conversion (n % 32 == 0). */
-static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int n) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < n; i += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + i), (__m512bh)_mm512_loadu_si512(b + i));
-    return _mm512_reduce_add_ps(acc);
-}
-#define HAVE_DOT_BF16 1
-#else
-#define HAVE_DOT_BF16 0
-#endif
-
-#if defined(__AVX512F__)
-#define HAVE_PV_REGS 1
+#define HAVE_AVX512 1
 /* 16 elements at p as float32. */
 static inline __attribute__((always_inline)) __m512 load16(enum dtype t, const char *p) {
     if (t == F32) return _mm512_loadu_ps((const float *)p);
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
     if (t == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
+}
+
+/* Partial q.k of one row as 16 lanes still to be summed. bf16 (with AVX512-BF16): unscaled bf16 q
+ * against the bf16 row in vdpbf16ps, whose products are exact in float32 and summed in float32 (the
+ * caller scales the score); otherwise the scaled float32 q against the converted row. */
+static inline __attribute__((always_inline)) __m512 qk_partial(enum dtype t, int es, const char *q_raw,
+                                                               const float *qf, const char *row, int D) {
+    __m512 acc = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if (t == BF16 && D % 32 == 0) {
+#pragma GCC unroll 8
+        for (int i = 0; i < D; i += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q_raw + 2 * i),
+                                   (__m512bh)_mm512_loadu_si512(row + 2 * i));
+        return acc;
+    }
+#endif
+#pragma GCC unroll 16
+    for (int i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i), load16(t, row + i * es), acc);
+    return acc;
+}
+
+static inline int qk_prescaled(enum dtype t, int D) {
+#if defined(__AVX512BF16__)
+    return !(t == BF16 && D % 32 == 0);
+#else
+    (void)t, (void)D;
+    return 1;
+#endif
+}
+
+/* The 16 lane sums of v[0..15], in order, for ~3 instructions a sum instead of a full horizontal
+ * reduction each: halve 512 -> 256 -> 128 bits across pairs, then within 128-bit lanes; lane
+ * 4k + m then holds the sum of v[4m + k], which the final permute puts in place. */
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
+    __m512 w[8], u[4], z[2];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, r);
+}
+
+/* s[g0 + g][j] for the G query heads of kv head kh and the n <= TILE positions of a tile. */
+static inline __attribute__((always_inline)) void qk_tile(
+    enum dtype t, int es, const char *q, int64_t q_sh, float (*qf)[MAXD], float (*s)[TILE], int g0, int G,
+    const char *kc, int64_t k_sn, int64_t k_ss, int64_t k_sh, const int32_t *table, int t0, int n, int kh,
+    int D, int bs, float scale) {
+    const float post = qk_prescaled(t, D) ? 1.f : scale;
+    for (int jb = 0; jb < n; jb += 16) {
+        const int m = n - jb < 16 ? n - jb : 16;
+        const char *rows[16];
+        for (int j = 0; j < m; j++) {
+            const int pos = t0 + jb + j;
+            rows[j] = kc + ((int64_t)table[pos / bs] * k_sn + (pos % bs) * k_ss + kh * k_sh) * es;
+        }
+        for (int g = g0; g < g0 + G; g++) {
+            __m512 part[16];
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++)
+                part[j] = j < m ? qk_partial(t, es, q + g * q_sh * es, qf[g], rows[j], D) : _mm512_setzero_ps();
+            _mm512_mask_storeu_ps(&s[g][jb], (__mmask16)((1u << m) - 1), _mm512_mul_ps(reduce16(part), _mm512_set1_ps(post)));
+        }
+    }
 }
 
 /* acc[g0 + g] += sum_j s[g0 + g][j] * V[t0 + j, kh] for the G query heads of kv head kh over one
@@ -90,7 +147,7 @@ static inline __attribute__((always_inline)) void pv_tile(
         for (int c = 0; c < C; c++) _mm512_storeu_ps(acc[g0 + g] + 16 * c, a[g][c]);
 }
 #else
-#define HAVE_PV_REGS 0
+#define HAVE_AVX512 0
 #endif
 
 static inline void axpy(float *y, float a, const float *x, int n) {
@@ -121,18 +178,16 @@ static inline __attribute__((always_inline)) void decode_one(
         const int t1 = t0 + n, t2 = len < t1 + TILE ? len : t1 + TILE;
         prefetch_rows(vc, v_sn, v_ss, v_row, table, t0, t1, bs, es);  /* used after this tile's softmax */
         prefetch_rows(kc, k_sn, k_ss, k_row, table, t1, t2, bs, es);  /* the next tile's keys */
+#if HAVE_AVX512
+        if (D % 16 == 0)
+            for (int kh = 0; kh < Hkv; kh++)
+                qk_tile(t, es, q, q_sh, qf, s, kh * G, G, kc, k_sn, k_ss, k_sh, table, t0, n, kh, D, bs, scale);
+        else
+#endif
         for (int j = 0; j < n; j++) {
             const int pos = t0 + j;
             const char *slot = kc + ((int64_t)table[pos / bs] * k_sn + (pos % bs) * k_ss) * es;
             for (int kh = 0; kh < Hkv; kh++) {
-#if HAVE_DOT_BF16
-                if (t == BF16 && D % 32 == 0) {  /* unscaled bf16 q, scale applied to the score */
-                    const uint16_t *kr = (const uint16_t *)(slot + kh * k_sh * es);
-                    for (int g = kh * G; g < (kh + 1) * G; g++)
-                        s[g][j] = scale * dot_bf16((const uint16_t *)(q + g * q_sh * es), kr, D);
-                    continue;
-                }
-#endif
                 load_row(t, row, slot + kh * k_sh * es, D);
                 for (int g = kh * G; g < (kh + 1) * G; g++) s[g][j] = dot(qf[g], row, D);
             }
@@ -152,7 +207,7 @@ static inline __attribute__((always_inline)) void decode_one(
             if (alpha != 1.f)
                 for (int d = 0; d < Dv; d++) acc[h][d] *= alpha;
         }
-#if HAVE_PV_REGS
+#if HAVE_AVX512
         if ((Dv == 64 || Dv == 128) && G <= 4) {
             for (int kh = 0; kh < Hkv; kh++) {
 #define PV(GC) pv_tile(t, es, acc, s, kh * G, GC, Dv / 16, vc, v_sn, v_ss, v_sh, table, t0, n, kh, bs)
