@@ -129,3 +129,25 @@ def test_abort_frees_blocks(llm, chat_prompts):
     assert eng.block_manager.num_free_blocks < free
     assert eng.abort_request("abort-me")
     assert eng.block_manager.num_free_blocks == free and not eng.has_unfinished_requests()
+
+
+def test_structured_output_is_valid_under_async_scheduling():
+    """Async scheduling builds step N+1 before step N's token is known: a grammar request's mask
+    must still follow every token it emitted, next to grammar-free requests in the same batch."""
+    import re
+
+    llm = LLM(async_scheduling=True, max_num_seqs=8)
+    eng, tok = llm.engine, llm.tokenizer
+    pattern = "[0-9]{3}-[a-z]{4}-[0-9]{2}"
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Give me a product code."}]))
+    for s in range(4):
+        eng.add_request(f"g{s}", prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=24,
+                                                        structured=StructuredOutputParams(regex=pattern)))
+        eng.add_request(f"f{s}", prompt, SamplingParams(temperature=1.0, seed=s, max_tokens=24))
+    text = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            text[out.request_id] = text.get(out.request_id, "") + out.new_text
+    eng.close()
+    for s in range(4):
+        assert re.fullmatch(pattern, text[f"g{s}"]), text[f"g{s}"]
