@@ -1,12 +1,13 @@
 """The engine loop: add_request / step / abort over scheduler + model runner.
 
 step() = schedule -> execute -> postprocess. With async scheduling step N+1 is scheduled before
-step N's outputs are post-processed, and the two then overlap: the model runs on the caller's thread
-while a host thread post-processes step N. Tokens not yet known are placeholders the runner fills
-in; a step after one that sampled for a structured-output request post-processes first instead
-(its grammar mask needs that token). The model stays on the caller's thread because CPU kernels run on that thread's OpenMP team:
-a second computing thread would start a second team, oversubscribe the cores and make libgomp
-throttle its spin-waits (measured: async 0.55x of sync on 2 cores when the model ran elsewhere).
+step N's outputs are post-processed, and the two then overlap: the model runs on the caller's
+thread while a host thread post-processes step N. Tokens not yet known are placeholders the runner
+fills in; a step after one that sampled for a structured-output request post-processes first
+instead (its grammar mask needs that token). The model stays on the caller's thread because CPU
+kernels run on that thread's OpenMP team: a second computing thread would start a second team,
+oversubscribe the cores and make libgomp throttle its spin-waits (measured: async 0.55x of sync
+on 2 cores when the model ran elsewhere).
 """
 from __future__ import annotations
 
