@@ -106,13 +106,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[to
                                       sliding_window=sliding_window, sinks=sinks)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     qsl = meta.query_start_loc
+    # The decode rows of a mixed step: one paged-decode call instead of the loop below.
     singles = [] if meta.batch_invariant else [b for b in range(meta.num_seqs) if qsl[b + 1] - qsl[b] == 1]
     done: set[int] = set()
-    if len(singles) > 1:  # the decode rows of a mixed step: one paged-decode call, not a loop over them
+    if len(singles) > 1:
         rows = torch.tensor([qsl[b] for b in singles], device=q.device)
         seqs = torch.tensor(singles, device=q.device)
-        out[rows] = paged_attention_decode(q[rows], k_cache, v_cache, meta.block_tables[seqs], meta.seq_lens_t[seqs],
-                                           scale, sliding_window=sliding_window, sinks=sinks)
+        out[rows] = paged_attention_decode(q[rows], k_cache, v_cache, meta.block_tables[seqs],
+                                           meta.seq_lens_t[seqs], scale, sliding_window=sliding_window,
+                                           sinks=sinks)
         done = set(singles)
     for b, seq_len in enumerate(meta.seq_lens):
         s, e = qsl[b], qsl[b + 1]

@@ -193,8 +193,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Called as a module so a packed head (engine.cpu_linear, also for tied embeddings) is used.
-        logits = self.lm_head(hidden) if self.lm_head is not None else F.linear(hidden, self.embed_tokens.weight)
-        return logits.float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
     def enable_expert_load_counting(self) -> list[torch.Tensor]:
         """Start counting routed assignments; returns each layer's live `load_counter [E]`."""

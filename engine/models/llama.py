@@ -120,8 +120,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Called as a module so a packed head (engine.cpu_linear, also for tied embeddings) is used.
-        logits = self.lm_head(hidden) if self.lm_head is not None else torch.nn.functional.linear(hidden, self.embed_tokens.weight)
-        return logits.float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
