@@ -5,8 +5,11 @@
  * spec): q [B, Hq, D], caches [N, bs, Hkv, D*] (last dim contiguous), block_tables [B, *] int32,
  * seq_lens [B] int32, optional sinks [Hq] float32, sliding window W > 0 keeps p >= len - W.
  * One task per sequence, all heads together: a cache slot's Hkv rows are adjacent, so a task
- * streams whole pages. The G = Hq / Hkv query heads of a kv head share each K/V row, which is
- * converted to float32 once.
+ * streams whole pages. The G = Hq / Hkv query heads of a kv head share each K/V row. With
+ * AVX-512 (head dims multiple of 16) a tile runs per kv head: QK partials of 16 positions are
+ * reduced together (bf16 on vdpbf16ps where there is AVX512-BF16), and for G <= 4 with Dv 64/128
+ * the V accumulators stay in registers; elsewhere each row is converted to float32 once and
+ * dotted per head.
  */
 #include "cpu_common.h"
 
