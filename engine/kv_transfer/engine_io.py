@@ -49,8 +49,9 @@ def lookup(engine: LLMEngine, request: str | Request) -> Request:
 
 
 def settled_tokens(engine: LLMEngine, req: Request) -> int:
-    """Tokens whose KV is written. Under async scheduling the step in flight already counts as
-    computed, so its tokens are excluded (read-only peek at the engine's in-flight batch)."""
+    """Tokens whose KV is settled. Under async scheduling the step held in `_inflight` (run, its
+    outputs not yet applied) already counts as computed; its tokens are excluded until they are
+    (read-only peek at the engine's batch)."""
     n = req.num_computed_tokens
     inflight = getattr(engine, "_inflight", None)
     if inflight is not None:
