@@ -4,6 +4,8 @@
     python loadtest/bench_engine.py --model tiny-moe      # tiny DeepSeek-V4-style MoE
     python loadtest/bench_engine.py --requests 16 --output-len 32   # quick look
     python loadtest/bench_engine.py --threads 1 --no-hf --dtypes bfloat16   # async vs sync, one core left to the host
+    python loadtest/bench_engine.py --model tiny-moe --no-hf --dtypes float32 --requests 256 \
+        --max-num-seqs 256 --prompt-len 32 --output-len 64 --repeat 5      # async vs sync, host-heavy steps
 
 For each dtype in --dtypes (default float32 and bfloat16) prints output tokens/s, mean per-step
 latency and, for our engine, host ms (wall time per step outside model execution: what async
@@ -63,6 +65,10 @@ def run_hf(model, prompts: list[list[int]], out_len: int, batch: int) -> dict:
     return {"tok_s": n_out / dt, "seconds": dt, "tokens": n_out, "step_ms": 1000 * dt / steps, "host_ms": None}
 
 
+def _median(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
+
+
 def _model_paths(name: str, tmp: Path) -> tuple[str, str | None, str]:
     """(engine model, tokenizer, HF-loadable dir)."""
     if name == "smollm2":
@@ -91,6 +97,8 @@ def main() -> None:
                     help="comma list; each dtype runs ours (sync + async) and HF in that same dtype")
     ap.add_argument("--no-async", action="store_true", help="skip the async-scheduling run")
     ap.add_argument("--no-hf", action="store_true", help="only our engine (e.g. for the async comparison)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of our engine per mode, sync and async alternating; the median is reported")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch compute threads (default: all cores); fewer leaves cores to the host side")
     args = ap.parse_args()
@@ -107,13 +115,19 @@ def main() -> None:
             torch_dtype = getattr(torch, dt)
             hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype).eval()
             prompts = _prompts(args.requests, args.prompt_len, hf.config.vocab_size)
-            ours = {}
-            for mode in (False,) if args.no_async else (False, True):
-                eng = LLMEngine(EngineConfig(model=model, tokenizer=tok, dtype=dt, max_num_seqs=args.max_num_seqs,
-                                             max_num_batched_tokens=4096, async_scheduling=mode))
+            engines = {mode: LLMEngine(EngineConfig(model=model, tokenizer=tok, dtype=dt,
+                                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096,
+                                                    async_scheduling=mode))
+                       for mode in ((False,) if args.no_async else (False, True))}
+            runs: dict[bool, list[dict]] = {mode: [] for mode in engines}
+            for eng in engines.values():
                 run_ours(eng, prompts[:2], 4)  # warm-up
-                ours[mode] = rows[f"moebus {dt} (async={mode}, max_num_seqs={args.max_num_seqs})"] = run_ours(
-                    eng, prompts, args.output_len)
+            for _ in range(args.repeat):  # sync and async alternate, so drifts in machine speed hit both
+                for mode, eng in engines.items():
+                    runs[mode].append(run_ours(eng, prompts, args.output_len))
+            ours = {}
+            for mode, eng in engines.items():
+                ours[mode] = rows[f"moebus {dt} (async={mode}, max_num_seqs={args.max_num_seqs})"] = _median(runs[mode])
                 eng.close()
             if True in ours:
                 ratios.append(f"async scheduling gain ({dt}): {ours[True]['tok_s'] / ours[False]['tok_s']:.3f}x")
