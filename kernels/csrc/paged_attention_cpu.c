@@ -17,12 +17,18 @@
 #define MAXD 256
 #define TILE 32
 
+/* The cache slot of logical position pos: strides sn (block) and ss (slot) in elements. */
+static inline __attribute__((always_inline)) const char *slot_at(const char *cache, int64_t sn, int64_t ss,
+                                                                 const int32_t *table, int pos, int bs, int es) {
+    return cache + ((int64_t)table[pos / bs] * sn + (pos % bs) * ss) * es;
+}
+
 /* Pages are scattered, so the hardware stream prefetchers (which stop at 4 KiB boundaries) keep
  * restarting; ask for the rows of positions [p0, p1) ahead of use instead. */
 static inline void prefetch_rows(const char *cache, int64_t sn, int64_t ss, int64_t row_bytes, const int32_t *table,
                                  int p0, int p1, int bs, int es) {
     for (int pos = p0; pos < p1; pos++) {
-        const char *r = cache + ((int64_t)table[pos / bs] * sn + (pos % bs) * ss) * es;
+        const char *r = slot_at(cache, sn, ss, table, pos, bs, es);
         for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
     }
 }
@@ -106,8 +112,7 @@ static inline __attribute__((always_inline)) void qk_tile(
         const int m = n - jb < 16 ? n - jb : 16;
         const char *rows[16];
         for (int j = 0; j < m; j++) {
-            const int pos = t0 + jb + j;
-            rows[j] = kc + ((int64_t)table[pos / bs] * k_sn + (pos % bs) * k_ss + kh * k_sh) * es;
+            rows[j] = slot_at(kc, k_sn, k_ss, table, t0 + jb + j, bs, es) + kh * k_sh * es;
         }
         for (int g = g0; g < g0 + G; g++) {
             __m512 part[16];
@@ -132,8 +137,7 @@ static inline __attribute__((always_inline)) void pv_tile(
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) a[g][c] = _mm512_loadu_ps(acc[g0 + g] + 16 * c);
     for (int j = 0; j < n; j++) {
-        const int pos = t0 + j;
-        const char *row = vc + ((int64_t)table[pos / bs] * v_sn + (pos % bs) * v_ss + kh * v_sh) * es;
+        const char *row = slot_at(vc, v_sn, v_ss, table, t0 + j, bs, es) + kh * v_sh * es;
         __m512 p[4];
 #pragma GCC unroll 4
         for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(s[g0 + g][j]);
@@ -188,8 +192,7 @@ static inline __attribute__((always_inline)) void decode_one(
         else
 #endif
         for (int j = 0; j < n; j++) {
-            const int pos = t0 + j;
-            const char *slot = kc + ((int64_t)table[pos / bs] * k_sn + (pos % bs) * k_ss) * es;
+            const char *slot = slot_at(kc, k_sn, k_ss, table, t0 + j, bs, es);
             for (int kh = 0; kh < Hkv; kh++) {
                 load_row(t, row, slot + kh * k_sh * es, D);
                 for (int g = kh * G; g < (kh + 1) * G; g++) s[g][j] = dot(qf[g], row, D);
@@ -226,8 +229,7 @@ static inline __attribute__((always_inline)) void decode_one(
         }
 #endif
         for (int j = 0; j < n; j++) {
-            const int pos = t0 + j;
-            const char *slot = vc + ((int64_t)table[pos / bs] * v_sn + (pos % bs) * v_ss) * es;
+            const char *slot = slot_at(vc, v_sn, v_ss, table, t0 + j, bs, es);
             for (int kh = 0; kh < Hkv; kh++) {
                 load_row(t, row, slot + kh * v_sh * es, Dv);
                 for (int g = kh * G; g < (kh + 1) * G; g++) axpy(acc[g], s[g][j], row, Dv);
