@@ -8,6 +8,8 @@ F.linear within bf16 rounding). The packed copy is taken once: weights must not 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,8 +17,17 @@ from torch import nn
 PACKED_MAX_ROWS = 256  # above this the plain GEMM is as fast (measured: 0.7x packed at 4096 rows)
 
 
+@functools.cache
 def packing_available() -> bool:
-    return hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
+    """Whether oneDNN can prepack bf16 weights on this CPU. It needs AVX512-BW/VL/DQ or AVX-NE-CONVERT
+    (an AVX2-only CPU raises at reorder time), so probe once with a tiny weight."""
+    if not (hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Linear):
