@@ -22,7 +22,10 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).with_name("csrc")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11"]
+# -fno-trapping-math: without it GCC will not if-convert the float selects in fast_exp, so the SiLU
+# and softmax loops stayed scalar on AVX2 (measured: SiLU-and-mul 3x slower on a Zen 3 VM).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+          "-std=gnu11"]
 
 
 def _cpu_signature() -> str:
