@@ -59,7 +59,7 @@ class ModelRunner:
                  batch_invariant: bool = False) -> None:
         self.model = make_batch_invariant(model) if batch_invariant else model
         if not batch_invariant and device.type == "cpu":
-            pack_linears(self.model)  # bf16 decode GEMMs on prepacked oneDNN weights
+            pack_linears(self.model)  # fp32/bf16 GEMMs on prepacked oneDNN weights
         self.eos_token_ids = eos_token_ids
         self.batch_invariant = batch_invariant
         self.kv_caches = kv_caches
