@@ -8,8 +8,9 @@
  * streams whole pages. The G = Hq / Hkv query heads of a kv head share each K/V row. With
  * AVX-512 (head dims multiple of 16) a tile runs per kv head: QK partials of 16 positions are
  * reduced together (bf16 on vdpbf16ps where there is AVX512-BF16), and for G <= 4 with Dv 64/128
- * the V accumulators stay in registers; elsewhere each row is converted to float32 once and
- * dotted per head.
+ * the V accumulators stay in registers; AVX2 CPUs run the same tiles 8 lanes wide (head dims
+ * multiple of 8; V accumulators in column chunks); elsewhere each row is converted to float32
+ * once and dotted per head.
  */
 #include "cpu_common.h"
 
@@ -157,6 +158,86 @@ static inline __attribute__((always_inline)) void pv_tile(
 #define HAVE_AVX512 0
 #endif
 
+#if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+/* The same tiles in 8 lanes, for AVX2 CPUs (Zen 1-3, Haswell-Skylake client). */
+static inline __attribute__((always_inline)) __m256 load8(enum dtype t, const char *p) {
+    if (t == F32) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (t == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* The 8 lane sums of v[0..7], in order: two rounds of hadd leave sums of 4 lanes in each 128-bit
+ * half, and adding the halves finishes them. */
+static inline __attribute__((always_inline)) __m256 reduce8(const __m256 *v) {
+    const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+}
+
+/* s[g0 + g][j] for the G query heads of kv head kh and the n <= TILE positions of a tile; qf is
+ * prescaled. Rows past n in the last group of 8 repeat the first row and are not stored. */
+static inline __attribute__((always_inline)) void qk_tile8(
+    enum dtype t, int es, float (*qf)[MAXD], float (*s)[TILE], int g0, int G, const char *kc, int64_t k_sn,
+    int64_t k_ss, int64_t k_sh, const int32_t *table, int t0, int n, int kh, int D, int bs) {
+    for (int jb = 0; jb < n; jb += 8) {
+        const int m = n - jb < 8 ? n - jb : 8;
+        const char *rows[8];
+        for (int j = 0; j < 8; j++)
+            rows[j] = slot_at(kc, k_sn, k_ss, table, t0 + jb + (j < m ? j : 0), bs, es) + kh * k_sh * es;
+        for (int g = g0; g < g0 + G; g++) {
+            __m256 part[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                __m256 acc = _mm256_setzero_ps();
+#pragma GCC unroll 16
+                for (int i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf[g] + i), load8(t, rows[j] + i * es), acc);
+                part[j] = acc;
+            }
+            float sums[8];
+            _mm256_storeu_ps(sums, reduce8(part));
+            for (int j = 0; j < m; j++) s[g][jb + j] = sums[j];
+        }
+    }
+}
+
+/* acc[g0 + g] += sum_j s[g0 + g][j] * V[t0 + j, kh] over one tile, Dv = 8 * C, in column chunks
+ * of CC vectors so that the G * CC accumulators stay in the 16 ymm registers; G, CC and C are
+ * constants at every call. */
+static inline __attribute__((always_inline)) void pv_tile8(
+    enum dtype t, int es, float (*acc)[MAXD], float (*s)[TILE], int g0, int G, int CC, int C, const char *vc,
+    int64_t v_sn, int64_t v_ss, int64_t v_sh, const int32_t *table, int t0, int n, int kh, int bs) {
+    const char *rows[TILE];
+    for (int j = 0; j < n; j++) rows[j] = slot_at(vc, v_sn, v_ss, table, t0 + j, bs, es) + kh * v_sh * es;
+    for (int c0 = 0; c0 < C; c0 += CC) {
+        __m256 a[4][4];
+#pragma GCC unroll 4
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+            for (int c = 0; c < CC; c++) a[g][c] = _mm256_loadu_ps(acc[g0 + g] + 8 * (c0 + c));
+        for (int j = 0; j < n; j++) {
+            __m256 p[4];
+#pragma GCC unroll 4
+            for (int g = 0; g < G; g++) p[g] = _mm256_set1_ps(s[g0 + g][j]);
+#pragma GCC unroll 4
+            for (int c = 0; c < CC; c++) {
+                const __m256 v = load8(t, rows[j] + 8 * (c0 + c) * es);
+#pragma GCC unroll 4
+                for (int g = 0; g < G; g++) a[g][c] = _mm256_fmadd_ps(p[g], v, a[g][c]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 4
+            for (int c = 0; c < CC; c++) _mm256_storeu_ps(acc[g0 + g] + 8 * (c0 + c), a[g][c]);
+    }
+}
+#else
+#define HAVE_AVX2 0
+#endif
+
 static inline void axpy(float *y, float a, const float *x, int n) {
 #pragma omp simd
     for (int i = 0; i < n; i++) y[i] += a * x[i];
@@ -189,6 +270,11 @@ static inline __attribute__((always_inline)) void decode_one(
         if (D % 16 == 0)
             for (int kh = 0; kh < Hkv; kh++)
                 qk_tile(t, es, q, q_sh, qf, s, kh * G, G, kc, k_sn, k_ss, k_sh, table, t0, n, kh, D, bs, scale);
+        else
+#elif HAVE_AVX2
+        if (D % 8 == 0)
+            for (int kh = 0; kh < Hkv; kh++)
+                qk_tile8(t, es, qf, s, kh * G, G, kc, k_sn, k_ss, k_sh, table, t0, n, kh, D, bs);
         else
 #endif
         for (int j = 0; j < n; j++) {
@@ -224,6 +310,20 @@ static inline __attribute__((always_inline)) void decode_one(
                 default: PV(4); break;
                 }
 #undef PV
+            }
+            continue;
+        }
+#elif HAVE_AVX2
+        if ((Dv == 64 || Dv == 128) && G <= 4) {
+            for (int kh = 0; kh < Hkv; kh++) {
+#define PV8(GC, CC) pv_tile8(t, es, acc, s, kh * G, GC, CC, Dv / 8, vc, v_sn, v_ss, v_sh, table, t0, n, kh, bs)
+                switch (G) {  /* literal G and chunk: see pv_tile8 */
+                case 1: PV8(1, 4); break;
+                case 2: PV8(2, 4); break;
+                case 3: PV8(3, 4); break;
+                default: PV8(4, 2); break;
+                }
+#undef PV8
             }
             continue;
         }
