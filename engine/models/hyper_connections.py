@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moebus.kernels import hc_mix
+
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
@@ -33,20 +35,11 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, H] -> (block input [T, H], post [T, n] f32, comb [T, n, n] f32)."""
-        n = self.n
         mix = F.linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.fn.float())
-        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        s_pre, s_post, s_comb = self.scale.float().unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
-        post = 2.0 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.hc_eps
-        # Sinkhorn-Knopp: alternate column / row normalisation towards a doubly-stochastic matrix
-        # (column first, and iters-1 further row+column rounds, as the reference does).
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        # gates and the Sinkhorn-Knopp projection of comb (column first, then iters - 1 further
+        # row + column rounds, as the reference does): one kernel call, see kernels/mhc.py
+        pre, post, comb = hc_mix(mix, self.base.float(), self.scale.float(), self.n, self.sinkhorn_iters,
+                                 self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return collapsed, post, comb
 

@@ -1,0 +1,84 @@
+"""mHC mixing weights (kernels/mhc.py): reference vs a float64 loop, Triton and C vs the reference."""
+import math
+
+import pytest
+import torch
+
+from moebus.kernels import hc_mix, hc_mix_ref, hc_mix_triton
+from moebus.kernels.mhc import hc_mix_cpu
+from moebus.kernels.paged_attention import cpu_kernel_available
+
+CASES = [(1, 4, 20), (17, 4, 20), (64, 4, 1), (5, 3, 7), (9, 1, 3)]  # (T, n, iters)
+EPS = 1e-6
+TOL = (2e-5, 2e-5)
+
+
+def _inputs(t: int, n: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = (2 + n) * n
+    mix = torch.randn(t, width + 3, device=device)[:, :width] * 3  # strided rows, as a split would give
+    return mix, torch.randn(width, device=device), torch.rand(3, device=device) * 2 + 0.1
+
+
+def naive(mix, base, scale, n, iters, eps):
+    """One token at a time in float64, written from the definition."""
+    sig = lambda v: 1 / (1 + math.exp(-v))  # noqa: E731
+    pre, post, comb = [], [], []
+    for row in mix.double().tolist():
+        b = base.double().tolist()
+        s = scale.double().tolist()
+        pre.append([sig(row[i] * s[0] + b[i]) + eps for i in range(n)])
+        post.append([2 * sig(row[n + i] * s[1] + b[n + i]) for i in range(n)])
+        c = [[row[2 * n + r * n + j] * s[2] + b[2 * n + r * n + j] for j in range(n)] for r in range(n)]
+        c = [[math.exp(v - max(r)) / sum(math.exp(w - max(r)) for w in r) + eps for v in r] for r in c]
+
+        def cols(c):
+            sums = [sum(c[r][j] for r in range(n)) for j in range(n)]
+            return [[c[r][j] / (sums[j] + eps) for j in range(n)] for r in range(n)]
+
+        c = cols(c)
+        for _ in range(iters - 1):
+            c = cols([[v / (sum(r) + eps) for v in r] for r in c])
+        comb.append(c)
+    return torch.tensor(pre), torch.tensor(post), torch.tensor(comb)
+
+
+def _check_all(got, expected, close):
+    for a, e in zip(got, expected, strict=True):
+        assert a.shape == e.shape and a.dtype == torch.float32
+        close(a, e, *TOL)
+
+
+@pytest.mark.parametrize("t,n,iters", CASES)
+def test_ref_matches_fp64(t, n, iters, close):
+    mix, base, scale = _inputs(t, n)
+    _check_all(hc_mix_ref(mix, base, scale, n, iters, EPS), naive(mix, base, scale, n, iters, EPS), close)
+
+
+def test_sinkhorn_converges_to_doubly_stochastic():
+    mix, base, scale = _inputs(8, 4)
+    _, _, comb = hc_mix_ref(mix, base, scale, 4, 50, EPS)
+    torch.testing.assert_close(comb.sum(-2), torch.ones(8, 4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(comb.sum(-1), torch.ones(8, 4), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("t,n,iters", CASES)
+def test_triton_matches_ref(t, n, iters, triton_device, close):
+    mix, base, scale = _inputs(t, n, triton_device)
+    _check_all(hc_mix_triton(mix, base, scale, n, iters, EPS), hc_mix_ref(mix, base, scale, n, iters, EPS), close)
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
+@pytest.mark.parametrize("t,n,iters", [*CASES, (600, 4, 20)])  # 600: the OpenMP-parallel path
+def test_cpu_matches_ref(t, n, iters, close):
+    mix, base, scale = _inputs(t, n)
+    got = hc_mix_cpu(mix, base, scale, n, iters, EPS)
+    assert got is not None
+    _check_all(got, hc_mix_ref(mix, base, scale, n, iters, EPS), close)
+    assert all(torch.equal(a, b) for a, b in zip(hc_mix(mix, base, scale, n, iters, EPS), got, strict=True))
+
+
+def test_cpu_declines_and_dispatcher_falls_back(close):
+    mix, base, scale = _inputs(3, 17)  # n above the C kernel's limit
+    assert hc_mix_cpu(mix, base, scale, 17, 2, EPS) is None
+    _check_all(hc_mix(mix, base, scale, 17, 2, EPS), hc_mix_ref(mix, base, scale, 17, 2, EPS), close)
+    assert hc_mix_cpu(mix.double(), base.double(), scale.double(), 17, 2, EPS) is None
