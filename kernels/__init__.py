@@ -9,12 +9,14 @@ reference everywhere else. The references are vectorized: they are the productio
 | silu_mul.py | `silu_and_mul(x, *, limit=None)`: `[..., 2I] -> [..., I]` |
 | paged_attention.py | `paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, sinks)` |
 | fused_moe.py | `fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None)`; `moe_align` (token grouping) |
+| argmax.py | `row_argmax(x[B, N]) -> [B]` int64 (first maximum, NaN wins: torch's `max(dim=1).indices`) |
 | mhc.py | `hc_mix(mix, base, scale, n, iters, eps) -> (pre, post, comb)` (mHC gates + Sinkhorn mixture) |
 
 Tests (tests/kernels) run the Triton kernels on CPU under TRITON_INTERPRET=1 against the
 references, and the references against float64 loops.
 """
 from ._compat import HAS_TRITON
+from .argmax import row_argmax, row_argmax_ref, row_argmax_triton
 from .fused_moe import fused_moe, fused_moe_ref, fused_moe_triton, moe_align
 from .mhc import hc_mix, hc_mix_ref, hc_mix_triton
 from .paged_attention import paged_attention_decode, paged_attention_decode_ref, paged_attention_decode_triton
@@ -31,6 +33,7 @@ from .silu_mul import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
 
 __all__ = [
     "HAS_TRITON",
+    "row_argmax", "row_argmax_ref", "row_argmax_triton",
     "apply_rotary", "apply_rotary_ref", "apply_rotary_triton", "rotary_cos_sin",
     "fused_add_rms_norm", "fused_add_rms_norm_ref", "fused_add_rms_norm_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "moe_align",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moebus.kernels import row_argmax as kernels_row_argmax
+
 NEG_INF = float("-inf")
 
 
@@ -76,9 +78,10 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 
 def row_argmax(x: Tensor) -> Tensor:
-    """argmax over dim 1. max().indices returns the same index (the first maximum, NaN wins) but
-    is 2.5-5x faster than argmax on CPU in torch 2.13 for [B, vocab] rows (bf16 worst)."""
-    return x.max(dim=1).indices
+    """argmax over dim 1 (the first maximum, NaN wins): kernels.row_argmax, whose torch reference
+    is max().indices (2.5-5x faster than argmax on CPU in torch 2.13) and whose C kernel is ~5x
+    faster again on [64, 49152] float32."""
+    return kernels_row_argmax(x)
 
 
 def exponential_race(probs: Tensor, q: Tensor) -> Tensor:
