@@ -79,8 +79,8 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 def row_argmax(x: Tensor) -> Tensor:
     """argmax over dim 1 (the first maximum, NaN wins): kernels.row_argmax, whose torch reference
-    is max().indices (2.5-5x faster than argmax on CPU in torch 2.13) and whose C kernel is ~5x
-    faster again on [64, 49152] float32."""
+    is max().indices (2.5-5x faster than argmax on CPU in torch 2.13) and whose C kernel is ~9x
+    faster again on [64, 49152] float32 (Zen 3: 2.96 -> 0.34 ms)."""
     return kernels_row_argmax(x)
 
 
