@@ -48,3 +48,11 @@ def test_tied_lm_head_gets_a_packed_head_sharing_the_embedding(dtype):
     assert type(model.lm_head) is PackedLinear and model.lm_head.weight is model.embed_tokens.weight
     assert "lm_head.weight" not in dict(model.named_parameters())  # shared, not a second parameter
     torch.testing.assert_close(model.compute_logits(hidden), expected, **TOL[dtype])
+
+
+@pytest.mark.skipif(packing_available(torch.bfloat16), reason="this CPU packs bf16")
+def test_unpackable_bf16_warns_and_stays_plain(caplog):
+    model = nn.Sequential(nn.Linear(8, 8).bfloat16())
+    with caplog.at_level("WARNING"):
+        assert pack_linears(model) == 0
+    assert type(model[0]) is nn.Linear and "serve with dtype float32" in caplog.text
