@@ -8,7 +8,7 @@ reference everywhere else. The references are vectorized: they are the productio
 | rotary.py | `apply_rotary(q, k, cos, sin) -> (q, k)` (neox, partial rotary), `rotary_cos_sin(positions, R, base, dtype)` |
 | silu_mul.py | `silu_and_mul(x, *, limit=None)`: `[..., 2I] -> [..., I]` |
 | paged_attention.py | `paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, sinks)` |
-| fused_moe.py | `fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None)`; `moe_align` (token grouping) |
+| fused_moe.py | `fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None)`; `moe_align` (token grouping); C kernel for <= 256 tokens |
 | argmax.py | `row_argmax(x[B, N]) -> [B]` int64 (first maximum, NaN wins: torch's `max(dim=1).indices`) |
 | mhc.py | `hc_mix(mix, base, scale, n, iters, eps) -> (pre, post, comb)` (mHC gates + Sinkhorn mixture) |
 

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from moebus.kernels import fused_moe, fused_moe_ref, fused_moe_triton, moe_align
+from moebus.kernels.fused_moe import CPU_MAX_TOKENS, fused_moe_cpu
+from moebus.kernels.paged_attention import cpu_kernel_available
 
 # bf16: both paths round each GEMM output and the activation to bf16 (3 roundings per value).
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (4e-2, 4e-2)}
@@ -78,9 +80,39 @@ def test_moe_align(t, k, e, block_m):
     assert total == int(((counts + block_m - 1) // block_m * block_m).sum())
 
 
-def test_dispatch_cpu_uses_reference():
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
+@DTYPES
+@pytest.mark.parametrize("case", [*CASES, (64, 128, 64, 16, 2)])  # the last: the tiny bench MoE's shapes
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_cpu_matches_ref(case, dtype, limit, close):
+    x, w13, w2, tw, ids = make_inputs(case, dtype)
+    out = fused_moe_cpu(x, w13, w2, tw, ids, swiglu_limit=limit)
+    assert out is not None and out.shape == x.shape and out.dtype == dtype
+    close(out, fused_moe_ref(x, w13, w2, tw, ids, swiglu_limit=limit), *TOL[dtype])
+    close(out, naive_moe(x, w13, w2, tw, ids, limit), *TOL[dtype])
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
+def test_cpu_strided_tokens_and_declines(close):
+    x, w13, w2, tw, ids = make_inputs((17, 81, 48, 8, 2), torch.float32)
+    wide = torch.randn(17, 100)
+    wide[:, :81] = x
+    close(fused_moe_cpu(wide[:, :81], w13, w2, tw, ids), fused_moe_ref(x, w13, w2, tw, ids), *TOL[torch.float32])
+    assert fused_moe_cpu(x, w13, w2, tw, torch.full_like(ids, 8)) is None  # expert id out of range
+    assert fused_moe_cpu(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, tw, ids) is None
+    assert fused_moe_cpu(x.double(), w13.double(), w2.double(), tw, ids) is None
+    big = make_inputs((CPU_MAX_TOKENS + 1, 16, 8, 4, 2), torch.float32)
+    assert fused_moe_cpu(*big) is None
+
+
+def test_dispatch_cpu():
     x, w13, w2, tw, ids = make_inputs((17, 81, 48, 8, 2), torch.bfloat16)
-    assert torch.equal(fused_moe(x, w13, w2, tw, ids, swiglu_limit=0.5), fused_moe_ref(x, w13, w2, tw, ids, 0.5))
-    assert torch.equal(fused_moe(x, w13, w2, tw, ids.long()), fused_moe_ref(x, w13, w2, tw, ids))
+    expected = fused_moe_cpu(x, w13, w2, tw, ids, 0.5) if cpu_kernel_available() else None
+    if expected is None:
+        expected = fused_moe_ref(x, w13, w2, tw, ids, 0.5)
+    assert torch.equal(fused_moe(x, w13, w2, tw, ids, swiglu_limit=0.5), expected)
+    assert torch.equal(fused_moe(x, w13, w2, tw, ids.long(), swiglu_limit=0.5), expected)
+    big = make_inputs((CPU_MAX_TOKENS + 1, 16, 8, 4, 2), torch.float32)
+    assert torch.equal(fused_moe(*big), fused_moe_ref(*big))  # prefill-sized: the reference
     empty = fused_moe(x[:0], w13, w2, tw[:0], ids[:0])
     assert empty.shape == (0, x.shape[1])
