@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebus.kernels import hc_mix
+from moebus.kernels import hc_merge, hc_mix
 
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,9 +47,7 @@ class HyperConnection(nn.Module):
     def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
               comb: torch.Tensor) -> torch.Tensor:
         """New streams: out_k = post_k * block_out + sum_j comb[j, k] * streams_j."""
-        dtype = streams.dtype
-        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+        return hc_merge(streams, block_out, post, comb)
 
 
 class HyperHead(nn.Module):

@@ -51,3 +51,43 @@ int hc_mix_f32(const float *mix, int64_t ms, const float *base, const float *sca
     }
     return 0;
 }
+
+/* New streams out[t, k, :] = post[t, k] * b[t, :] + sum_j comb[t, j, k] * s[t, j, :] in float32,
+ * rounded once: s, out [T, n, H] and b [T, H] contiguous in the storage type, post [T, n] and comb
+ * [T, n, n] float32 contiguous. */
+INLINE int hc_merge_impl(enum dtype t, int es, const char *s, const char *b, const float *post, const float *comb,
+                         char *out, int64_t T, int n, int64_t H) {
+    if (n < 1 || n > MAXN) return 1;
+#pragma omp parallel for schedule(static) if (T * n * H >= 65536)
+    for (int64_t tok = 0; tok < T; tok++) {
+        float acc[256], row[256];
+        const float *c = comb + tok * n * n;
+        for (int64_t h0 = 0; h0 < H; h0 += 256) {
+            const int m = H - h0 < 256 ? (int)(H - h0) : 256;
+            for (int k = 0; k < n; k++) {
+                load_row(t, acc, b + (tok * H + h0) * es, m);
+                const float p = post[tok * n + k];
+#pragma omp simd
+                for (int i = 0; i < m; i++) acc[i] *= p;
+                for (int j = 0; j < n; j++) {
+                    load_row(t, row, s + ((tok * n + j) * H + h0) * es, m);
+                    const float w = c[j * n + k];
+#pragma omp simd
+                    for (int i = 0; i < m; i++) acc[i] += w * row[i];
+                }
+                store_row(t, out + ((tok * n + k) * H + h0) * es, acc, 1.f, m);
+            }
+        }
+    }
+    return 0;
+}
+
+#define DEFINE_HC_MERGE(SUFFIX, DT, ES)                                                                        \
+    int hc_merge_##SUFFIX(const void *s, const void *b, const float *post, const float *comb, void *out,       \
+                          int64_t T, int n, int64_t H) {                                                       \
+        return hc_merge_impl(DT, ES, (const char *)s, (const char *)b, post, comb, (char *)out, T, n, H);      \
+    }
+
+DEFINE_HC_MERGE(f32, F32, 4)
+DEFINE_HC_MERGE(bf16, BF16, 2)
+DEFINE_HC_MERGE(f16, F16, 2)

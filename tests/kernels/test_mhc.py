@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from moebus.kernels import hc_mix, hc_mix_ref, hc_mix_triton
-from moebus.kernels.mhc import hc_mix_cpu
+from moebus.kernels import hc_merge, hc_merge_ref, hc_merge_triton, hc_mix, hc_mix_ref, hc_mix_triton
+from moebus.kernels.mhc import hc_merge_cpu, hc_mix_cpu
 from moebus.kernels.paged_attention import cpu_kernel_available
 
 CASES = [(1, 4, 20), (17, 4, 20), (64, 4, 1), (5, 3, 7), (9, 1, 3)]  # (T, n, iters)
@@ -82,3 +82,59 @@ def test_cpu_declines_and_dispatcher_falls_back(close):
     assert hc_mix_cpu(mix, base, scale, 17, 2, EPS) is None
     _check_all(hc_mix(mix, base, scale, 17, 2, EPS), hc_mix_ref(mix, base, scale, 17, 2, EPS), close)
     assert hc_mix_cpu(mix.double(), base.double(), scale.double(), 17, 2, EPS) is None
+
+
+MERGE_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+MERGE_TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (3e-2, 3e-2)}  # the ref rounds comb and each op to bf16
+MERGE_CASES = [(1, 4, 128), (17, 4, 81), (5, 3, 300), (600, 4, 64)]  # (T, n, H); 300 > the C kernel's 256 chunk
+
+
+def _merge_inputs(t, n, h, dtype, device="cpu"):
+    streams = torch.randn(t, n, h, device=device).to(dtype)
+    block_out = torch.randn(t, h, device=device).to(dtype)
+    post = torch.rand(t, n, device=device) * 2
+    mix, base, scale = _inputs(t, n, device)
+    _, _, comb = hc_mix_ref(mix, base, scale, n, 20, EPS)
+    return streams, block_out, post, comb
+
+
+def naive_merge(streams, block_out, post, comb):
+    s, b, p, c = (x.double() for x in (streams, block_out, post, comb))
+    t, n, h = s.shape
+    out = torch.zeros(t, n, h, dtype=torch.float64)
+    for k in range(n):
+        out[:, k] = p[:, k, None] * b
+        for j in range(n):
+            out[:, k] += c[:, j, k, None] * s[:, j]
+    return out
+
+
+@MERGE_DTYPES
+@pytest.mark.parametrize("t,n,h", MERGE_CASES)
+def test_merge_ref_matches_fp64(t, n, h, dtype, close):
+    args = _merge_inputs(t, n, h, dtype)
+    out = hc_merge_ref(*args)
+    assert out.shape == (t, n, h) and out.dtype == dtype
+    close(out, naive_merge(*args), *MERGE_TOL[dtype])
+
+
+@MERGE_DTYPES
+@pytest.mark.parametrize("t,n,h", MERGE_CASES[:3])
+def test_merge_triton_matches_ref(t, n, h, dtype, triton_device, close):
+    args = _merge_inputs(t, n, h, dtype, triton_device)
+    close(hc_merge_triton(*args), hc_merge_ref(*args), *MERGE_TOL[dtype])
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
+@MERGE_DTYPES
+@pytest.mark.parametrize("t,n,h", MERGE_CASES)
+def test_merge_cpu_matches_ref(t, n, h, dtype, close):
+    args = _merge_inputs(t, n, h, dtype)
+    out = hc_merge_cpu(*args)
+    assert out is not None and out.dtype == dtype
+    close(out, naive_merge(*args), *MERGE_TOL[dtype])
+    close(out, hc_merge_ref(*args), *MERGE_TOL[dtype])
+    assert torch.equal(hc_merge(*args), out)
+    streams, block_out, post, comb = args
+    if t > 1:  # token-major layout is required
+        assert hc_merge_cpu(streams.transpose(0, 1).contiguous().transpose(0, 1), block_out, post, comb) is None
