@@ -186,5 +186,7 @@ def hc_merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor) -> torch.Tensor:
     if use_triton(streams):
         return hc_merge_triton(streams, block_out, post, comb)
-    out = hc_merge_cpu(streams, block_out, post, comb)
+    # The first layer's streams are the embedding expanded n times (a stride-0 view): one copy is
+    # far cheaper than the reference's T tiny GEMMs.
+    out = hc_merge_cpu(streams.contiguous(), block_out.contiguous(), post, comb)
     return out if out is not None else hc_merge_ref(streams, block_out, post, comb)
