@@ -94,7 +94,11 @@ class KVBrokerService:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._own_nc and self.nc is not None and not self.nc.is_closed:
-            await self.nc.drain()
+            # Draining needs the server: with NATS gone (reconnecting) drain() raises, so just close.
+            if self.nc.is_connected:
+                await self.nc.drain()
+            else:
+                await self.nc.close()
 
     async def __aenter__(self) -> Self:
         return await self.start()

@@ -17,6 +17,7 @@ from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService, PrefixInde
 from moebus.services.kvbroker.tier_client import KVBrokerClient
 from moebus.shared.kv_messages import KVEvent, KVSubjects
 from moebus.shared.messages import WorkerLost
+from moebus.shared.nats_server import NatsServer
 from moebus.shared.subjects import Subjects
 
 from .conftest import run
@@ -143,3 +144,17 @@ def test_cli_sizes(size):
     from moebus.services.kvbroker.__main__ import parse_bytes
 
     assert parse_bytes(size) in (512 << 20, 4 << 30, 1024, 2048)
+
+
+async def test_broker_stops_cleanly_after_nats_died():
+    """SIGTERM after the bus is gone: drain() would raise ConnectionReconnectingError, stop() closes."""
+    server = NatsServer(jetstream=False).start()
+    svc = await KVBrokerService(KVBrokerConfig(server.url, "moebus.v1", cpu_bytes=1 << 20)).start()
+    server.stop()
+    for _ in range(100):  # until the client notices
+        if not svc.nc.is_connected:
+            break
+        await asyncio.sleep(0.05)
+    assert not svc.nc.is_connected
+    await asyncio.wait_for(svc.stop(), timeout=10)
+    assert svc.nc.is_closed
