@@ -3,7 +3,11 @@
 CPU GEMM kernels pick blocking by M, so a token's activations change in the last bits with the
 batch size. Running every linear layer in fixed 16-row tiles (zero-padded) makes each row go
 through the same kernel with the same blocking whatever the batch holds; attention already runs
-per sequence on the deterministic path. Measured cost: see BENCHMARKS.md.
+per sequence on the deterministic path. Modules that multiply by raw weights (F.linear, einsum)
+declare a `batch_invariant` attribute, which `make_batch_invariant` sets, and then tile those
+products with `invariant_linear` / `tiled`; the MoE then routes every batch size through the
+per-token C kernel (without a C compiler the routed experts stay batch-dependent). Measured cost:
+see BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -24,15 +28,24 @@ def tiled(fn, x: torch.Tensor) -> torch.Tensor:
     return out[:t]
 
 
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in TILE-row chunks: each row's result is independent of the others."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = tiled(lambda c: F.linear(c, weight, bias), flat)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 class BatchInvariantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        out = tiled(lambda c: F.linear(c, self.weight, self.bias), flat)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return invariant_linear(x, self.weight, self.bias)
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:
-    """Swap every nn.Linear of the model for a tiled one sharing the same parameters."""
+    """Swap every nn.Linear of the model for a tiled one sharing the same parameters, and switch
+    on the modules that declare a `batch_invariant` attribute."""
+    for module in model.modules():
+        if hasattr(module, "batch_invariant"):
+            module.batch_invariant = True
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:

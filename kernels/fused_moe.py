@@ -163,12 +163,13 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 
 
 def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor | None:
-    """The C kernel in csrc/fused_moe_cpu.c; None when it does not apply (or more than
-    CPU_MAX_TOKENS tokens)."""
+                  topk_ids: torch.Tensor, swiglu_limit: float | None = None,
+                  max_tokens: int | None = CPU_MAX_TOKENS) -> torch.Tensor | None:
+    """The C kernel in csrc/fused_moe_cpu.c; None when it does not apply (or more than max_tokens
+    tokens). Each token's result is computed on its own, so it is batch-invariant at any size."""
     _check(x, w13, w2, topk_weights, topk_ids)
     t, k = topk_ids.shape
-    if not (0 < t <= CPU_MAX_TOKENS and x.dim() == 2 and on_cpu(x, w13, w2)
+    if not (0 < t <= (max_tokens or t) and x.dim() == 2 and on_cpu(x, w13, w2)
             and w13.is_contiguous() and w2.is_contiguous() and topk_ids.device.type == "cpu"):
         return None
     fn = library("fused_moe_cpu.c").function("fused_moe", x.dtype, _CPU_ARGTYPES)
@@ -185,8 +186,11 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, swiglu_limit: float | None = None, *,
+              batch_invariant: bool = False) -> torch.Tensor:
+    """batch_invariant: on CPU, the per-token C kernel at every batch size (deterministic mode)."""
     if use_triton(x):
         return fused_moe_triton(x.contiguous(), w13, w2, topk_weights, topk_ids, swiglu_limit)
-    out = fused_moe_cpu(x, w13, w2, topk_weights, topk_ids, swiglu_limit)
+    out = fused_moe_cpu(x, w13, w2, topk_weights, topk_ids, swiglu_limit,
+                        max_tokens=None if batch_invariant else CPU_MAX_TOKENS)
     return out if out is not None else fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit)

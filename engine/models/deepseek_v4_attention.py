@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, attend
+from moebus.engine.batch_invariant import tiled
 from moebus.kernels import apply_rotary, rms_norm
 
 
@@ -40,6 +41,8 @@ def hf_channel_perm(head_dim: int, rope_dim: int, device: torch.device | None = 
 
 
 class DeepseekV4Attention(nn.Module):
+    batch_invariant: bool = False  # deterministic mode (engine.batch_invariant)
+
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, rope_dim: int, q_lora_rank: int,
                  o_groups: int, o_lora_rank: int, sliding_window: int, eps: float):
         super().__init__()
@@ -88,5 +91,8 @@ class DeepseekV4Attention(nn.Module):
         out, _ = apply_rotary(out, kv, cos, -sin)
         grouped = out.reshape(T, self.o_groups, -1)
         w = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])
-        low_rank = torch.einsum("tgi,gri->tgr", grouped, w).flatten(1)
+        if self.batch_invariant:
+            low_rank = tiled(lambda c: torch.einsum("tgi,gri->tgr", c, w), grouped).flatten(1)
+        else:
+            low_rank = torch.einsum("tgi,gri->tgr", grouped, w).flatten(1)
         return self.o_b_proj(low_rank)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moebus.engine.batch_invariant import invariant_linear
 from moebus.kernels import hc_merge, hc_mix
 
 
@@ -21,6 +22,8 @@ def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class HyperConnection(nn.Module):
     """Weights for one block's mHC; parameter names follow HF (`attn_hc.fn`, `.base`, `.scale`)."""
+
+    batch_invariant: bool = False  # deterministic mode (engine.batch_invariant)
 
     def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
         super().__init__()
@@ -35,7 +38,8 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, H] -> (block input [T, H], post [T, n] f32, comb [T, n, n] f32)."""
-        mix = F.linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.fn.float())
+        linear = invariant_linear if self.batch_invariant else F.linear
+        mix = linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.fn.float())
         # gates and the Sinkhorn-Knopp projection of comb (column first, then iters - 1 further
         # row + column rounds, as the reference does): one kernel call, see kernels/mhc.py
         pre, post, comb = hc_mix(mix, self.base.float(), self.scale.float(), self.n, self.sinkhorn_iters,
@@ -53,6 +57,8 @@ class HyperConnection(nn.Module):
 class HyperHead(nn.Module):
     """Final collapse of the streams before the model norm (HF `model.hc_head.*`)."""
 
+    batch_invariant: bool = False  # deterministic mode (engine.batch_invariant)
+
     def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float):
         super().__init__()
         self.hc_eps = hc_eps
@@ -62,6 +68,7 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mix = F.linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
+        linear = invariant_linear if self.batch_invariant else F.linear
+        mix = linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
         pre = torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

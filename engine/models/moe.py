@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moebus.engine.batch_invariant import invariant_linear, tiled
 from moebus.kernels import fused_moe, silu_and_mul
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -34,6 +35,8 @@ class Router(nn.Module):
     scaled by `routed_scaling_factor`.
     """
 
+    batch_invariant: bool = False  # deterministic mode (engine.batch_invariant)
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring_func: str,
                  norm_topk_prob: bool, routed_scaling_factor: float, hash_vocab_size: int | None):
         super().__init__()
@@ -51,7 +54,11 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
         # Router math in float32 so expert choice does not flip with the activation dtype.
-        scores = router_scores(F.linear(x.float(), self.weight.float()), self.scoring_func)
+        w = self.weight.float()
+        if self.batch_invariant:  # torch's scalar tail and SIMD body round softplus/exp differently:
+            scores = tiled(lambda c: router_scores(F.linear(c, w), self.scoring_func), x.float())  # fixed tiles
+        else:
+            scores = router_scores(F.linear(x.float(), w), self.scoring_func)
         if self.is_hash:
             ids = self.tid2eid[input_ids].long()
         else:
@@ -65,6 +72,8 @@ class Router(nn.Module):
 class SharedExpert(nn.Module):
     """Dense SwiGLU MLP every token goes through; gate/up fused into one [2I, H] matrix."""
 
+    batch_invariant: bool = False  # deterministic mode (engine.batch_invariant)
+
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None):
         super().__init__()
         self.swiglu_limit = swiglu_limit
@@ -72,7 +81,8 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj), limit=self.swiglu_limit), self.down_proj)
+        linear = invariant_linear if self.batch_invariant else F.linear
+        return linear(silu_and_mul(linear(x, self.gate_up_proj), limit=self.swiglu_limit), self.down_proj)
 
 
 class MoE(nn.Module):
@@ -81,6 +91,8 @@ class MoE(nn.Module):
     Load accounting for expert balancing: call `enable_load_counting()`, then `load_counter [E]`
     accumulates how many (token, slot) assignments each expert received; reset by zeroing it.
     """
+
+    batch_invariant: bool = False  # deterministic mode (engine.batch_invariant)
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  num_shared_experts: int, scoring_func: str, norm_topk_prob: bool,
@@ -103,7 +115,8 @@ class MoE(nn.Module):
         topk_weights, topk_ids = self.gate(x, input_ids)
         if self.load_counter is not None:
             self.load_counter += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
-        out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, swiglu_limit=self.swiglu_limit)
+        out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, swiglu_limit=self.swiglu_limit,
+                        batch_invariant=self.batch_invariant)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
