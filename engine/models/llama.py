@@ -69,13 +69,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    # Long prefill chunks run the MLP this many rows at a time: the [rows, 2I] intermediate then
+    # stays in cache instead of a fresh 50 MB buffer per layer (SmolLM2, 4096 rows). Zen 3 VM,
+    # 8192 prompt tokens at a 4096-token budget: 18.1-20.9 s -> 17.1-17.7 s (a 1024 budget: ~15.5 s).
+    chunk_rows: int = 1024
+
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        if x.shape[0] <= self.chunk_rows:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return torch.cat([self.down_proj(silu_and_mul(self.gate_up_proj(c))) for c in x.split(self.chunk_rows)])
 
 
 class LlamaLayer(nn.Module):
