@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebus.engine.batch_invariant import invariant_linear
+from moebus.engine.batch_invariant import invariant_linear, tiled
 from moebus.kernels import hc_merge, hc_mix
 
 
@@ -68,7 +68,12 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        linear = invariant_linear if self.batch_invariant else F.linear
-        mix = linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.hc_fn.float())
-        pre = torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        def gate(x: torch.Tensor) -> torch.Tensor:
+            mix = F.linear(x, self.hc_fn.float())
+            return torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+
+        x = _unit_rms(streams.flatten(1).float(), self.norm_eps)
+        # Deterministic mode: fixed tiles for the GEMM and for sigmoid (torch's SIMD body and
+        # scalar tail may round it differently).
+        pre = tiled(gate, x) if self.batch_invariant else gate(x)
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
