@@ -53,3 +53,34 @@ def test_mixed_step_matches_dense_attention_per_sequence(dtype, window):
         ctx = [tables[b][p // BS] * BS + p % BS for p in range(L)]
         ref = _naive(q[qsl[b]:qsl[b + 1]], flat_k[ctx], flat_v[ctx], D**-0.5, window)
         torch.testing.assert_close(out[qsl[b]:qsl[b + 1]].double(), ref, rtol=tol, atol=tol)
+
+
+def _naive_sinks(q, k, v, scale, window, sinks):
+    """float64 loop: q [Lq, Hq, D] are the last Lq of L positions; a sink adds exp(sinks[h]) to the
+    softmax denominator and nothing to the numerator."""
+    lq, hq, _ = q.shape
+    L, hkv, _ = k.shape
+    out = torch.zeros(lq, hq, v.shape[-1], dtype=torch.float64)
+    for i in range(lq):
+        p = L - lq + i
+        lo = 0 if window is None else max(0, p - window + 1)
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            s = (k[lo:p + 1, kh].double() @ q[i, h].double()) * scale
+            w = torch.exp(s - s.max())
+            den = w.sum() + torch.exp(sinks[h].double() - s.max())
+            out[i, h] = (w[:, None] * v[lo:p + 1, kh].double()).sum(0) / den
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("lq", [1, 7, 19])  # decode row, a chunk after cached context, a whole prompt
+def test_prefill_with_sinks_matches_fp64(window, lq):
+    from moebus.engine.attention import _prefill_one
+
+    torch.manual_seed(0)
+    L, hq, hkv, d = 19, 6, 2, 16
+    q, k, v = torch.randn(lq, hq, d), torch.randn(L, hkv, d), torch.randn(L, hkv, d)
+    sinks = torch.randn(hq) * 2
+    out = _prefill_one(q, k, v, d ** -0.5, window, sinks)
+    torch.testing.assert_close(out.double(), _naive_sinks(q, k, v, d ** -0.5, window, sinks), rtol=1e-5, atol=1e-5)
