@@ -12,6 +12,7 @@ from moebus.engine.request import Request
 from moebus.engine.sampling.sampler import Sampler, SamplingBatch
 from moebus.engine.sampling.spec_decode import rejection_sample
 from moebus.engine.scheduler import SchedulerOutput
+from moebus.kernels.lm_head_argmax import lm_head_argmax, pack_panels
 
 PLACEHOLDER = -1  # an output token whose value the previous (still running) step will produce
 
@@ -67,6 +68,10 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.last_sampled: dict[str, int] = {}  # request id -> token sampled by the latest step
+        # The LM head (weight, panels) for steps whose rows all decode greedily on raw logits: their
+        # tokens come from the fused head+argmax kernel, no [rows, vocab] logits. CPU only (measured
+        # there; GPUs keep the logits path) and not in deterministic mode (its logits are tiled).
+        self.greedy_head = _greedy_head(self.model) if device.type == "cpu" and not batch_invariant else None
 
     def _token(self, req: Request, i: int) -> int:
         return req.draft_token_ids[i - req.num_tokens] if i >= req.num_tokens else req.token_at(i)
@@ -123,21 +128,34 @@ class ModelRunner:
         if not inp.sample_rows:
             return result
         rows = hidden[torch.tensor(inp.sample_rows, device=dev)]
-        logits = tiled(self.model.compute_logits, rows) if self.batch_invariant else self.model.compute_logits(rows)
-        self._sample(inp, logits, result)
+        batch = self._sampling_batch(inp, self.greedy_head[0].shape[0]) if self.greedy_head is not None else None
+        if batch is not None and _raw_greedy(batch, len(inp.sample_owner)):
+            tokens = lm_head_argmax(rows, *self.greedy_head).tolist()
+            for k, j in enumerate(sorted(set(inp.sample_owner))):
+                result.tokens[j] = [tokens[k]]
+        else:
+            logits = (tiled(self.model.compute_logits, rows) if self.batch_invariant
+                      else self.model.compute_logits(rows))
+            self._sample(inp, logits, result, batch)
         for j, toks in enumerate(result.tokens):
             if toks:
                 self.last_sampled[sched.scheduled[j].request.request_id] = toks[-1]
         return result
 
-    def _sample(self, inp: ModelInput, logits: torch.Tensor, result: StepResult) -> None:
-        sched, owner, grammar_masks = inp.sched, inp.sample_owner, inp.grammar_masks
+    def _sampling_batch(self, inp: ModelInput, vocab_size: int) -> SamplingBatch:
+        reqs = [inp.sched.scheduled[j].request for j in sorted(set(inp.sample_owner))]
+        outs = [self._known_outputs(r.request_id, o) for r, o in zip(reqs, inp.outputs, strict=True)]
+        return SamplingBatch.build([r.params for r in reqs], outs, [r.prompt_token_ids for r in reqs],
+                                   [r.generator for r in reqs], vocab_size, self.device,
+                                   allowed_token_mask=inp.grammar_masks, eos_token_id=self.eos_token_ids)
+
+    def _sample(self, inp: ModelInput, logits: torch.Tensor, result: StepResult,
+                batch: SamplingBatch | None = None) -> None:
+        sched, owner = inp.sched, inp.sample_owner
         entries = sorted(set(owner))
         reqs = [sched.scheduled[j].request for j in entries]
-        outs = [self._known_outputs(r.request_id, o) for r, o in zip(reqs, inp.outputs, strict=True)]
-        batch = SamplingBatch.build([r.params for r in reqs], outs, [r.prompt_token_ids for r in reqs],
-                                    [r.generator for r in reqs], logits.shape[-1], logits.device,
-                                    allowed_token_mask=grammar_masks, eos_token_id=self.eos_token_ids)
+        if batch is None:
+            batch = self._sampling_batch(inp, logits.shape[-1])
         if len(owner) == len(entries):  # no drafts in this step: one row per request
             out = self.sampler(logits, batch)
             tokens = out.sampled_token_ids.tolist()
@@ -171,3 +189,25 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.last_sampled.pop(request_id, None)
+
+
+def _raw_greedy(batch: SamplingBatch, rows: int) -> bool:
+    """Every row takes the argmax of its raw logits: greedy, one row per request (no drafts), and
+    no penalties, bans, grammar masks or logprobs."""
+    return (rows == batch.size and batch.all_greedy and not batch.modifies_logits
+            and batch.max_num_logprobs is None)
+
+
+def _greedy_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weight, pack_panels(weight)) of a model whose compute_logits is its bias-free LM head
+    (`lm_head`, or `embed_tokens` when tied and unpacked), so that argmax of the logits is argmax of
+    hidden @ weight.T; None otherwise."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, torch.nn.Linear):
+        weight = head.weight if head.bias is None else None
+    else:
+        emb = getattr(model, "embed_tokens", None)
+        weight = emb.weight if head is None and isinstance(emb, torch.nn.Embedding) else None
+    if weight is None or weight.device.type != "cpu":
+        return None
+    return weight, pack_panels(weight)

@@ -10,6 +10,7 @@ reference everywhere else. The references are vectorized: they are the productio
 | paged_attention.py | `paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, sinks)` |
 | fused_moe.py | `fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None)`; `moe_align` (token grouping); C kernel for <= 256 tokens |
 | argmax.py | `row_argmax(x[B, N]) -> [B]` int64 (first maximum, NaN wins: torch's `max(dim=1).indices`) |
+| lm_head_argmax.py | `lm_head_argmax(x[M, K], w[N, K], panels=None) -> [M]` int64: greedy tokens from the LM head without the logits (`pack_panels(w)`: the C kernel's weight layout) |
 | mhc.py | `hc_mix(mix, base, scale, n, iters, eps) -> (pre, post, comb)` (mHC gates + Sinkhorn mixture), `hc_merge(streams, block_out, post, comb)` |
 
 Tests (tests/kernels) run the Triton kernels on CPU under TRITON_INTERPRET=1 against the
@@ -18,6 +19,7 @@ references, and the references against float64 loops.
 from ._compat import HAS_TRITON
 from .argmax import row_argmax, row_argmax_ref, row_argmax_triton
 from .fused_moe import fused_moe, fused_moe_ref, fused_moe_triton, moe_align
+from .lm_head_argmax import lm_head_argmax, lm_head_argmax_ref, lm_head_argmax_triton, pack_panels
 from .mhc import hc_merge, hc_merge_ref, hc_merge_triton, hc_mix, hc_mix_ref, hc_mix_triton
 from .paged_attention import paged_attention_decode, paged_attention_decode_ref, paged_attention_decode_triton
 from .rmsnorm import (
@@ -37,6 +39,7 @@ __all__ = [
     "apply_rotary", "apply_rotary_ref", "apply_rotary_triton", "rotary_cos_sin",
     "fused_add_rms_norm", "fused_add_rms_norm_ref", "fused_add_rms_norm_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "moe_align",
+    "lm_head_argmax", "lm_head_argmax_ref", "lm_head_argmax_triton", "pack_panels",
     "hc_merge", "hc_merge_ref", "hc_merge_triton", "hc_mix", "hc_mix_ref", "hc_mix_triton",
     "paged_attention_decode", "paged_attention_decode_ref", "paged_attention_decode_triton",
     "rms_norm", "rms_norm_ref", "rms_norm_triton",

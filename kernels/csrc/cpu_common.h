@@ -58,6 +58,34 @@ INLINE void store_row(enum dtype t, void *dst, const float *src, float mul, int 
     for (int i = 0; i < n; i++) store1(t, dst, i, src[i] * mul);
 }
 
+/* Runs STMT with `t` (and `es`, its element size) compile-time constants. OpenMP outlines a parallel
+ * region before inlining, so one region serves every dtype instance of an inline kernel and a
+ * dtype passed in is a runtime value there: every row load branches on it and loops stay scalar.
+ * Switching inside the region gives each dtype its own copy of the loop body. */
+#define WITH_DTYPE(t, STMT)                                \
+    switch (t) {                                           \
+    case F32: {                                            \
+        const enum dtype t_ = F32, es_ = 4;                \
+        (void)t_, (void)es_;                               \
+        STMT;                                              \
+    } break;                                               \
+    case BF16: {                                           \
+        const enum dtype t_ = BF16, es_ = 2;               \
+        (void)t_, (void)es_;                               \
+        STMT;                                              \
+    } break;                                               \
+    default: {                                             \
+        const enum dtype t_ = F16, es_ = 2;                \
+        (void)t_, (void)es_;                               \
+        STMT;                                              \
+    }                                                      \
+    }
+
+/* min(x, hi) and max(min(x, hi), lo) as torch.clamp: NaN passes through. Selects, not libm's
+ * fminf/fmaxf (calls GCC keeps for their NaN rule), so that `omp simd` loops vectorize. */
+INLINE float min_hi(float x, float hi) { return x > hi ? hi : x; }
+INLINE float clamp_lo_hi(float x, float lo, float hi) { return x > hi ? hi : (x < lo ? lo : x); }
+
 /* exp(x) within ~2 ulp for x in [-87, 88.7], 0 below (exp(-inf) = 0), inf above; branch-free so
  * that `omp simd` loops vectorize it (libm's expf is a scalar call). */
 INLINE float fast_exp(float x) {

@@ -10,35 +10,23 @@
 #include <stdlib.h>
 
 #include "cpu_common.h"
+#include "cpu_dot.h"
 
-INLINE float dotf(const float *a, const float *b, int n) {
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int i = 0; i < n; i++) acc += a[i] * b[i];
-    return acc;
-}
-
-/* One expert's n assignments (rows[j]: its token's float32 row; slot[j]: its assignment index). */
+/* One expert's n assignments (rows[j]: its token's float32 row; yrow[j]: its row of y; h[j]: its
+ * [gate | up] scratch row of 2I). */
 INLINE void expert_task(enum dtype t, int es, const char *w13, const char *w2, const float *const *rows,
-                        const int *slot, int n, float *y, int D, int I, int has_limit, float limit, float *h,
-                        float *wrow) {
-    for (int r = 0; r < 2 * I; r++) { /* h[j] = [gate | up] = W13 x */
-        load_row(t, wrow, w13 + (int64_t)r * D * es, D);
-        for (int j = 0; j < n; j++) h[(int64_t)j * 2 * I + r] = round_to(t, dotf(wrow, rows[j], D));
-    }
+                        float *const *yrow, float *const *h, int n, int D, int I, int has_limit, float limit) {
+    dots_rows(t, es, w13, (int64_t)D * es, 2 * I, rows, n, D, h); /* h[j] = W13 x */
     for (int j = 0; j < n; j++) { /* act = silu(min(gate, limit)) * clamp(up, -limit, limit) */
-        float *g = h + (int64_t)j * 2 * I, *u = g + I;
+        float *g = h[j], *u = g + I;
 #pragma omp simd
         for (int i = 0; i < I; i++) {
-            const float gi = has_limit ? fminf(g[i], limit) : g[i];
-            const float ui = has_limit ? fminf(fmaxf(u[i], -limit), limit) : u[i];
+            const float gi = has_limit ? min_hi(g[i], limit) : g[i];
+            const float ui = has_limit ? clamp_lo_hi(u[i], -limit, limit) : u[i];
             g[i] = round_to(t, gi / (1.f + fast_exp(-gi)) * ui);
         }
     }
-    for (int d = 0; d < D; d++) { /* y = W2 act */
-        load_row(t, wrow, w2 + (int64_t)d * I * es, I);
-        for (int j = 0; j < n; j++) y[(int64_t)slot[j] * D + d] = round_to(t, dotf(wrow, h + (int64_t)j * 2 * I, I));
-    }
+    dots_rows(t, es, w2, (int64_t)I * es, D, (const float *const *)h, n, I, yrow); /* y = W2 act */
 }
 
 INLINE int fused_moe_impl(enum dtype t, int es, const char *x, int64_t xs, const char *w13, const char *w2,
@@ -61,29 +49,30 @@ INLINE int fused_moe_impl(enum dtype t, int es, const char *x, int64_t xs, const
     for (int tok = 0; tok < T; tok++) load_row(t, xf + (int64_t)tok * D, x + (int64_t)tok * xs * es, D);
 #pragma omp parallel
     {
-        const int mx = D > I ? D : I;
-        float *wrow = malloc((size_t)mx * sizeof(float)), *h = NULL;
+        float *hbuf = NULL;
         const float **rows = malloc(((size_t)A + 1) * sizeof(float *));
-        int *slot = malloc(((size_t)A + 1) * sizeof(int));
+        float **yrow = malloc(((size_t)A + 1) * sizeof(float *)), **h = malloc(((size_t)A + 1) * sizeof(float *));
         int h_rows = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int e = 0; e < E; e++) {
             const int s = start[e], n = start[e + 1] - s;
-            if (n == 0 || !wrow || !rows || !slot) continue;
+            if (n == 0 || !rows || !yrow || !h) continue;
             if (n > h_rows) {
-                free(h);
-                h = malloc((size_t)n * 2 * I * sizeof(float));
-                h_rows = h ? n : 0;
-                if (!h) continue;
+                free(hbuf);
+                hbuf = malloc((size_t)n * 2 * I * sizeof(float));
+                h_rows = hbuf ? n : 0;
+                if (!hbuf) continue;
             }
             for (int j = 0; j < n; j++) {
-                slot[j] = order[s + j];
-                rows[j] = xf + (int64_t)(slot[j] / k) * D;
+                const int a = order[s + j];
+                rows[j] = xf + (int64_t)(a / k) * D;
+                yrow[j] = y + (int64_t)a * D;
+                h[j] = hbuf + (int64_t)j * 2 * I;
             }
-            expert_task(t, es, w13 + (int64_t)e * 2 * I * D * es, w2 + (int64_t)e * D * I * es, rows, slot, n, y, D,
-                        I, has_limit, limit, h, wrow);
+            WITH_DTYPE(t, expert_task(t_, es_, w13 + (int64_t)e * 2 * I * D * es_, w2 + (int64_t)e * D * I * es_, rows,
+                                      yrow, h, n, D, I, has_limit, limit));
         }
-        free(wrow), free(h), free(rows), free(slot);
+        free(hbuf), free(rows), free(yrow), free(h);
     }
 #pragma omp parallel for schedule(static)
     for (int tok = 0; tok < T; tok++) { /* out[t] = sum_j w[t, j] y[t, j], in float32 */

@@ -13,6 +13,7 @@
  * once and dotted per head.
  */
 #include "cpu_common.h"
+#include "cpu_dot.h"
 
 #define MAXHQ 64
 #define MAXD 256
@@ -162,21 +163,6 @@ static inline __attribute__((always_inline)) void pv_tile(
 #include <immintrin.h>
 #define HAVE_AVX2 1
 /* The same tiles in 8 lanes, for AVX2 CPUs (Zen 1-3, Haswell-Skylake client). */
-static inline __attribute__((always_inline)) __m256 load8(enum dtype t, const char *p) {
-    if (t == F32) return _mm256_loadu_ps((const float *)p);
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    if (t == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
-
-/* The 8 lane sums of v[0..7], in order: two rounds of hadd leave sums of 4 lanes in each 128-bit
- * half, and adding the halves finishes them. */
-static inline __attribute__((always_inline)) __m256 reduce8(const __m256 *v) {
-    const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
-}
-
 /* s[g0 + g][j] for the G query heads of kv head kh and the n <= TILE positions of a tile; qf is
  * prescaled. Rows past n in the last group of 8 repeat the first row and are not stored. */
 static inline __attribute__((always_inline)) void qk_tile8(

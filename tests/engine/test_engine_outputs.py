@@ -1,4 +1,5 @@
 """End-to-end engine behaviour on the real model: every scheduling feature must leave greedy output unchanged."""
+import dataclasses
 import json
 
 import pytest
@@ -31,6 +32,30 @@ def test_chunked_prefill_async_and_spec_decode_keep_greedy_output(chat_prompts, 
             stats = other.engine.spec_stats
             print(f"n-gram spec decode: {stats.num_draft_tokens} drafts, acceptance {stats.acceptance_rate:.2f}")
             assert stats.num_draft_tokens > 0
+
+
+def test_fused_greedy_head_matches_the_logits_path(llm, chat_prompts, reference):
+    """Greedy steps on CPU take their tokens from the fused LM-head argmax kernel; the logits path
+    (forced here, and taken by any step holding a request that needs logits) gives the same."""
+    runner = llm.engine.runner
+    assert runner.greedy_head is not None  # CPU, not deterministic: the fused path is on
+    head, runner.greedy_head = runner.greedy_head, None
+    try:
+        assert _tokens(llm.generate(chat_prompts, GREEDY)) == reference
+    finally:
+        runner.greedy_head = head
+    # one request with logprobs sends every step of the batch down the logits path
+    params = [GREEDY, dataclasses.replace(GREEDY, logprobs=2), GREEDY, GREEDY]
+    for i, (ids, p) in enumerate(zip(chat_prompts, params, strict=True)):
+        llm.engine.add_request(f"mixed-{i}", ids, p)
+    tokens: dict[str, list[int]] = {f"mixed-{i}": [] for i in range(4)}
+    logprobs = 0
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            logprobs += len(out.logprobs or [])
+    assert list(tokens.values()) == reference
+    assert logprobs == len(reference[1])
 
 
 def test_preemption_under_tiny_kv_cache_keeps_output(chat_prompts, reference):

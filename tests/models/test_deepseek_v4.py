@@ -183,3 +183,17 @@ def test_deterministic_mode_is_batch_invariant_for_the_moe(ckpt):
     crowd = llm.generate(prompts * 3, p)[1].outputs[0]
     assert crowd.token_ids == alone.token_ids
     assert crowd.logprobs == alone.logprobs  # bitwise: same floats, not merely same samples
+
+
+def test_fused_greedy_head_matches_the_logits_path(ckpt):
+    from moebus.engine.llm import LLM
+    from moebus.engine.sampling import SamplingParams
+
+    llm = LLM(str(ckpt), tokenizer="smollm2", max_num_batched_tokens=4096)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (23, 40, 17, 31, 9, 52)]
+    p = SamplingParams(temperature=0.0, max_tokens=12)
+    fused = [r.outputs[0].token_ids for r in llm.generate(prompts, p)]
+    assert llm.engine.runner.greedy_head is not None
+    llm.engine.runner.greedy_head = None
+    assert [r.outputs[0].token_ids for r in llm.generate(prompts, p)] == fused

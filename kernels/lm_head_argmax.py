@@ -1,0 +1,119 @@
+"""Greedy tokens straight from the LM head: argmax_n (x @ w.T)[m, n] without the [M, N] logits.
+
+Semantics are the reference's: the logits in the storage dtype (F.linear's output), then torch's
+`max(dim=1).indices`: the first maximum of each row, and a row holding a NaN gives its first NaN.
+Only the summation order may differ, so a near-tie can resolve the other way than the logits path.
+
+Why: in greedy decoding the vocabulary GEMM is the largest op of a small model's step (SmolLM2's
+tiny-MoE bench: [64, 128] x [49152, 128], ~9 ms at 71 GFLOPS through oneDNN, plus 1.1 ms to
+write the 12.6 MB of logits and read them back for the argmax). The kernels keep a running best per
+row instead. Each row's result is independent of the other rows in the call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._compat import check_launchable, next_pow2, tl, triton, upcast_dots, use_triton
+from .cpu_build import I32, I64, PTR, library, on_cpu
+
+_CPU_ARGTYPES = [PTR, I64, PTR, I64, I64, I32, PTR]
+
+
+def lm_head_argmax_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
+    return F.linear(x, w).float().max(dim=1).indices
+
+
+@triton.jit
+def _lm_head_argmax_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    # BLOCK_M rows per program; the vocabulary in BLOCK_N tiles, each the dot over K in BLOCK_K
+    # steps, rounded to the storage type, folded into a running (max, first index, first NaN).
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols0 = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    big = N + BLOCK_N
+    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK_M,), tl.int64)
+    first_nan = tl.full((BLOCK_M,), big, tl.int64)
+    for n0 in range(0, N, BLOCK_N):
+        cols = n0 + cols0
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + ks
+            a = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + k[None, :],
+                        mask=row_ok[:, None] & (k[None, :] < K), other=0.0)
+            b = tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + k[:, None],
+                        mask=col_ok[None, :] & (k[:, None] < K), other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        is_nan = (logits != logits) & col_ok[None, :]
+        first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan, cols[None, :].to(tl.int64), big), axis=1))
+        logits = tl.where(col_ok[None, :] & ~is_nan, logits, float("-inf"))
+        tile_max = tl.max(logits, axis=1)
+        tile_idx = tl.min(tl.where((logits == tile_max[:, None]) & col_ok[None, :], cols[None, :].to(tl.int64), big),
+                          axis=1)
+        best_idx = tl.where(tile_max > best, tile_idx, best_idx)
+        best = tl.maximum(best, tile_max)
+    tl.store(out_ptr + rows, tl.where(first_nan < big, first_nan, best_idx), mask=row_ok)
+
+
+def lm_head_argmax_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int = 16, block_n: int = 64,
+                          block_k: int | None = None) -> torch.Tensor:
+    check_launchable(x, w)
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
+    assert x.dtype == w.dtype and x.stride(1) == 1 and w.stride(1) == 1, (x.dtype, w.dtype)
+    m, k = x.shape
+    out = torch.zeros(m, dtype=torch.int64, device=x.device)
+    if m == 0 or w.shape[0] == 0:
+        return out
+    block_k = block_k or min(max(next_pow2(k), 16), 64)
+    _lm_head_argmax_kernel[(triton.cdiv(m, block_m),)](x, w, out, m, w.shape[0], k, x.stride(0), w.stride(0),
+                                                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                       UPCAST=upcast_dots(x.dtype),
+                                                       PRECISION="ieee" if x.dtype == torch.float32 else None)
+    return out
+
+
+PANEL = 16  # vocabulary rows per panel of the C kernel's weight layout
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16] (zero rows past N): the C kernel's layout, in which a panel's
+    16 columns at one k are contiguous. A copy: pack once per weight, as PackedLinear does."""
+    n, k = w.shape
+    padded = F.pad(w.detach(), (0, 0, 0, -n % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def lm_head_argmax_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The C kernel in csrc/lm_head_argmax_cpu.c; None when it does not apply. `panels` is
+    pack_panels(w), packed here when not given."""
+    if not (x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and w.shape[0] > 0 and on_cpu(x, w)):
+        return None
+    fn = library("lm_head_argmax_cpu.c").function("lm_head_argmax", x.dtype, _CPU_ARGTYPES)
+    if fn is None:
+        return None
+    if panels is None:
+        panels = pack_panels(w)
+    n, k = w.shape
+    assert panels.shape == (-(-n // PANEL), k, PANEL) and panels.dtype == x.dtype and panels.is_contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    status = fn(x.data_ptr(), x.stride(0), panels.data_ptr(), x.shape[0], n, k, out.data_ptr())
+    return out if status == 0 else None
+
+
+def lm_head_argmax(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K], w [N, K] (an LM head's weight) -> [M] int64 greedy token ids. `panels`: the CPU
+    kernel's pack_panels(w), to pack once rather than per call."""
+    if use_triton(x) and x.stride(-1) == 1 and w.stride(-1) == 1 and x.dtype == w.dtype:
+        return lm_head_argmax_triton(x, w)
+    out = lm_head_argmax_cpu(x, w, panels)
+    return out if out is not None else lm_head_argmax_ref(x, w)

@@ -1,0 +1,130 @@
+"""LM head fused with greedy argmax (kernels/lm_head_argmax.py): reference, Triton and C against a
+float64 loop, on shapes that hit every edge of the C kernel's tiles (rows not a multiple of 6,
+vocab not a multiple of 16, K not a multiple of 8) and on the hard rows: ties, NaN, all -inf."""
+import pytest
+import torch
+
+from moebus.kernels.lm_head_argmax import (
+    lm_head_argmax,
+    lm_head_argmax_cpu,
+    lm_head_argmax_ref,
+    lm_head_argmax_triton,
+    pack_panels,
+)
+from moebus.kernels.paged_attention import cpu_kernel_available
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+SHAPES = [(1, 8, 16), (5, 13, 37), (7, 40, 1001), (13, 64, 300)]  # (M, K, N)
+NEEDS_CC = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
+
+
+def _cases(m: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer-valued inputs: every product and partial sum is exact in float32 (|dot| <= 9K), so
+    whatever the summation order each logit rounds to the same storage-type value and every
+    implementation must give exactly the naive index. The last column copies row 0's first
+    maximum: a tie that the lower index wins (for every row holding it as its maximum)."""
+    g = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
+    x = torch.randint(-3, 4, (m, k + 2), generator=g).float()[:, :k]  # strided rows
+    w = torch.randint(-3, 4, (n, k), generator=g).float()
+    w[n - 1] = w[int((x[0] @ w.t()).argmax())]
+    return x.to(dtype), w.to(dtype)
+
+
+def naive(x: torch.Tensor, w: torch.Tensor, special: dict[int, str] | None = None) -> torch.Tensor:
+    logits = (x.double() @ w.double().t()).to(x.dtype).double()
+    out = []
+    for row in logits.tolist():
+        nans = [i for i, v in enumerate(row) if v != v]
+        out.append(nans[0] if nans else row.index(max(row)))
+    return torch.tensor(out)
+
+
+def _with_specials(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row 1 sees a NaN (x row NaN on one k; w column 4 inf times 0 -> NaN) and row 2 all -inf."""
+    x, w = x.clone(), w.clone()
+    if x.shape[0] >= 3 and w.shape[0] >= 6:
+        x[1] = 0
+        x[1, 0] = 1
+        w[4, 0] = float("nan")  # only column 4 is NaN for row 1
+        w[:, 1] = 1
+        x[2] = 0
+        x[2, 1] = float("-inf")  # every column: -inf * 1 (plus 0 * NaN in column 4 -> NaN)
+    return x, w
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ref_matches_naive(shape, dtype):
+    x, w = _cases(*shape, dtype)
+    assert torch.equal(lm_head_argmax_ref(x, w), naive(x, w))
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_matches_naive(shape, dtype, triton_device):
+    x, w = _cases(*shape, dtype)
+    assert torch.equal(lm_head_argmax_triton(x.contiguous().to(triton_device), w.to(triton_device)).cpu(),
+                       naive(x, w))
+
+
+@NEEDS_CC
+@DTYPES
+@pytest.mark.parametrize("shape", [*SHAPES, (64, 128, 4099)])  # the last one takes the OpenMP path
+def test_cpu_matches_naive(shape, dtype):
+    x, w = _cases(*shape, dtype)
+    out = lm_head_argmax_cpu(x, w)
+    assert out is not None and out.dtype == torch.int64
+    assert torch.equal(out, naive(x, w))
+    assert torch.equal(lm_head_argmax(x, w, pack_panels(w)), out)
+
+
+@NEEDS_CC
+@DTYPES
+def test_cpu_nan_and_all_neg_inf_rows(dtype):
+    x, w = _with_specials(*_cases(7, 40, 1001, dtype))
+    expected = naive(x, w)
+    assert expected[1] == 4 and expected[2] == 4  # NaN wins over every number, -inf included
+    assert torch.equal(lm_head_argmax_cpu(x, w), expected)
+    assert torch.equal(lm_head_argmax_ref(x, w), expected)
+    x[2, 1], w[4, 0] = float("-inf"), 0.0  # no NaN left: row 2 is all -inf -> the first index
+    assert lm_head_argmax_cpu(x, w)[2] == 0 == naive(x, w)[2]
+
+
+@NEEDS_CC
+def test_cpu_random_floats_match_the_logits_path():
+    """Float inputs: summation orders differ, so compare only rows without a near-tie."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 96, generator=g), torch.randn(5000, 96, generator=g)
+    logits = x.double() @ w.double().t()
+    top2 = logits.topk(2, dim=1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-3
+    assert clear.sum() > 30
+    out = lm_head_argmax_cpu(x, w, pack_panels(w))
+    assert torch.equal(out[clear], logits.argmax(dim=1)[clear])
+
+
+@NEEDS_CC
+def test_cpu_rows_are_batch_invariant():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(23, 64, generator=g), torch.randn(777, 64, generator=g)
+    panels = pack_panels(w)
+    together = lm_head_argmax_cpu(x, w, panels)
+    alone = torch.cat([lm_head_argmax_cpu(x[i:i + 1], w, panels) for i in range(x.shape[0])])
+    assert torch.equal(together, alone)
+
+
+def test_pack_panels_layout():
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    p = pack_panels(w)
+    assert p.shape == (2, 3, 16)
+    assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 3], w[19])
+    assert torch.equal(p[1, :, 4:], torch.zeros(3, 12))  # padding past N
+
+
+def test_cpu_declines_what_it_cannot_take():
+    w = torch.randn(10, 4)
+    assert lm_head_argmax_cpu(torch.randn(2, 4).double(), w.double()) is None
+    assert lm_head_argmax_cpu(torch.randn(2, 5), w) is None  # K mismatch
+    assert lm_head_argmax_cpu(torch.randn(4, 2).t(), w) is None  # rows not contiguous in K
+    x = torch.randn(3, 4).double()
+    assert torch.equal(lm_head_argmax(x, w.double()), naive(x, w.double()))  # the reference takes it
