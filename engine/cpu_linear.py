@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 
 # Rows above which the plain GEMM is used; None: packed at every size.
 PACKED_MAX_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: 256, torch.float32: None}
+# Calls of fewer multiply-adds (rows x in x out) take the plain GEMM: oneDNN's packed call costs
+# ~40 us more per call, which small GEMMs never win back. Measured on a Zen 3 VM in fp32 (packed vs
+# F.linear): 64 x 128 -> 128 82 vs 29 us, 1 x 1536 -> 576 132 vs 80 us, 64 x 128 -> 512 (4.2M)
+# 101 vs 131 us, 64 x 576 -> 1536 865 vs 966 us. bf16 is unmeasured there (no AVX-512): 0.
+PACKED_MIN_MACS: dict[torch.dtype, int] = {torch.bfloat16: 0, torch.float32: 1 << 22}
 
 
 @functools.cache
@@ -41,10 +46,13 @@ def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 class PackedLinear(nn.Linear):
     packed: torch.Tensor
     max_rows: int | None
+    min_rows: int  # fewest rows worth the packed call (PACKED_MIN_MACS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if (self.max_rows is not None and flat.shape[0] > self.max_rows) or flat.dtype != self.weight.dtype:
+        rows = flat.shape[0]
+        if (rows < self.min_rows or (self.max_rows is not None and rows > self.max_rows)
+                or flat.dtype != self.weight.dtype):
             return F.linear(x, self.weight, self.bias)
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -56,6 +64,7 @@ def _packed(weight: nn.Parameter, bias: nn.Parameter | None, row_hint: int) -> P
     new.out_features, new.in_features = weight.shape
     new.weight, new.bias = weight, bias
     new.max_rows = PACKED_MAX_ROWS[weight.dtype]
+    new.min_rows = -(-PACKED_MIN_MACS[weight.dtype] // weight.numel())
     new.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), row_hint),
                         persistent=False)
     return new

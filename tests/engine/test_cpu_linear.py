@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from moebus.engine.cpu_linear import PACKED_MAX_ROWS, PackedLinear, pack_linears, packing_available
+from moebus.engine.cpu_linear import PACKED_MAX_ROWS, PACKED_MIN_MACS, PackedLinear, pack_linears, packing_available
 
 # bf16 packing needs AVX-512 or AVX-NE-CONVERT; fp32 packing works wherever oneDNN does.
 DTYPES = [pytest.param(dt, marks=pytest.mark.skipif(not packing_available(dt), reason=f"no oneDNN {dt} packing"))
@@ -23,6 +23,36 @@ def test_packed_linear_matches_plain_linear_for_every_row_count(dtype):
     for rows in (1, 7, 64, cap, cap + 5):  # packed (and for bf16 the plain path above the cap)
         torch.testing.assert_close(model(x[:rows]), expected[:rows], **TOL[dtype])
     assert model(x[:3].view(1, 3, 96)).shape == (1, 3, 40)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_calls_take_the_plain_gemm(dtype):
+    """Below PACKED_MIN_MACS the call is F.linear itself (bitwise); above it, the packed GEMM."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32, bias=False).to(dtype)
+    model = nn.Sequential(layer)
+    pack_linears(model)
+    packed = model[0]
+    assert packed.min_rows == max(-(-PACKED_MIN_MACS[dtype] // (64 * 32)), 0)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    x = torch.randn(packed.min_rows + 3, 64, dtype=dtype)
+    torch.ops.mkldnn._linear_pointwise = spy
+    try:
+        small = packed(x[:max(packed.min_rows - 1, 1)])
+        packed(x)
+    finally:
+        torch.ops.mkldnn._linear_pointwise = real
+    if packed.min_rows > 1:
+        assert torch.equal(small, torch.nn.functional.linear(x[:packed.min_rows - 1], layer.weight))
+        assert calls == [x.shape[0]]  # only the large call was packed
+    else:
+        assert calls == [1, x.shape[0]]
 
 
 def test_only_packable_dtypes_are_packed():
