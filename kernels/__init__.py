@@ -20,7 +20,16 @@ from ._compat import HAS_TRITON
 from .argmax import row_argmax, row_argmax_ref, row_argmax_triton
 from .fused_moe import fused_moe, fused_moe_ref, fused_moe_triton, moe_align
 from .lm_head_argmax import lm_head_argmax, lm_head_argmax_ref, lm_head_argmax_triton, pack_panels
-from .mhc import hc_merge, hc_merge_ref, hc_merge_triton, hc_mix, hc_mix_ref, hc_mix_triton
+from .mhc import (
+    hc_merge,
+    hc_merge_ref,
+    hc_merge_triton,
+    hc_mix,
+    hc_mix_ref,
+    hc_mix_triton,
+    hc_pre,
+    hc_pre_ref,
+)
 from .paged_attention import paged_attention_decode, paged_attention_decode_ref, paged_attention_decode_triton
 from .rmsnorm import (
     fused_add_rms_norm,
@@ -40,7 +49,7 @@ __all__ = [
     "fused_add_rms_norm", "fused_add_rms_norm_ref", "fused_add_rms_norm_triton",
     "fused_moe", "fused_moe_ref", "fused_moe_triton", "moe_align",
     "lm_head_argmax", "lm_head_argmax_ref", "lm_head_argmax_triton", "pack_panels",
-    "hc_merge", "hc_merge_ref", "hc_merge_triton", "hc_mix", "hc_mix_ref", "hc_mix_triton",
+    "hc_merge", "hc_merge_ref", "hc_merge_triton", "hc_mix", "hc_mix_ref", "hc_mix_triton", "hc_pre", "hc_pre_ref",
     "paged_attention_decode", "paged_attention_decode_ref", "paged_attention_decode_triton",
     "rms_norm", "rms_norm_ref", "rms_norm_triton",
     "silu_and_mul", "silu_and_mul_ref", "silu_and_mul_triton",

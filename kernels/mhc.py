@@ -16,16 +16,24 @@ HyperConnection's time at decode sizes; the Triton and C kernels do it in one pa
 streams `out[t, k] = post[t, k] * block_out[t] + sum_j comb[t, j, k] * streams[t, j]`. Its reference
 is a batched [n, n] x [n, H] matmul, which torch runs as T tiny GEMMs (14 ms at T = 4096, n = 4,
 H = 128 on a Zen 3 VM); the kernels stream each token once, in float32, rounding once.
+
+`hc_pre(streams, fn, base, scale, n, iters, hc_eps, norm_eps) -> (block input [T, H], post, comb)`
+is the whole first half: RMS-normalise the flattened streams, `mix = linear(x, fn)`, hc_mix, then
+collapse the streams with pre. On CPU one C call per token pair replaces ~12 torch ops and the
+hc_mix call (the GEMM is 2 tokens x 4 fn rows per register tile). Elsewhere the reference runs,
+its hc_mix on Triton for CUDA tensors: on a GPU the mixture GEMM belongs on the tensor cores.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._compat import check_launchable, next_pow2, tl, triton, use_triton
 from .cpu_build import F32, I32, I64, PTR, library, on_cpu
 
 _CPU_ARGTYPES = [PTR, I64, PTR, PTR, PTR, PTR, PTR, I64, I32, I32, F32]
 _CPU_MERGE_ARGTYPES = [PTR, PTR, PTR, PTR, PTR, I64, I32, I64]
+_CPU_PRE_ARGTYPES = [PTR, PTR, PTR, PTR, PTR, PTR, PTR, I64, I32, I64, I32, F32, F32]
 
 
 def _check(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int) -> None:
@@ -190,3 +198,48 @@ def hc_merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
     # far cheaper than the reference's T tiny GEMMs.
     out = hc_merge_cpu(streams.contiguous(), block_out.contiguous(), post, comb)
     return out if out is not None else hc_merge_ref(streams, block_out, post, comb)
+
+
+def _check_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
+               iters: int) -> None:
+    t, n_s, h = streams.shape
+    assert n_s == n and fn.shape == ((2 + n) * n, n * h), (tuple(streams.shape), tuple(fn.shape), n)
+    assert fn.dtype == base.dtype == scale.dtype == torch.float32, (fn.dtype, base.dtype, scale.dtype)
+    assert base.shape == ((2 + n) * n,) and scale.shape == (3,) and iters >= 1
+
+
+def hc_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
+               iters: int, hc_eps: float, norm_eps: float,
+               linear=F.linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`linear` lets deterministic mode pass its batch-invariant GEMM."""
+    _check_pre(streams, fn, base, scale, n, iters)
+    x = streams.flatten(1).float()
+    mix = linear(x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps), fn)
+    pre, post, comb = hc_mix(mix, base, scale, n, iters, hc_eps)
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype), post, comb
+
+
+def hc_pre_cpu(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
+               iters: int, hc_eps: float,
+               norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The C kernel in csrc/mhc_cpu.c; None when it does not apply. Each token's result is
+    computed on its own, so it is batch-invariant."""
+    if not (streams.dim() == 3 and on_cpu(streams) and fn.device.type == "cpu"):
+        return None
+    _check_pre(streams, fn, base, scale, n, iters)
+    fn_ = library("mhc_cpu.c").function("hc_pre", streams.dtype, _CPU_PRE_ARGTYPES)
+    if fn_ is None:
+        return None
+    streams, fn, base, scale = streams.contiguous(), fn.contiguous(), base.contiguous(), scale.contiguous()
+    t, _, h = streams.shape
+    collapsed = streams.new_empty(t, h)
+    post, comb = fn.new_empty(t, n), fn.new_empty(t, n, n)
+    status = fn_(streams.data_ptr(), fn.data_ptr(), base.data_ptr(), scale.data_ptr(), collapsed.data_ptr(),
+                 post.data_ptr(), comb.data_ptr(), t, n, h, iters, hc_eps, norm_eps)
+    return (collapsed, post, comb) if status == 0 else None
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = hc_pre_cpu(streams, fn, base, scale, n, iters, hc_eps, norm_eps) if streams.device.type == "cpu" else None
+    return out if out is not None else hc_pre_ref(streams, fn, base, scale, n, iters, hc_eps, norm_eps)

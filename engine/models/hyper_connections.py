@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebus.engine.batch_invariant import invariant_linear, tiled
-from moebus.kernels import hc_merge, hc_mix
+from moebus.kernels import hc_merge
+from moebus.kernels.mhc import hc_pre_cpu, hc_pre_ref
 
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,14 +39,13 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, H] -> (block input [T, H], post [T, n] f32, comb [T, n, n] f32)."""
-        linear = invariant_linear if self.batch_invariant else F.linear
-        mix = linear(_unit_rms(streams.flatten(1).float(), self.norm_eps), self.fn.float())
-        # gates and the Sinkhorn-Knopp projection of comb (column first, then iters - 1 further
-        # row + column rounds, as the reference does): one kernel call, see kernels/mhc.py
-        pre, post, comb = hc_mix(mix, self.base.float(), self.scale.float(), self.n, self.sinkhorn_iters,
-                                 self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return collapsed, post, comb
+        args = (self.fn.float(), self.base.float(), self.scale.float(), self.n, self.sinkhorn_iters, self.hc_eps,
+                self.norm_eps)
+        # CPU: one C call (per token, so batch-invariant too); see kernels/mhc.py
+        out = hc_pre_cpu(streams, *args) if streams.device.type == "cpu" else None
+        if out is not None:
+            return out
+        return hc_pre_ref(streams, *args, linear=invariant_linear if self.batch_invariant else F.linear)
 
     @staticmethod
     def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,

@@ -2,7 +2,13 @@ import pytest
 import torch
 from torch import nn
 
-from moebus.engine.cpu_linear import PACKED_MAX_ROWS, PACKED_MIN_MACS, PackedLinear, pack_linears, packing_available
+from moebus.engine.cpu_linear import (
+    PACKED_MAX_ROWS,
+    PACKED_MIN_MACS,
+    PackedLinear,
+    pack_linears,
+    packing_available,
+)
 
 # bf16 packing needs AVX-512 or AVX-NE-CONVERT; fp32 packing works wherever oneDNN does.
 DTYPES = [pytest.param(dt, marks=pytest.mark.skipif(not packing_available(dt), reason=f"no oneDNN {dt} packing"))

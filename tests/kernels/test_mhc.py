@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moebus.kernels import hc_merge, hc_merge_ref, hc_merge_triton, hc_mix, hc_mix_ref, hc_mix_triton
-from moebus.kernels.mhc import hc_merge_cpu, hc_mix_cpu
+from moebus.kernels.mhc import hc_merge_cpu, hc_mix_cpu, hc_pre, hc_pre_cpu, hc_pre_ref
 from moebus.kernels.paged_attention import cpu_kernel_available
 
 CASES = [(1, 4, 20), (17, 4, 20), (64, 4, 1), (5, 3, 7), (9, 1, 3)]  # (T, n, iters)
@@ -138,3 +138,50 @@ def test_merge_cpu_matches_ref(t, n, h, dtype, close):
     streams, block_out, post, comb = args
     if t > 1:  # token-major layout is required
         assert hc_merge_cpu(streams.transpose(0, 1).contiguous().transpose(0, 1), block_out, post, comb) is None
+
+
+PRE_CASES = [(1, 4, 128), (17, 4, 81), (5, 3, 300), (600, 4, 64), (6, 1, 40)]  # (T, n, H); odd T: a lone last token
+
+
+def _pre_inputs(t, n, h, dtype):
+    streams = torch.randn(t, n, h).to(dtype)
+    width = (2 + n) * n
+    fn = torch.randn(width, n * h) / math.sqrt(n * h)
+    _, base, scale = _inputs(1, n)
+    return streams, fn, base, scale
+
+
+def naive_pre(streams, fn, base, scale, n, iters, hc_eps, norm_eps):
+    """float64 from the definition: RMS-normalised flattened streams, mixture, gates, collapse."""
+    x = streams.double().flatten(1)
+    x = x / torch.sqrt((x * x).mean(-1, keepdim=True) + norm_eps)
+    mix = x @ fn.double().t()
+    pre, post, comb = naive(mix, base, scale, n, iters, hc_eps)
+    collapsed = (pre.double().unsqueeze(-1) * streams.double()).sum(1)
+    return collapsed, post, comb
+
+
+@MERGE_DTYPES
+@pytest.mark.parametrize("t,n,h", PRE_CASES)
+def test_pre_ref_and_cpu_match_fp64(t, n, h, dtype, close):
+    args = (*_pre_inputs(t, n, h, dtype), n, 20, EPS, 1e-6)
+    expected = naive_pre(*args)
+    outs = [hc_pre_ref(*args)]
+    if cpu_kernel_available():
+        got = hc_pre_cpu(*args)
+        assert got is not None and got[0].dtype == dtype
+        outs.append(got)
+        assert all(torch.equal(a, b) for a, b in zip(hc_pre(*args), got, strict=True))
+    tol = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (1e-2, 2e-2)}[dtype]  # bf16: the collapse rounds once
+    for out in outs:
+        for a, e in zip(out, expected, strict=True):
+            close(a.double(), e, *(tol if a.dtype == torch.bfloat16 else (1e-4, 1e-4)))
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
+def test_pre_cpu_is_batch_invariant():
+    streams, fn, base, scale = _pre_inputs(9, 4, 64, torch.float32)
+    together = hc_pre_cpu(streams, fn, base, scale, 4, 20, EPS, 1e-6)
+    for i in range(9):
+        alone = hc_pre_cpu(streams[i:i + 1], fn, base, scale, 4, 20, EPS, 1e-6)
+        assert all(torch.equal(a[0], b[i]) for a, b in zip(alone, together, strict=True))
