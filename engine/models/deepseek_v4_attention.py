@@ -80,7 +80,8 @@ class DeepseekV4Attention(nn.Module):
         """x [T, H]; cos/sin [T, rope_dim/2] at each token's position."""
         T = x.shape[0]
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).view(T, self.num_heads, self.head_dim)
-        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
+        # the per-head q RMS norm has no weight: with ones it is one rms_norm kernel call, not ~6 ops
+        q = rms_norm(q, q.new_ones(self.head_dim), self.eps)
         kv = self.kv_norm(self.kv_proj(x)).view(T, 1, self.head_dim)
         q, kv = apply_rotary(q, kv, cos, sin)
         # Shared K=V: the paged cache keeps separate K and V planes, so the head is stored twice.

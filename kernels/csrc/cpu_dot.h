@@ -64,20 +64,27 @@ INLINE void dot_tile_2x4(enum dtype t, int es, const float *a0, const float *a1,
 }
 
 /* dst[j][r] = round(rows[j] . w_r) for the n float32 rows and the nr weight rows w_r = w + r * ws
- * bytes, all of length len, in 2 x 4 tiles; edge tiles repeat a valid row and drop its results. */
+ * bytes, all of length len, in 2 x 4 tiles; edge tiles repeat a valid row and drop its results.
+ * When the weight fits in L2 (re-reading it is cheap), rows go in blocks of ~16 KiB that stay in L1
+ * while every weight row passes over them; a larger weight is streamed once over all rows. */
 INLINE void dots_rows(enum dtype t, int es, const char *w, int64_t ws, int nr, const float *const *rows, int n,
                       int len, float *const *dst) {
     float o[8];
-    for (int r = 0; r < nr; r += 4) {
-        const char *wq[4];
-        for (int q = 0; q < 4; q++) wq[q] = w + (int64_t)(r + q < nr ? r + q : nr - 1) * ws;
-        const int nw = nr - r < 4 ? nr - r : 4;
-        for (int j = 0; j < n; j += 2) {
-            const int j1 = j + 1 < n ? j + 1 : j;
-            dot_tile_2x4(t, es, rows[j], rows[j1], wq, len, o);
-            for (int q = 0; q < nw; q++) dst[j][r + q] = round_to(t, o[q]);
-            if (j1 != j)
-                for (int q = 0; q < nw; q++) dst[j1][r + q] = round_to(t, o[4 + q]);
+    int block = (int64_t)nr * ws > 262144 ? n : (int)(16384 / ((int64_t)len * 4 + 1)) & ~1;
+    block = block < 2 ? 2 : block;
+    for (int j0 = 0; j0 < n; j0 += block) {
+        const int j_end = j0 + block < n ? j0 + block : n;
+        for (int r = 0; r < nr; r += 4) {
+            const char *wq[4];
+            for (int q = 0; q < 4; q++) wq[q] = w + (int64_t)(r + q < nr ? r + q : nr - 1) * ws;
+            const int nw = nr - r < 4 ? nr - r : 4;
+            for (int j = j0; j < j_end; j += 2) {
+                const int j1 = j + 1 < j_end ? j + 1 : j;
+                dot_tile_2x4(t, es, rows[j], rows[j1], wq, len, o);
+                for (int q = 0; q < nw; q++) dst[j][r + q] = round_to(t, o[q]);
+                if (j1 != j)
+                    for (int q = 0; q < nw; q++) dst[j1][r + q] = round_to(t, o[4 + q]);
+            }
         }
     }
 }

@@ -101,9 +101,11 @@ def test_cpu_strided_tokens_and_declines(close):
     assert fused_moe_cpu(x, w13, w2, tw, torch.full_like(ids, 8)) is None  # expert id out of range
     assert fused_moe_cpu(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, tw, ids) is None
     assert fused_moe_cpu(x.double(), w13.double(), w2.double(), tw, ids) is None
-    big = make_inputs((CPU_MAX_TOKENS + 1, 16, 8, 4, 2), torch.float32)
+    big = make_inputs((CPU_MAX_TOKENS + 1, 512, 256, 4, 2), torch.float32)  # 1.5 MiB experts
     assert fused_moe_cpu(*big) is None
     close(fused_moe_cpu(*big, max_tokens=None), fused_moe_ref(*big), *TOL[torch.float32])  # deterministic mode
+    small = make_inputs((CPU_MAX_TOKENS + 1, 16, 8, 4, 2), torch.float32)  # cache-resident experts: any size
+    close(fused_moe_cpu(*small), fused_moe_ref(*small), *TOL[torch.float32])
 
 
 def test_dispatch_cpu():
@@ -113,7 +115,7 @@ def test_dispatch_cpu():
         expected = fused_moe_ref(x, w13, w2, tw, ids, 0.5)
     assert torch.equal(fused_moe(x, w13, w2, tw, ids, swiglu_limit=0.5), expected)
     assert torch.equal(fused_moe(x, w13, w2, tw, ids.long(), swiglu_limit=0.5), expected)
-    big = make_inputs((CPU_MAX_TOKENS + 1, 16, 8, 4, 2), torch.float32)
-    assert torch.equal(fused_moe(*big), fused_moe_ref(*big))  # prefill-sized: the reference
+    big = make_inputs((CPU_MAX_TOKENS + 1, 512, 256, 4, 2), torch.float32)
+    assert torch.equal(fused_moe(*big), fused_moe_ref(*big))  # prefill-sized, large experts: the reference
     empty = fused_moe(x[:0], w13, w2, tw[:0], ids[:0])
     assert empty.shape == (0, x.shape[1])
