@@ -62,8 +62,10 @@ class BlockManager:
 
     def full_block_hashes(self, req: Request) -> list[int]:
         """Chained hashes of every full block of the request's known tokens (cached on the request)."""
-        bs, toks = self.block_size, req.all_token_ids
-        hashes = req.block_hashes
+        bs, hashes = self.block_size, req.block_hashes
+        if (len(hashes) + 1) * bs > req.num_tokens:
+            return hashes  # no new full block (most decode steps): skip building the token list
+        toks = req.all_token_ids
         while (len(hashes) + 1) * bs <= len(toks):
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(toks[i * bs:(i + 1) * bs])))

@@ -240,9 +240,10 @@ class LLMEngine:
         status = None
         out_ids = r.output_token_ids
         for t in toks:
-            try:  # async scheduling reserved a slot for this token at launch
-                out_ids[out_ids.index(PLACEHOLDER)] = t
-            except ValueError:
+            k = _num_real(out_ids)
+            if k < len(out_ids):  # async scheduling reserved a slot for this token at launch
+                out_ids[k] = t
+            else:
                 out_ids.append(t)
             emitted.append(t)
             if r.grammar is not None:
@@ -256,8 +257,7 @@ class LLMEngine:
             r.stop_reason = "stop_string"
         if status is not None:
             text += tr.stops.flush()
-            while PLACEHOLDER in out_ids:
-                out_ids.remove(PLACEHOLDER)
+            del out_ids[_num_real(out_ids):]  # slots of steps still in flight for it
         elif r.status is RequestStatus.RUNNING:
             self.block_manager.cache_blocks(r)
         out = RequestOutput(r.request_id, emitted, text, status is not None,
@@ -270,7 +270,7 @@ class LLMEngine:
 
     @staticmethod
     def _num_real_outputs(r: Request) -> int:
-        return len(r.output_token_ids) - r.output_token_ids.count(PLACEHOLDER)
+        return _num_real(r.output_token_ids)
 
     def _check_stop(self, r: Request, token: int) -> RequestStatus | None:
         n_out = self._num_real_outputs(r)
@@ -290,3 +290,12 @@ class LLMEngine:
     def close(self) -> None:
         if self._host is not None:
             self._host.shutdown(wait=True)
+
+
+def _num_real(out_ids: list[int]) -> int:
+    """Output tokens before the placeholders, which async scheduling appends at launch and fills
+    in order: they are always a run at the tail, so scan from the end (not the whole list)."""
+    k = len(out_ids)
+    while k and out_ids[k - 1] == PLACEHOLDER:
+        k -= 1
+    return k

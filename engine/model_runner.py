@@ -9,6 +9,7 @@ from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.batch_invariant import make_batch_invariant, tiled
 from moebus.engine.cpu_linear import pack_linears
 from moebus.engine.request import Request
+from moebus.engine.sampling.batch import takes_raw_argmax
 from moebus.engine.sampling.sampler import Sampler, SamplingBatch
 from moebus.engine.sampling.spec_decode import rejection_sample
 from moebus.engine.scheduler import SchedulerOutput
@@ -103,9 +104,8 @@ class ModelRunner:
                 sample_rows.extend(range(qsl[-1] - 1 - s.num_draft, qsl[-1]))
                 sample_owner.extend([j] * (1 + s.num_draft))
         max_blocks = max(len(s.request.block_ids) for s in sched.scheduled)
-        tables = torch.zeros(len(sched.scheduled), max_blocks, dtype=torch.int32)
-        for j, s in enumerate(sched.scheduled):
-            tables[j, : len(s.request.block_ids)] = torch.tensor(s.request.block_ids, dtype=torch.int32)
+        tables = torch.tensor([s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids))
+                               for s in sched.scheduled], dtype=torch.int32)  # one call, not one per row
         dev = self.device
         meta = AttentionMetadata(qsl, seq_lens, torch.tensor(slots, dtype=torch.long, device=dev),
                                  tables.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), bs,
@@ -128,34 +128,38 @@ class ModelRunner:
         if not inp.sample_rows:
             return result
         rows = hidden[torch.tensor(inp.sample_rows, device=dev)]
-        batch = self._sampling_batch(inp, self.greedy_head[0].shape[0]) if self.greedy_head is not None else None
-        if batch is not None and _raw_greedy(batch, len(inp.sample_owner)):
+        if self.greedy_head is not None and self._raw_greedy(inp):
             tokens = lm_head_argmax(rows, *self.greedy_head).tolist()
             for k, j in enumerate(sorted(set(inp.sample_owner))):
                 result.tokens[j] = [tokens[k]]
         else:
             logits = (tiled(self.model.compute_logits, rows) if self.batch_invariant
                       else self.model.compute_logits(rows))
-            self._sample(inp, logits, result, batch)
+            self._sample(inp, logits, result)
         for j, toks in enumerate(result.tokens):
             if toks:
                 self.last_sampled[sched.scheduled[j].request.request_id] = toks[-1]
         return result
 
-    def _sampling_batch(self, inp: ModelInput, vocab_size: int) -> SamplingBatch:
-        reqs = [inp.sched.scheduled[j].request for j in sorted(set(inp.sample_owner))]
-        outs = [self._known_outputs(r.request_id, o) for r, o in zip(reqs, inp.outputs, strict=True)]
-        return SamplingBatch.build([r.params for r in reqs], outs, [r.prompt_token_ids for r in reqs],
-                                   [r.generator for r in reqs], vocab_size, self.device,
-                                   allowed_token_mask=inp.grammar_masks, eos_token_id=self.eos_token_ids)
+    def _raw_greedy(self, inp: ModelInput) -> bool:
+        """Every sampled row takes the argmax of its raw logits: one row per request (no drafts),
+        greedy, and no penalties, bans, grammar masks or logprobs (see takes_raw_argmax)."""
+        entries = sorted(set(inp.sample_owner))
+        if len(entries) != len(inp.sample_owner):
+            return False
+        # outputs as _known_outputs sees them: a trailing placeholder is the token being sampled
+        lens = [len(o) - (bool(o) and o[-1] == PLACEHOLDER) for o in inp.outputs]
+        return takes_raw_argmax([inp.sched.scheduled[j].request.params for j in entries], lens,
+                                self.eos_token_ids, inp.grammar_masks is not None)
 
-    def _sample(self, inp: ModelInput, logits: torch.Tensor, result: StepResult,
-                batch: SamplingBatch | None = None) -> None:
-        sched, owner = inp.sched, inp.sample_owner
+    def _sample(self, inp: ModelInput, logits: torch.Tensor, result: StepResult) -> None:
+        sched, owner, grammar_masks = inp.sched, inp.sample_owner, inp.grammar_masks
         entries = sorted(set(owner))
         reqs = [sched.scheduled[j].request for j in entries]
-        if batch is None:
-            batch = self._sampling_batch(inp, logits.shape[-1])
+        outs = [self._known_outputs(r.request_id, o) for r, o in zip(reqs, inp.outputs, strict=True)]
+        batch = SamplingBatch.build([r.params for r in reqs], outs, [r.prompt_token_ids for r in reqs],
+                                    [r.generator for r in reqs], logits.shape[-1], logits.device,
+                                    allowed_token_mask=grammar_masks, eos_token_id=self.eos_token_ids)
         if len(owner) == len(entries):  # no drafts in this step: one row per request
             out = self.sampler(logits, batch)
             tokens = out.sampled_token_ids.tolist()
@@ -189,13 +193,6 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.last_sampled.pop(request_id, None)
-
-
-def _raw_greedy(batch: SamplingBatch, rows: int) -> bool:
-    """Every row takes the argmax of its raw logits: greedy, one row per request (no drafts), and
-    no penalties, bans, grammar masks or logprobs."""
-    return (rows == batch.size and batch.all_greedy and not batch.modifies_logits
-            and batch.max_num_logprobs is None)
 
 
 def _greedy_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:

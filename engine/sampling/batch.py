@@ -33,6 +33,27 @@ def _counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device
     return counts[:, :vocab_size]
 
 
+def _eos_ids(eos_token_id: int | Sequence[int] | None) -> list[int]:
+    return [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+
+def takes_raw_argmax(params: Sequence[SamplingParams], num_outputs: Sequence[int],
+                     eos_token_id: int | Sequence[int] | None = None, masked: bool = False) -> bool:
+    """Whether every row's token is the argmax of its raw logits, i.e. the batch `build` gives has
+    all_greedy, nothing for prepare_logits to do and no logprobs, decided without building it (a
+    fast path may then skip the logits). Conservative: False whenever a stop id could be banned."""
+    if masked:
+        return False
+    eos = _eos_ids(eos_token_id)
+    for p, n in zip(params, num_outputs, strict=True):
+        if (not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            return False
+        if p.min_tokens > n and (p.stop_token_ids or (eos and not p.ignore_eos)):
+            return False
+    return True
+
+
 @dataclass(slots=True)
 class SamplingBatch:
     """Per-row sampling state for one step. Optional tensors are None when no row uses the
@@ -98,7 +119,7 @@ class SamplingBatch:
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
         use_freq = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
 
-        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        eos = _eos_ids(eos_token_id)
         left = [max(p.min_tokens - len(out), 0) for p, out in zip(params, output_token_ids, strict=True)]
         min_tokens_left = stop_mask = None
         if any(left):

@@ -270,3 +270,31 @@ def test_logprobs_zero_gives_only_the_sampled_token() -> None:
     assert out.logprobs.topk_ids.shape == (2, 0)
     assert (out.logprobs.sampled_ranks == 1).all()
     torch.testing.assert_close(out.logprobs.sampled_logprobs, logits.log_softmax(1).amax(1))
+
+
+@pytest.mark.parametrize("case", [
+    ({}, 0, None, False),
+    ({"temperature": 0.7}, 0, None, False),
+    ({"top_k": 1, "temperature": 0.7}, 0, None, False),  # greedy via top_k
+    ({"logprobs": 0}, 0, None, False),
+    ({"repetition_penalty": 1.2}, 0, None, False),
+    ({"presence_penalty": 0.5}, 0, None, False),
+    ({"min_tokens": 3}, 1, 2, False),  # eos banned while 2 tokens are left
+    ({"min_tokens": 3, "ignore_eos": True}, 1, 2, False),  # nothing to ban
+    ({"min_tokens": 3, "stop_token_ids": [5]}, 3, None, False),  # reached: no ban
+    ({"min_tokens": 3, "stop_token_ids": [5]}, 0, None, False),
+    ({}, 0, None, True),  # a grammar mask
+])
+def test_takes_raw_argmax_agrees_with_the_built_batch(case):
+    """The fast-path check must say yes exactly when build() gives a batch whose tokens are the
+    argmax of the raw logits (all greedy, nothing for prepare_logits, no logprobs)."""
+    from moebus.engine.sampling.batch import takes_raw_argmax
+
+    kw, n_out, eos, masked = case
+    p = SamplingParams(**({"temperature": 0.0} | kw))
+    plain = SamplingParams(temperature=0.0)
+    params, outs = [plain, p], [[7] * 4, [7] * n_out]
+    mask = torch.ones(2, V, dtype=torch.bool) if masked else None
+    b = build(params, outs, allowed_token_mask=mask, eos_token_id=eos)
+    expected = b.all_greedy and not b.modifies_logits and b.max_num_logprobs is None
+    assert takes_raw_argmax(params, [len(o) for o in outs], eos, masked) == expected
