@@ -95,6 +95,50 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return out[0].transpose(0, 1).to(q.dtype)
 
 
+# Sliding windows up to this many keys take the banded prefill path; each gathered chunk of keys
+# (and of values) holds at most _BANDED_CHUNK elements.
+BANDED_MAX_WINDOW = 512
+_BANDED_CHUNK = 1 << 24
+
+
+def _prefill_banded(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                    seqs: list[int], scale: float, window: int, sinks: torch.Tensor | None,
+                    out: torch.Tensor) -> None:
+    """Sliding-window attention for every query row of `seqs` at once: each row gathers the window
+    of keys and values ending at its own position straight from the paged cache ([rows, W] slots),
+    then one batched softmax in float32 (a sink is one more logit with a zero value). O(rows * W),
+    and no per-sequence loop: for windows shorter than the prompts this replaces a masked dense
+    SDPA call per sequence (tiny V4 MoE, 4096-token prefill step: ~55 -> ~5 ms a layer)."""
+    k_cache, v_cache = kv_cache
+    qsl, bs, dev = meta.query_start_loc, meta.block_size, q.device
+    hkv, dk, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+    hq = q.shape[1]
+    lens = torch.tensor([qsl[b + 1] - qsl[b] for b in seqs], device=dev)
+    starts = torch.tensor([qsl[b] for b in seqs], device=dev)
+    first_pos = torch.tensor([meta.seq_lens[b] for b in seqs], device=dev) - lens
+    rows = torch.cat([torch.arange(qsl[b], qsl[b + 1], device=dev) for b in seqs])
+    pos = rows + torch.repeat_interleave(first_pos - starts, lens)
+    tables = meta.block_tables.long()[torch.repeat_interleave(torch.tensor(seqs, device=dev), lens)]
+    offsets = torch.arange(1 - window, 1, device=dev)
+    chunk = max(1, _BANDED_CHUNK // (window * hkv * max(dk, dv)))
+    flat_k, flat_v = k_cache.view(-1, hkv, dk), v_cache.view(-1, hkv, dv)
+    sink_logits = None if sinks is None else sinks.float().view(1, hkv, hq // hkv, 1)
+    for c0 in range(0, rows.numel(), chunk):
+        r = rows[c0:c0 + chunk]
+        kpos = pos[c0:c0 + chunk, None] + offsets
+        valid = kpos >= 0
+        kpos = kpos.clamp(min=0)
+        slots = tables[c0:c0 + chunk].gather(1, kpos // bs) * bs + kpos % bs
+        qg = q[r].float().view(r.numel(), hkv, hq // hkv, dk)
+        scores = torch.einsum("ckgd,cwkd->ckgw", qg, flat_k[slots].float()) * scale
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        if sink_logits is not None:
+            scores = torch.cat([scores, sink_logits.expand(r.numel(), -1, -1, -1)], dim=-1)
+        probs = scores.softmax(dim=-1)[..., :window]
+        o = torch.einsum("ckgw,cwkv->ckgv", probs, flat_v[slots].float())
+        out[r] = o.reshape(r.numel(), hq, dv).to(out.dtype)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
            meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,6 +164,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[to
                                            meta.seq_lens_t[seqs], scale, sliding_window=sliding_window,
                                            sinks=sinks)
         done = set(singles)
+    if sliding_window is not None and sliding_window <= BANDED_MAX_WINDOW and not meta.batch_invariant:
+        chunks = [b for b in range(meta.num_seqs) if b not in done and qsl[b + 1] > qsl[b]]
+        if chunks:
+            _prefill_banded(q, kv_cache, meta, chunks, scale, sliding_window, sinks, out)
+            done.update(chunks)
     for b, seq_len in enumerate(meta.seq_lens):
         s, e = qsl[b], qsl[b + 1]
         if s == e or b in done:
