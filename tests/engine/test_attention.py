@@ -21,20 +21,18 @@ def _naive(q, k, v, scale, window):
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("window", [None, 6])
-def test_mixed_step_matches_dense_attention_per_sequence(dtype, window):
-    torch.manual_seed(0)
-    # (new tokens, context after this step): decode rows, a chunk over cached context, a fresh prompt
-    shapes = [(1, 20), (5, 30), (1, 37), (9, 9), (1, 1)]
+def _paged_step(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.float32):
+    """A step over scattered pages: shapes are (new tokens, context after this step) per sequence.
+    Returns (q, k, v, caches, meta, per-sequence context slots)."""
     n_blocks = sum(-(-L // BS) for _, L in shapes) + 3
     k_cache = torch.randn(n_blocks, BS, HKV, D, dtype=dtype)
     v_cache = torch.randn(n_blocks, BS, HKV, D, dtype=dtype)
     perm = torch.randperm(n_blocks).tolist()  # scattered pages
+    width = max(-(-L // BS) for _, L in shapes)
     tables, slots, qsl, first = [], [], [0], 0
     for lq, L in shapes:
         nb = -(-L // BS)
-        tables.append(perm[first:first + nb] + [0] * (12 - nb))
+        tables.append(perm[first:first + nb] + [0] * (width - nb))
         slots += [tables[-1][p // BS] * BS + p % BS for p in range(L - lq, L)]
         qsl.append(qsl[-1] + lq)
         first += nb
@@ -44,14 +42,26 @@ def test_mixed_step_matches_dense_attention_per_sequence(dtype, window):
     seq_lens = [L for _, L in shapes]
     meta = AttentionMetadata(qsl, seq_lens, torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
                              torch.tensor(seq_lens, dtype=torch.int32), BS)
+    ctx = [[tables[b][p // BS] * BS + p % BS for p in range(L)] for b, (_, L) in enumerate(shapes)]
+    return q, k, v, (k_cache, v_cache), meta, ctx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_mixed_step_matches_dense_attention_per_sequence(dtype, window):
+    torch.manual_seed(0)
+    # (new tokens, context after this step): decode rows, a chunk over cached context, a fresh prompt
+    shapes = [(1, 20), (5, 30), (1, 37), (9, 9), (1, 1)]
+    q, k, v, (k_cache, v_cache), meta, ctx = _paged_step(shapes, dtype)
+    qsl = meta.query_start_loc
     assert not meta.decode_only
     out = attend(q, k, v, (k_cache, v_cache), meta, D**-0.5, sliding_window=window)
     flat_k, flat_v = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+    slots = meta.slot_mapping
     assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)  # this step's KV written
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for b, (_, L) in enumerate(shapes):
-        ctx = [tables[b][p // BS] * BS + p % BS for p in range(L)]
-        ref = _naive(q[qsl[b]:qsl[b + 1]], flat_k[ctx], flat_v[ctx], D**-0.5, window)
+    for b in range(len(shapes)):
+        ref = _naive(q[qsl[b]:qsl[b + 1]], flat_k[ctx[b]], flat_v[ctx[b]], D**-0.5, window)
         torch.testing.assert_close(out[qsl[b]:qsl[b + 1]].double(), ref, rtol=tol, atol=tol)
 
 
@@ -97,25 +107,11 @@ def test_banded_sliding_window_prefill_with_sinks_matches_fp64(chunk, monkeypatc
     torch.manual_seed(1)
     window = 5
     shapes = [(7, 7), (4, 23), (1, 12), (11, 30)]  # (new tokens, context after this step)
-    n_blocks = sum(-(-L // BS) for _, L in shapes) + 2
-    k_cache, v_cache = torch.randn(n_blocks, BS, HKV, D), torch.randn(n_blocks, BS, HKV, D)
-    perm = torch.randperm(n_blocks).tolist()
-    tables, slots, qsl, first = [], [], [0], 0
-    for lq, L in shapes:
-        nb = -(-L // BS)
-        tables.append(perm[first:first + nb] + [0] * (10 - nb))
-        slots += [tables[-1][p // BS] * BS + p % BS for p in range(L - lq, L)]
-        qsl.append(qsl[-1] + lq)
-        first += nb
-    T = qsl[-1]
-    q, k, v = torch.randn(T, HKV * G, D), torch.randn(T, HKV, D), torch.randn(T, HKV, D)
+    q, k, v, (k_cache, v_cache), meta, ctx = _paged_step(shapes)
+    qsl = meta.query_start_loc
     sinks = torch.randn(HKV * G) * 2
-    seq_lens = [L for _, L in shapes]
-    meta = AttentionMetadata(qsl, seq_lens, torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
-                             torch.tensor(seq_lens, dtype=torch.int32), BS)
     out = attend(q, k, v, (k_cache, v_cache), meta, D**-0.5, sliding_window=window, sinks=sinks)
     flat_k, flat_v = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
-    for b, (_, L) in enumerate(shapes):
-        ctx = [tables[b][p // BS] * BS + p % BS for p in range(L)]
-        ref = _naive_sinks(q[qsl[b]:qsl[b + 1]], flat_k[ctx], flat_v[ctx], D**-0.5, window, sinks)
+    for b in range(len(shapes)):
+        ref = _naive_sinks(q[qsl[b]:qsl[b + 1]], flat_k[ctx[b]], flat_v[ctx[b]], D**-0.5, window, sinks)
         torch.testing.assert_close(out[qsl[b]:qsl[b + 1]].double(), ref, rtol=1e-5, atol=1e-5)
