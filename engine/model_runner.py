@@ -128,9 +128,10 @@ class ModelRunner:
         if not inp.sample_rows:
             return result
         rows = hidden[torch.tensor(inp.sample_rows, device=dev)]
-        if self.greedy_head is not None and self._raw_greedy(inp):
+        entries = sorted(set(inp.sample_owner))
+        if self.greedy_head is not None and self._raw_greedy(inp, entries):
             tokens = lm_head_argmax(rows, *self.greedy_head).tolist()
-            for k, j in enumerate(sorted(set(inp.sample_owner))):
+            for k, j in enumerate(entries):
                 result.tokens[j] = [tokens[k]]
         else:
             logits = (tiled(self.model.compute_logits, rows) if self.batch_invariant
@@ -141,10 +142,10 @@ class ModelRunner:
                 self.last_sampled[sched.scheduled[j].request.request_id] = toks[-1]
         return result
 
-    def _raw_greedy(self, inp: ModelInput) -> bool:
-        """Every sampled row takes the argmax of its raw logits: one row per request (no drafts),
-        greedy, and no penalties, bans, grammar masks or logprobs (see takes_raw_argmax)."""
-        entries = sorted(set(inp.sample_owner))
+    def _raw_greedy(self, inp: ModelInput, entries: list[int]) -> bool:
+        """Every sampled row (entries: the sampling requests' indices) takes the argmax of its raw
+        logits: one row per request (no drafts), greedy, and no penalties, bans, grammar masks or
+        logprobs (see takes_raw_argmax)."""
         if len(entries) != len(inp.sample_owner):
             return False
         # outputs as _known_outputs sees them: a trailing placeholder is the token being sampled

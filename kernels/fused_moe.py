@@ -173,8 +173,8 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     it is batch-invariant at any size."""
     _check(x, w13, w2, topk_weights, topk_ids)
     t, k = topk_ids.shape
-    small_experts = (w13[0].numel() + w2[0].numel()) * w13.element_size() <= CPU_SMALL_EXPERT_BYTES
-    if not (0 < t <= (max_tokens or t) or (t > 0 and small_experts)):
+    expert_bytes = (w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2]) * w13.element_size()
+    if t == 0 or (max_tokens is not None and t > max_tokens and expert_bytes > CPU_SMALL_EXPERT_BYTES):
         return None
     if not (x.dim() == 2 and on_cpu(x, w13, w2)
             and w13.is_contiguous() and w2.is_contiguous() and topk_ids.device.type == "cpu"):

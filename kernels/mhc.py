@@ -25,6 +25,8 @@ its hc_mix on Triton for CUDA tensors: on a GPU the mixture GEMM belongs on the 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -208,9 +210,12 @@ def _check_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     assert base.shape == ((2 + n) * n,) and scale.shape == (3,) and iters >= 1
 
 
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def hc_pre_ref(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int,
                iters: int, hc_eps: float, norm_eps: float,
-               linear=F.linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`linear` lets deterministic mode pass its batch-invariant GEMM."""
     _check_pre(streams, fn, base, scale, n, iters)
     x = streams.flatten(1).float()
@@ -240,6 +245,9 @@ def hc_pre_cpu(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, norm_eps: float,
+           linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CPU: the C kernel (batch-invariant by construction); else, or when it does not apply, the
+    reference with `linear` for its GEMM."""
     out = hc_pre_cpu(streams, fn, base, scale, n, iters, hc_eps, norm_eps) if streams.device.type == "cpu" else None
-    return out if out is not None else hc_pre_ref(streams, fn, base, scale, n, iters, hc_eps, norm_eps)
+    return out if out is not None else hc_pre_ref(streams, fn, base, scale, n, iters, hc_eps, norm_eps, linear)

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebus.engine.batch_invariant import invariant_linear, tiled
-from moebus.kernels import hc_merge
-from moebus.kernels.mhc import hc_pre_cpu, hc_pre_ref
+from moebus.kernels import hc_merge, hc_pre
 
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,13 +38,9 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, H] -> (block input [T, H], post [T, n] f32, comb [T, n, n] f32)."""
-        args = (self.fn.float(), self.base.float(), self.scale.float(), self.n, self.sinkhorn_iters, self.hc_eps,
-                self.norm_eps)
-        # CPU: one C call (per token, so batch-invariant too); see kernels/mhc.py
-        out = hc_pre_cpu(streams, *args) if streams.device.type == "cpu" else None
-        if out is not None:
-            return out
-        return hc_pre_ref(streams, *args, linear=invariant_linear if self.batch_invariant else F.linear)
+        # RMS, mixture GEMM, gates + Sinkhorn and collapse: one C call per token pair on CPU
+        return hc_pre(streams, self.fn.float(), self.base.float(), self.scale.float(), self.n, self.sinkhorn_iters,
+                      self.hc_eps, self.norm_eps, linear=invariant_linear if self.batch_invariant else F.linear)
 
     @staticmethod
     def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
