@@ -2,10 +2,11 @@
  * x [T, D] (row stride xs), w13 [E, 2I, D] and w2 [E, D, I] contiguous, topk_weights [T, k]
  * float32 and topk_ids [T, k] int64 contiguous, out [T, D] contiguous. The T*k assignments are
  * grouped by expert and each expert is one task that streams every weight row once and dots it
- * with the rows of all tokens routed there (a GEMM with few rows, as decode gives). Matmul outputs
+ * with the rows of all tokens routed there in 2 x 4 register tiles (cpu_dot.h). Matmul outputs
  * are rounded to the storage type as the reference's unfused GEMMs are; the k-slot combine sums
- * in float32. The win over the reference is the ~6 torch ops per expert it saves, so callers use
- * this for small T only (prefill-sized batches are GEMM-bound and take torch's GEMMs).
+ * in float32. The win over the reference is the ~6 torch ops per expert it saves and the tiles, so
+ * callers use it for decode-sized batches, and at any size for cache-sized experts (large experts
+ * at prefill sizes are GEMM-bound and take torch's GEMMs).
  */
 #include <stdlib.h>
 
@@ -56,12 +57,16 @@ INLINE int fused_moe_impl(enum dtype t, int es, const char *x, int64_t xs, const
 #pragma omp for schedule(dynamic, 1)
         for (int e = 0; e < E; e++) {
             const int s = start[e], n = start[e + 1] - s;
-            if (n == 0 || !rows || !yrow || !h) continue;
+            if (n == 0) continue;
             if (n > h_rows) {
                 free(hbuf);
                 hbuf = malloc((size_t)n * 2 * I * sizeof(float));
                 h_rows = hbuf ? n : 0;
-                if (!hbuf) continue;
+            }
+            if (!hbuf || !rows || !yrow || !h) { /* an expert left out: the caller falls back */
+#pragma omp atomic write
+                status = 1;
+                continue;
             }
             for (int j = 0; j < n; j++) {
                 const int a = order[s + j];
@@ -74,6 +79,7 @@ INLINE int fused_moe_impl(enum dtype t, int es, const char *x, int64_t xs, const
         }
         free(hbuf), free(rows), free(yrow), free(h);
     }
+    if (status) goto done;
 #pragma omp parallel for schedule(static)
     for (int tok = 0; tok < T; tok++) { /* out[t] = sum_j w[t, j] y[t, j], in float32 */
         float acc[8192];
