@@ -65,17 +65,20 @@ INLINE void store_row(enum dtype t, void *dst, const float *src, float mul, int 
 #define WITH_DTYPE(t, STMT)                                \
     switch (t) {                                           \
     case F32: {                                            \
-        const enum dtype t_ = F32, es_ = 4;                \
+        const enum dtype t_ = F32;                         \
+        const int es_ = 4;                                 \
         (void)t_, (void)es_;                               \
         STMT;                                              \
     } break;                                               \
     case BF16: {                                           \
-        const enum dtype t_ = BF16, es_ = 2;               \
+        const enum dtype t_ = BF16;                        \
+        const int es_ = 2;                                 \
         (void)t_, (void)es_;                               \
         STMT;                                              \
     } break;                                               \
     default: {                                             \
-        const enum dtype t_ = F16, es_ = 2;                \
+        const enum dtype t_ = F16;                         \
+        const int es_ = 2;                                 \
         (void)t_, (void)es_;                               \
         STMT;                                              \
     }                                                      \
