@@ -11,7 +11,7 @@ reference everywhere else. The references are vectorized: they are the productio
 | fused_moe.py | `fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None)`; `moe_align` (token grouping); C kernel for <= 256 tokens |
 | argmax.py | `row_argmax(x[B, N]) -> [B]` int64 (first maximum, NaN wins: torch's `max(dim=1).indices`) |
 | lm_head_argmax.py | `lm_head_argmax(x[M, K], w[N, K], panels=None) -> [M]` int64: greedy tokens from the LM head without the logits (`pack_panels(w)`: the C kernel's weight layout) |
-| mhc.py | `hc_mix(mix, base, scale, n, iters, eps) -> (pre, post, comb)` (mHC gates + Sinkhorn mixture), `hc_merge(streams, block_out, post, comb)` |
+| mhc.py | `hc_mix(mix, base, scale, n, iters, eps) -> (pre, post, comb)` (mHC gates + Sinkhorn mixture), `hc_merge(streams, block_out, post, comb)`, `hc_pre(streams, fn, base, scale, n, iters, hc_eps, norm_eps)` (the whole pre-block: a C kernel on CPU, no Triton twin; elsewhere the reference, its GEMM on the tensor cores and its mixing in `hc_mix`) |
 
 Tests (tests/kernels) run the Triton kernels on CPU under TRITON_INTERPRET=1 against the
 references, and the references against float64 loops.
