@@ -62,26 +62,18 @@ INLINE void store_row(enum dtype t, void *dst, const float *src, float mul, int 
  * region before inlining, so one region serves every dtype instance of an inline kernel and a
  * dtype passed in is a runtime value there: every row load branches on it and loops stay scalar.
  * Switching inside the region gives each dtype its own copy of the loop body. */
-#define WITH_DTYPE(t, STMT)                                \
-    switch (t) {                                           \
-    case F32: {                                            \
-        const enum dtype t_ = F32;                         \
-        const int es_ = 4;                                 \
-        (void)t_, (void)es_;                               \
-        STMT;                                              \
-    } break;                                               \
-    case BF16: {                                           \
-        const enum dtype t_ = BF16;                        \
-        const int es_ = 2;                                 \
-        (void)t_, (void)es_;                               \
-        STMT;                                              \
-    } break;                                               \
-    default: {                                             \
-        const enum dtype t_ = F16;                         \
-        const int es_ = 2;                                 \
-        (void)t_, (void)es_;                               \
-        STMT;                                              \
-    }                                                      \
+#define DTYPE_CASE(T, ES, STMT)     \
+    {                               \
+        const enum dtype t_ = T;    \
+        const int es_ = ES;         \
+        (void)t_, (void)es_;        \
+        STMT;                       \
+    }
+#define WITH_DTYPE(t, STMT)                     \
+    switch (t) {                                \
+    case F32: DTYPE_CASE(F32, 4, STMT) break;   \
+    case BF16: DTYPE_CASE(BF16, 2, STMT) break; \
+    default: DTYPE_CASE(F16, 2, STMT)           \
     }
 
 /* min(x, hi) and max(min(x, hi), lo) as torch.clamp: NaN passes through. Selects, not libm's

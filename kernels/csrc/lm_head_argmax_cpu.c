@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #include "cpu_common.h"
+#include "cpu_dot.h"
 
 #define NR 16 /* vocabulary rows per panel */
 #define MR 6  /* x rows per register tile */
@@ -38,25 +39,14 @@ INLINE void fold16(enum dtype t, const float *v, int32_t c0, int32_t n_valid, la
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if MOEBUS_DOT_AVX2
 /* acc rows r < MR of the tile at rows a[r] (K floats each), panel p (K x 16). */
 INLINE void tile(enum dtype t, int es, const float *const a[MR], const char *panel, int K, float out[MR][NR]) {
     __m256 acc[MR][2];
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int k = 0; k < K; k++) {
         const char *pk = panel + (int64_t)k * NR * es;
-        __m256 b0, b1;
-        if (t == F32) {
-            b0 = _mm256_loadu_ps((const float *)pk), b1 = _mm256_loadu_ps((const float *)pk + 8);
-        } else if (t == BF16) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)pk);
-            b0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
-            b1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
-        } else {
-            b0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pk));
-            b1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)pk + 1));
-        }
+        const __m256 b0 = load8(t, pk), b1 = load8(t, pk + 8 * es);
         for (int r = 0; r < MR; r++) {
             const __m256 x = _mm256_broadcast_ss(a[r] + k);
             acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
