@@ -25,6 +25,10 @@ class ErrorCode(StrEnum):
     TIMEOUT = "timeout"
     WORKER_LOST = "worker_lost"
     INTERNAL = "internal"
+    PAYLOAD_TOO_LARGE = "payload_too_large"  # a message over the bus's max payload (HTTP 413)
+    ENGINE_FAILED = "engine_failed"  # a step failed with no single request to blame: another worker may succeed
+    REQUEST_FAILED = "request_failed"  # the engine failed this request alone (its own state raised): never retried
+    DRAINING = "draining"  # handed back unstarted by a stopping worker: rerun elsewhere, not a failure of the request
 
 
 class ServiceError(Exception):
@@ -47,7 +51,7 @@ class ServiceError(Exception):
     @property
     def retryable(self) -> bool:
         return self.code in (ErrorCode.OVERLOADED, ErrorCode.UNAVAILABLE, ErrorCode.NO_RESPONDERS,
-                             ErrorCode.WORKER_LOST)
+                             ErrorCode.WORKER_LOST, ErrorCode.ENGINE_FAILED, ErrorCode.DRAINING)
 
     def to_headers(self) -> dict[str, str]:
         # Header values are single lines on the wire.

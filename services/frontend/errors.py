@@ -18,6 +18,10 @@ _STATUS = {
     ErrorCode.WORKER_LOST: (503, "service_unavailable"),
     ErrorCode.TIMEOUT: (504, "timeout"),
     ErrorCode.INTERNAL: (500, "server_error"),
+    ErrorCode.PAYLOAD_TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.ENGINE_FAILED: (503, "service_unavailable"),
+    ErrorCode.REQUEST_FAILED: (500, "server_error"),
+    ErrorCode.DRAINING: (503, "service_unavailable"),
 }
 
 
