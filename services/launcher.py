@@ -101,8 +101,11 @@ class Stack:
                 wcfg = {"max_queued": c.max_queued, "engine": c.engine, "role": role, **c.worker}
                 out.append(("worker", classes["worker"](instance_id=f"{prefix}-{i}", model=c.model,
                                                         served_model_name=name, **wcfg, **common)))
+        fcfg = dict(c.frontend)
+        if "max_model_len" in c.engine:  # the frontend's context check matches the workers' engines
+            fcfg["limits"] = {"max_model_len": c.engine["max_model_len"], **fcfg.get("limits", {})}
         out.append(("frontend", classes["frontend"](instance_id="frontend-0", host=c.host, port=c.port,
-                                                    models=[name], **c.frontend, **common)))
+                                                    models=[name], **fcfg, **common)))
         return out
 
     def start(self) -> Self:

@@ -4,7 +4,9 @@ Every publish and request carries the current W3C trace context; every handler r
 parented on the sender's. Handlers return a Message (sent as the reply) or raise ServiceError
 (sent as error headers). nats-py runs one subscription's callbacks one at a time, so handlers that
 await other services are spawned as tasks (`concurrent=True`) to keep one slow request from
-blocking the subject.
+blocking the subject. A message over the server's max payload (headers included) is refused
+here as ServiceError(PAYLOAD_TOO_LARGE), never handed to nats-py (MaxPayloadError, or the server
+closing the connection); a handler whose reply is too large answers with that error instead.
 """
 from __future__ import annotations
 
@@ -80,16 +82,29 @@ class Bus:
     def connected(self) -> bool:
         return self.nc.is_connected
 
+    def check_size(self, data: bytes, headers: dict[str, str] | None, what: str) -> None:
+        """PAYLOAD_TOO_LARGE for a message the server would refuse (it counts headers too)."""
+        limit = self.nc.max_payload
+        size = len(data) + _headers_size(headers)
+        if limit and size > limit:
+            raise ServiceError(ErrorCode.PAYLOAD_TOO_LARGE, f"{what} is {size} bytes; the bus carries at most {limit}")
+
     async def publish(self, subject: str, msg: Message | bytes, headers: dict[str, str] | None = None) -> None:
+        """Raises ServiceError(PAYLOAD_TOO_LARGE) for a message over the server's max payload."""
         data = msg if isinstance(msg, bytes) else msg.encode()
-        await self.nc.publish(subject, data, headers=self.tracing.inject(headers))
+        headers = self.tracing.inject(headers)
+        self.check_size(data, headers, f"{_kind(msg)} on {subject}")
+        await self.nc.publish(subject, data, headers=headers)
 
     async def request(self, subject: str, msg: Message | bytes, reply_type: type[M], timeout: float,
                       headers: dict[str, str] | None = None) -> M:
-        """Request/reply; raises NoResponders, RequestTimeout, or the ServiceError the handler raised."""
+        """Request/reply; raises NoResponders, RequestTimeout, PAYLOAD_TOO_LARGE (a request over the
+        server's max payload), or the ServiceError the handler raised."""
         data = msg if isinstance(msg, bytes) else msg.encode()
+        headers = self.tracing.inject(headers)
+        self.check_size(data, headers, f"{_kind(msg)} on {subject}")
         try:
-            reply = await self.nc.request(subject, data, timeout=timeout, headers=self.tracing.inject(headers))
+            reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError:
             raise NoResponders(subject) from None
         except nats.errors.TimeoutError:
@@ -110,7 +125,9 @@ class Bus:
                 try:
                     reply = await handler(request_type.decode(msg.data), msg)
                     if msg.reply and reply is not None:
-                        await self.nc.publish(msg.reply, reply.encode(), headers=self.tracing.inject())
+                        data, headers = reply.encode(), self.tracing.inject()
+                        self.check_size(data, headers, f"the {_kind(reply)} of {name}")  # an error reply instead
+                        await self.nc.publish(msg.reply, data, headers=headers)
                 except Exception as e:  # every failure becomes a typed reply, never a silent timeout
                     outcome = "error"
                     await self._reply_error(msg, _as_service_error(e, name))
@@ -152,6 +169,17 @@ class Bus:
             t.cancel()
         if not self.nc.is_closed:
             await self.nc.close()
+
+
+def _kind(msg: Message | bytes) -> str:
+    return "a message" if isinstance(msg, bytes) else type(msg).__name__
+
+
+def _headers_size(headers: dict[str, str] | None) -> int:
+    """Bytes of the NATS/1.0 header block on the wire."""
+    if not headers:
+        return 0
+    return 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
 
 
 def _as_service_error(e: Exception, endpoint: str) -> ServiceError:

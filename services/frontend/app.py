@@ -108,7 +108,7 @@ async def openapi(_: web.Request) -> web.Response:
 
 def create_app(cfg: FrontendConfig, tracer_provider: TracerProvider | None = None) -> web.Application:
     app = web.Application(middlewares=[errors_middleware, auth_middleware, tracing_middleware],
-                          client_max_size=64 * 1024 * 1024)
+                          client_max_size=cfg.limits.max_body_bytes)
     app[CONFIG] = cfg
 
     async def bus_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -1,34 +1,62 @@
-"""Request body parsing: malformed JSON and schema violations become 400s naming the field."""
+"""Request body parsing: malformed JSON and schema violations become 400s naming the field.
+
+JSON that orjson refuses only for its numbers (1e400, NaN, integers past 64 bits) is read again
+with the standard library, so the value reaches validation and the 400 names its field.
+"""
 from __future__ import annotations
 
-from typing import TypeVar
+import json
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from .errors import bad_request
+from .config import RequestLimits
+from .errors import APIError, bad_request
+from .protocol import ParamError
 
 B = TypeVar("B", bound=BaseModel)
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none"})
 
 
-async def parse_body(request: web.Request, model: type[B]) -> B:
-    raw = await request.read()
+async def parse_body(request: web.Request, model: type[B], limits: RequestLimits) -> B:
     try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise bad_request(f"We could not parse the JSON body of your request: {e}", code="invalid_json") from None
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"The request body is larger than {limits.max_body_bytes} bytes, the most this "
+                            "server accepts", code="request_too_large") from None
+    data = _loads(raw)
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object", code="invalid_json")
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=limits)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(x) for x in err["loc"]) or None
+        cause = (err.get("ctx") or {}).get("error")
+        param = cause.param if isinstance(cause, ParamError) else _param(err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        return _raise(f"{param}: {msg}" if param else msg, param, err["type"])
+        code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
+        raise bad_request(f"{param}: {msg}" if param else msg, param=param, code=code) from None
 
 
-def _raise(message: str, param: str | None, code: str) -> BaseModel:
-    raise bad_request(message, param=param, code="missing_required_parameter" if code == "missing" else
-                      "invalid_value")
+def _loads(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        first = e
+    try:  # NaN, Infinity, 1e400, huge integers: let validation name the field
+        return json.loads(raw, parse_int=_int)
+    except (ValueError, RecursionError):
+        raise bad_request(f"We could not parse the JSON body of your request: {first}", code="invalid_json") from None
+
+
+def _int(text: str) -> int | float:
+    return int(text) if len(text) <= 64 else float(text)  # past int64 anyway; float() has no digit limit
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """`messages.0.content`, without pydantic's union member tags (`str`, `list[ContentPart]`, ...)."""
+    parts = [str(x) for x in loc if isinstance(x, int) or (
+        x.isidentifier() and x not in _TYPE_TAGS and not x[:1].isupper())]
+    return ".".join(parts) or None

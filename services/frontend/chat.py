@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND]
-    body = await parse_body(request, ChatCompletionRequest)
+    body = await parse_body(request, ChatCompletionRequest, fe.cfg.limits)
     fe.check_model(body.model)
     try:
         messages = [t.to_message() for t in body.messages]
@@ -33,6 +33,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rendered = await fe.render(RenderRequest(model=body.model, messages=messages))
     params = body.to_sampling()
     prompt = rendered.prompt_token_ids
+    fe.check_context(len(prompt), params.max_tokens, "messages")
     started = time.monotonic()
     async with fe.generation(body.model, prompt, params, restartable=not body.stream) as gen:
         choices = fe.choices(0, params, prompt, body.model)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND]
-    body = await parse_body(request, CompletionRequest)
+    body = await parse_body(request, CompletionRequest, fe.cfg.limits)
     fe.check_model(body.model)
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
@@ -40,6 +40,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             raise bad_request("echo needs text prompts", param="echo")
         else:
             prompts.append((p, ""))
+        fe.check_context(len(prompts[-1][0]), params.max_tokens, "prompt")
     started = time.monotonic()
     async with AsyncExitStack() as stack:
         pairs = []

@@ -23,6 +23,7 @@ _STATUS = {
     ErrorCode.REQUEST_FAILED: (500, "server_error"),
     ErrorCode.DRAINING: (503, "service_unavailable"),
 }
+_CODE = {ErrorCode.PROMPT_TOO_LONG: "context_length_exceeded"}  # OpenAI's name for it
 
 
 class APIError(Exception):
@@ -36,7 +37,8 @@ class APIError(Exception):
     def from_service_error(cls, e: ServiceError) -> APIError:
         status, kind = _STATUS.get(e.code, (500, "server_error"))
         retry = e.retry_after if e.retry_after is not None else (1.0 if status in (429, 503) else None)
-        return cls(status, e.message, type=kind, param=e.param, code=e.code.value, retry_after=retry)
+        return cls(status, e.message, type=kind, param=e.param, code=_CODE.get(e.code, e.code.value),
+                   retry_after=retry)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

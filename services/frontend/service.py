@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from moebus.shared.errors import ServiceError
+from moebus.shared.errors import ServiceError, context_length_exceeded
 from moebus.shared.messages import RenderReply, RenderRequest, SamplingOptions
 from moebus.shared.service import Service
 
@@ -43,11 +43,21 @@ class FrontendService(Service):
             raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
 
     async def render(self, req: RenderRequest) -> RenderReply:
+        """Prompt token ids; the tokenizer refuses prompts that leave no room in the context."""
+        req.max_prompt_tokens = self.cfg.limits.max_model_len
         try:
             return await self.bus.request(self.subjects.tokenizer_render, req, RenderReply,
                                           timeout=self.cfg.tokenizer_timeout_s)
         except ServiceError as e:
             raise APIError.from_service_error(e) from None
+
+    def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+        """400 unless the prompt, plus max_tokens when given, fits in the context (None: up to the rest)."""
+        most = self.cfg.limits.max_model_len
+        if prompt_tokens >= most:
+            raise APIError.from_service_error(context_length_exceeded(most, prompt_tokens, param))
+        if max_tokens is not None and prompt_tokens + max_tokens > most:
+            raise APIError.from_service_error(context_length_exceeded(most, prompt_tokens, param, max_tokens))
 
     def choices(self, first_index: int, params: SamplingOptions, prompt_ids: list[int], model: str,
                 include_stop: bool = False) -> list[ChoiceState]:
@@ -64,8 +74,6 @@ class FrontendService(Service):
         if len(self.router) >= self.cfg.max_inflight:
             raise APIError(503, "too many requests in flight", type="service_unavailable", code="overloaded",
                            retry_after=1)
-        if params.n > self.cfg.max_n:
-            raise APIError(400, f"n must be <= {self.cfg.max_n}", param="n")
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params, restartable=restartable)

@@ -6,7 +6,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from moebus.shared.errors import ErrorCode, ServiceError
+from moebus.shared.errors import ErrorCode, ServiceError, context_length_exceeded
 from moebus.shared.messages import DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
 from moebus.shared.service import Service
 from moebus.shared.subjects import Queues
@@ -74,6 +74,9 @@ class TokenizerService(Service):
         else:
             text = req.prompt or ""
         ids = await asyncio.to_thread(self.tok.encode, text) if len(text) > _INLINE_CHARS else self.tok.encode(text)
+        if req.max_prompt_tokens is not None and len(ids) >= req.max_prompt_tokens:
+            param = "messages" if req.messages is not None else "prompt"
+            raise context_length_exceeded(req.max_prompt_tokens, len(ids), param)
         self._renders.inc()
         self._prompt_tokens.inc(len(ids))
         return RenderReply(prompt_token_ids=ids, prompt_text=text, eos_token_ids=list(self.tok.eos_token_ids))

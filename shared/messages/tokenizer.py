@@ -1,7 +1,7 @@
 """Tokenizer service messages: prompt rendering and stateless incremental detokenization."""
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from ..codec import Message
 
@@ -13,12 +13,17 @@ class ChatMessage(Message):
 
 
 class RenderRequest(Message):
-    """Either chat `messages` (rendered through the chat template) or a raw `prompt`."""
+    """Either chat `messages` (rendered through the chat template) or a raw `prompt`.
+
+    `max_prompt_tokens` (the frontend sends its max_model_len): a prompt of that many tokens or
+    more is refused with PROMPT_TOO_LONG instead of a reply too large for the bus.
+    """
 
     model: str
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
     add_generation_prompt: bool = True
+    max_prompt_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_input(self) -> RenderRequest:

@@ -123,7 +123,7 @@ async def raw_post(stack: ToyStack, path: str, data: bytes | str, headers: dict 
     ({"model": "toy", "messages": CHAT, "temperature": 3}, 400, "temperature"),
     ({"model": "toy", "messages": CHAT, "top_p": 0}, 400, "top_p"),
     ({"model": "toy", "messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "toy", "messages": CHAT, "top_logprobs": 3}, 400, None),  # needs logprobs
+    ({"model": "toy", "messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs"),  # needs logprobs
     ({"model": "toy", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ({"model": "toy", "messages": CHAT, "n": 99}, 400, "n"),
     ({"model": "nope", "messages": CHAT}, 404, "model"),
