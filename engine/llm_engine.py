@@ -12,6 +12,7 @@ on 2 cores when the model ran elsewhere).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ import torch
 from moebus.engine.block_manager import BlockManager
 from moebus.engine.config import EngineConfig
 from moebus.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from moebus.engine.isolation import RequestFailed, isolate
 from moebus.engine.model_runner import (
     PLACEHOLDER,
     ModelInput,
@@ -36,6 +38,8 @@ from moebus.engine.scheduler import Scheduler, SchedulerOutput
 from moebus.engine.structured_state import GrammarHub
 from moebus.engine.tokenizer import Tokenizer, load_tokenizer
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -43,11 +47,21 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[dict[int, float]] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None  # finish_reason "error": what failed
+    retryable: bool = False  # the error was the step's, not this request's: another engine may run it
+
+
+class _StepFailed(Exception):
+    """A step raised after it changed state: what it had produced, and what it had scheduled."""
+
+    def __init__(self, cause: Exception, sched: SchedulerOutput | None, outputs: list[RequestOutput]) -> None:
+        super().__init__(repr(cause))
+        self.cause, self.sched, self.outputs = cause, sched, outputs
 
 
 @dataclass(slots=True)
@@ -96,6 +110,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self.stats_ = EngineStats()
         self.tracked: dict[str, _Tracked] = {}
+        self.failed_steps_in_a_row = 0  # steps that failed with nobody to blame; the owner may rebuild us
         self._host = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moebus-host") \
             if config.async_scheduling else None
         self._inflight: tuple[SchedulerOutput, StepResult] | None = None  # executed, not post-processed
@@ -119,8 +134,9 @@ class LLMEngine:
         if self.config.deterministic and req.generator is None and not params.greedy:
             # Batch-invariant sampling needs a per-request stream; unseeded requests share the engine seed.
             req.generator = torch.Generator().manual_seed(self.config.seed)
-        self.tracked[request_id] = _Tracked(req, self.tokenizer.detokenizer(prompt_token_ids),
-                                            StopStringMatcher(list(params.stop), params.include_stop_str_in_output))
+        tracked = _Tracked(req, self.tokenizer.detokenizer(prompt_token_ids),
+                           StopStringMatcher(list(params.stop), params.include_stop_str_in_output))
+        self.tracked[request_id] = tracked  # last: a request that raised above leaves nothing behind
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> bool:
@@ -142,38 +158,105 @@ class LLMEngine:
                 "steps": self.stats_.steps}
 
     def step(self) -> list[RequestOutput]:
-        if self._host is not None:
-            return self._step_async()
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return []
-        inp = self.runner.prepare(sched, self._grammar_masks(sched))
-        self._advance(sched, placeholders=False)
-        return self._postprocess(sched, self._timed_execute(inp))
+        """One engine step. A request whose own state raises fails alone (its output has
+        finish_reason "error"); a step that fails with nobody to blame fails the requests it held,
+        retryably. Either way the engine goes on serving the others."""
+        try:
+            outs = self._step_async() if self._host is not None else self._step_sync()
+        except _StepFailed as f:
+            return f.outputs + self._recover(f.cause, f.sched)
+        except Exception as e:  # raised before the step changed anything it would need undone
+            return self._recover(e, None)
+        self.failed_steps_in_a_row = 0
+        return outs
 
     # --- internals -------------------------------------------------------------------------
+    def _step_sync(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outs = self._fail_scheduled(sched)
+        if not sched.scheduled:
+            return outs
+        try:
+            inp = self.runner.prepare(sched, self._grammar_masks(sched))
+            self._advance(sched, placeholders=False)
+            result = self._timed_execute(inp)
+        except Exception as e:
+            raise _StepFailed(e, sched, outs) from e
+        return outs + self._postprocess(sched, result)
+
     def _step_async(self) -> list[RequestOutput]:
         # Schedule and prepare step N+1 before post-processing step N (prepare snapshots the
         # placeholders that post-processing fills), then run N+1 here while the host thread
         # post-processes N.
-        prev, self._inflight = self._inflight, None
+        todo, self._inflight = self._inflight, None  # step N: executed, not post-processed
         outs: list[RequestOutput] = []
-        if prev is not None and self._grammar_waits_on(prev[0]):
-            # A grammar's next mask needs the token in flight: no overlap for this step.
-            outs, prev = self._postprocess(*prev), None
-        sched = self.scheduler.schedule()
-        inp = None
-        if sched.scheduled:
-            inp = self.runner.prepare(sched, self._grammar_masks(sched))
-            self._advance(sched, placeholders=True)
-        post = self._host.submit(self._postprocess, *prev) if prev is not None else None
+        sched = post = None
         try:
+            if todo is not None and self._grammar_waits_on(todo[0]):
+                # A grammar's next mask needs the token in flight: no overlap for this step.
+                prev, todo = todo, None
+                outs = self._postprocess(*prev)
+            sched = self.scheduler.schedule()
+            outs += self._fail_scheduled(sched)
+            inp = None
+            if sched.scheduled:
+                inp = self.runner.prepare(sched, self._grammar_masks(sched))
+                self._advance(sched, placeholders=True)
+            if todo is not None:
+                post, todo = self._host.submit(self._postprocess, *todo), None
             if inp is not None:
                 self._inflight = (sched, self._timed_execute(inp))
-        finally:
+        except Exception as e:
+            # Step N ran fine: its tokens still go out (recovery drops only N+1's placeholders).
             if post is not None:
-                outs = post.result()
+                outs += post.result()
+            elif todo is not None:
+                outs += self._postprocess(*todo)
+            raise _StepFailed(e, sched, outs) from e
+        if post is not None:
+            outs += post.result()
         return outs
+
+    def _fail_scheduled(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Requests the scheduler dropped because their own state raised."""
+        outs = []
+        for req, e in sched.failed:
+            out = self._fail(req.request_id, f"request failed in the engine (scheduling): {type(e).__name__}: {e}")
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def _recover(self, exc: Exception, sched: SchedulerOutput | None) -> list[RequestOutput]:
+        """After a failed step: its KV writes and placeholder tokens cannot be trusted, so every
+        running request recomputes from the tokens it has emitted (preemption) and no cached
+        prefix block outlives the step. The requests to blame fail alone; with nobody to blame,
+        the requests the step held fail retryably (another engine may run them)."""
+        self._inflight = None
+        for r in self.scheduler.running:
+            del r.output_token_ids[_num_real(r.output_token_ids):]
+        self.scheduler.preempt_all()
+        self.block_manager.reset_prefix_cache()
+        if isinstance(exc, RequestFailed):
+            blamed = {rid: exc.message(rid) for rid in exc.failures}
+            retryable = False
+        else:
+            log.error("engine step failed with no request to blame", exc_info=exc)
+            self.failed_steps_in_a_row += 1
+            held = [s.request.request_id for s in sched.scheduled] if sched is not None else list(self.tracked)
+            blamed = dict.fromkeys(held, f"engine step failed: {type(exc).__name__}: {exc}")
+            retryable = True
+        outs = [self._fail(rid, msg, retryable) for rid, msg in blamed.items()]
+        return [o for o in outs if o is not None]
+
+    def _fail(self, request_id: str, message: str, retryable: bool = False) -> RequestOutput | None:
+        """End a request with an error output (None: it had already finished)."""
+        tr = self.tracked.pop(request_id, None)
+        if tr is None:
+            return None
+        r = tr.req
+        self._finish(r, RequestStatus.FINISHED_ABORTED)
+        return RequestOutput(request_id, [], "", True, "error", None, r.num_prompt_tokens, r.num_cached_tokens,
+                             self._num_real_outputs(r), error=message, retryable=retryable)
 
     @staticmethod
     def _grammar_waits_on(sched: SchedulerOutput) -> bool:
@@ -200,7 +283,9 @@ class LLMEngine:
         return res
 
     def _grammar_masks(self, sched: SchedulerOutput) -> torch.Tensor | None:
-        return self.grammars.batch_mask([s.request for s in sched.scheduled if s.sample])
+        reqs = [s.request for s in sched.scheduled if s.sample]
+        return isolate("grammar mask", [r.request_id for r in reqs], lambda: self.grammars.batch_mask(reqs),
+                       lambda k: self.grammars.batch_mask([reqs[k]]))
 
     def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
@@ -216,8 +301,20 @@ class LLMEngine:
                 r.num_computed_tokens += n_acc
                 r.draft_token_ids = []
                 self.spec_stats.observe([s.num_draft], [toks])
-            outs.append(self._append_tokens(r, toks, lps))
-        self._propose_drafts()
+            try:
+                outs.append(self._append_tokens(r, toks, lps))
+            except Exception as e:  # grammar, detokenizer, stop checks: this request's own state
+                log.warning("post-processing %s failed", r.request_id, exc_info=True)
+                failed = self._fail(r.request_id, f"request failed in the engine (post-processing): "
+                                                  f"{type(e).__name__}: {e}")
+                if failed is not None:
+                    outs.append(failed)
+        try:
+            self._propose_drafts()
+        except Exception:  # drafts only save time: go on without them this step
+            log.warning("draft proposal failed", exc_info=True)
+            for r in self.scheduler.running:
+                r.draft_token_ids = []
         return outs
 
     def _propose_drafts(self) -> None:

@@ -8,6 +8,7 @@ import torch
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.batch_invariant import make_batch_invariant, tiled
 from moebus.engine.cpu_linear import pack_linears
+from moebus.engine.isolation import isolate
 from moebus.engine.request import Request
 from moebus.engine.sampling.batch import takes_raw_argmax
 from moebus.engine.sampling.sampler import Sampler, SamplingBatch
@@ -136,7 +137,9 @@ class ModelRunner:
         else:
             logits = (tiled(self.model.compute_logits, rows) if self.batch_invariant
                       else self.model.compute_logits(rows))
-            self._sample(inp, logits, result)
+            ids = [sched.scheduled[j].request.request_id for j in entries]
+            isolate("sampling", ids, lambda: self._sample(inp, logits, result),
+                    lambda k: self._probe_sample(inp, logits, entries, k))
         for j, toks in enumerate(result.tokens):
             if toks:
                 self.last_sampled[sched.scheduled[j].request.request_id] = toks[-1]
@@ -184,6 +187,24 @@ class ModelRunner:
         for k, j in enumerate(entries):
             result.tokens[j] = list(accepted[k])
             result.num_accepted_drafts[j] = len(accepted[k]) - 1
+
+    def _probe_sample(self, inp: ModelInput, logits: torch.Tensor, entries: list[int], k: int) -> None:
+        """Sample the k-th sampling request alone (its last row, no drafts): raises if its own
+        parameters or state do. Its generator is left as it was."""
+        sched = inp.sched
+        row = sum(sched.scheduled[j].num_draft + 1 for j in entries[: k + 1]) - 1
+        r = sched.scheduled[entries[k]].request
+        masks = inp.grammar_masks
+        mask = masks[k : k + 1] if masks is not None and masks.dim() == 2 else None
+        state = r.generator.get_state() if r.generator is not None else None
+        try:
+            batch = SamplingBatch.build([r.params], [self._known_outputs(r.request_id, inp.outputs[k])],
+                                        [r.prompt_token_ids], [r.generator], logits.shape[-1], logits.device,
+                                        allowed_token_mask=mask, eos_token_id=self.eos_token_ids)
+            self.sampler(logits[row : row + 1], batch)
+        finally:
+            if state is not None:
+                r.generator.set_state(state)
 
     def _known_outputs(self, request_id: str, out: list[int]) -> list[int]:
         """Output tokens as penalties see them: the trailing placeholder is the token being sampled now;

@@ -37,6 +37,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)  # their own state raised: fail them
 
     @property
     def num_tokens(self) -> int:
@@ -82,21 +83,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            drafts = len(req.draft_token_ids)
-            n = min(req.num_tokens + drafts - req.num_computed_tokens, budget)
-            if n <= 0:
-                i += 1
+            try:
+                n = self._continue(req, budget, out)
+            except Exception as e:  # this request's own state raised: it fails alone
+                self._drop(req, e, out)
                 continue
-            while not self.bm.can_allocate(req, req.num_computed_tokens + n):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
+            if n is None:
                 break
-            self.bm.allocate(req, req.num_computed_tokens + n)
-            num_draft = max(0, n - (req.num_tokens - req.num_computed_tokens))
-            out.scheduled.append(self._entry(req, n, num_draft))
             budget -= n
             i += 1
         if out.preempted:
@@ -107,21 +100,62 @@ class Scheduler:
                 break
             if req.wait_for is not None and req.wait_for.is_prefill and not req.wait_for.status.finished:
                 continue  # let the first of n siblings fill the shared prompt blocks
-            cached = self.bm.match_prefix(req) if req.num_computed_tokens == 0 else []
-            computed = len(cached) * self.bm.block_size if cached else req.num_computed_tokens
-            n = req.num_tokens - computed
-            if n > budget and not self.config.enable_chunked_prefill:
+            try:
+                n = self._admit(req, budget, out)
+            except Exception as e:
+                self._drop(req, e, out)
+                continue
+            if n is None:
                 break
-            n = min(n, budget)
-            if not self.bm.can_allocate(req, computed + n, cached):
-                break
-            self.bm.allocate(req, computed + n, cached)
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(self._entry(req, n, 0))
             budget -= n
         return out
+
+    def _continue(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Schedule a running request's next tokens (0: it has none now); None: it was preempted."""
+        drafts = len(req.draft_token_ids)
+        n = min(req.num_tokens + drafts - req.num_computed_tokens, budget)
+        if n <= 0:
+            return 0
+        while not self.bm.can_allocate(req, req.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                break
+        if req.status is not RequestStatus.RUNNING:
+            return None
+        self.bm.allocate(req, req.num_computed_tokens + n)
+        num_draft = max(0, n - (req.num_tokens - req.num_computed_tokens))
+        out.scheduled.append(self._entry(req, n, num_draft))
+        return n
+
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Start a waiting request (its prompt's cached prefix first); None: it does not fit."""
+        cached = self.bm.match_prefix(req) if req.num_computed_tokens == 0 else []
+        computed = len(cached) * self.bm.block_size if cached else req.num_computed_tokens
+        n = req.num_tokens - computed
+        if n > budget and not self.config.enable_chunked_prefill:
+            return None
+        n = min(n, budget)
+        if not self.bm.can_allocate(req, computed + n, cached):
+            return None
+        self.bm.allocate(req, computed + n, cached)
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append(self._entry(req, n, 0))
+        return n
+
+    def _drop(self, req: Request, error: Exception, out: SchedulerOutput) -> None:
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        out.failed.append((req, error))
+
+    def preempt_all(self) -> None:
+        """Every running request back to waiting, its blocks freed: it recomputes from its known
+        tokens (after a failed step, whose KV writes cannot be trusted)."""
+        out = SchedulerOutput()
+        for req in list(reversed(self.running)):
+            self._preempt(req, out)
 
     @staticmethod
     def _entry(req: Request, n: int, num_draft: int) -> ScheduledRequest:

@@ -1,7 +1,13 @@
 """Per-request sampling parameters (the engine-side mirror of OpenAI's request fields)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Bounds that keep every value representable in the engine's int32/int64 tensors; the context
+# length bounds token counts long before these do.
+MAX_TOKENS = 2**31 - 1
+MAX_TOKEN_ID = 2**31
 
 
 @dataclass(slots=True)
@@ -45,6 +51,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if not 0 <= self.min_tokens <= MAX_TOKENS:
+            raise ValueError(f"min_tokens must be in [0, {MAX_TOKENS}], got {self.min_tokens}")
+        if self.max_tokens is not None and not self.min_tokens <= self.max_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_tokens must be in [min_tokens, {MAX_TOKENS}], got {self.max_tokens}")
+        if any(not 0 <= t < MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {MAX_TOKEN_ID})")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
@@ -57,6 +74,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.top_k > MAX_TOKEN_ID:
+            raise ValueError(f"top_k must be at most {MAX_TOKEN_ID}, got {self.top_k}")
         if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if self.repetition_penalty <= 0:
