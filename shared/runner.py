@@ -19,7 +19,10 @@ async def serve_until_signal(service: Service, stop: asyncio.Event | None = None
     try:
         async with service:
             log.info("%s up (instance %s)", service.name, service.instance_id)
-            await stop.wait()
+            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(service.exit_requested.wait())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
             log.info("%s stopping: draining", service.instance_id)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -36,3 +39,5 @@ def run(service: Service) -> None:
         uvloop.run(serve_until_signal(service))
     except ImportError:
         asyncio.run(serve_until_signal(service))
+    if service.exit_reason is not None:
+        sys.exit(f"{service.instance_id} exited: {service.exit_reason}")

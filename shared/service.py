@@ -66,6 +66,8 @@ class Service:
         self._tasks: set[asyncio.Task] = set()
         self._probes = None
         self._closed = False
+        self.exit_requested = asyncio.Event()  # set when the service cannot go on: its process should exit
+        self.exit_reason: str | None = None
 
     # ---- hooks for subclasses -------------------------------------------------------------
     async def setup(self) -> None:
@@ -135,6 +137,13 @@ class Service:
             await self.bus.drain(self.cfg.drain_timeout_s)
             if self._probes is not None:
                 await self._probes.cleanup()
+
+    def request_exit(self, reason: str) -> None:
+        """Ask the process running this service to shut it down and exit non-zero (a supervisor
+        restarts it), instead of staying alive but useless."""
+        log.error("%s cannot go on: %s", self.instance_id, reason)
+        self.exit_reason = reason
+        self.exit_requested.set()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """A background task that lives until shutdown; its crash is logged, not swallowed silently."""

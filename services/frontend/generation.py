@@ -3,7 +3,10 @@
 Retries: a retryable failure (worker lost, worker draining, engine crash) reruns the request on
 another worker, excluding the ones that failed it, as long as no token reached the client: before
 the first token for streams, any time for non-streamed requests (their consumer gets `RESTART`
-and drops what it had). Chunks of an older attempt are ignored, so a late worker cannot
+and drops what it had). A request the engine failed by itself (invalid, or its own state raised)
+is never rerun, and one that broke `max_worker_failures` workers (they died or their engine
+failed while holding it) is not sent to another: a poison request cannot walk the fleet. A
+worker handing back work it has not started (draining) does not count. Chunks of an older attempt are ignored, so a late worker cannot
 interleave with its replacement. A split request (prefill worker, then decode worker) takes
 chunks from both, in sequence-number order (they come from two publishers).
 """
@@ -39,6 +42,7 @@ class Generation:
         self._held: dict[tuple[int, int], TokenChunk] = {}  # arrived ahead of their turn
         self._got_tokens = False
         self._cut = False  # the consumer ended a choice early: the worker must be told
+        self.worker_failures = 0  # workers that died or whose engine failed while holding this request
 
     @property
     def request_id(self) -> str:
@@ -87,16 +91,19 @@ class Generation:
                 failed = item.worker_id
             elif item.attempt != self.req.attempt or item.worker_id not in self._workers():
                 continue  # from an abandoned attempt
-            elif item.error:
-                err, retryable = ServiceError(item.error, item.error_message or item.error), item.retryable
-                failed = item.worker_id
-            else:
+            elif not item.error:
                 for chunk in self._in_order(item):
                     self._got_tokens |= bool(chunk.token_ids)
                     if chunk.finished:
                         self.open.discard(chunk.index)
                     yield chunk
                 continue
+            else:
+                err, retryable = ServiceError(item.error, item.error_message or item.error), item.retryable
+                failed = item.worker_id
+            if retryable and err.code is not ErrorCode.DRAINING:
+                self.worker_failures += 1
+                retryable = self.worker_failures < self.router.cfg.max_worker_failures
             if not (retryable and self.req.attempt + 1 < self.router.cfg.max_attempts
                     and (self.restartable or not self._got_tokens)):
                 raise err

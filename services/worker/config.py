@@ -12,6 +12,10 @@ class WorkerConfig(ServiceConfig):
     served_model_name: str | None = None  # the name clients use; default: `model`
     max_queued: int = Field(128, ge=1)  # requests waiting for their first token; beyond: "overloaded"
     drain_grace_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
+    # A broken engine is rebuilt in this process this many times (backoff restart_backoff_s x the
+    # restart count) before the process exits for its supervisor to restart.
+    engine_restarts: int = Field(3, ge=0)
+    engine_restart_backoff_s: float = Field(1.0, ge=0)
     engine: dict[str, Any] = {}  # extra EngineConfig (or ToyEngineConfig) fields, e.g. {"max_num_seqs": 8}
     # Prefill/decode split: what the balancer routes here (any worker still runs whole requests).
     role: Literal["both", "prefill", "decode"] = "both"

@@ -9,6 +9,13 @@ tiers after add, offloading after steps, and extracting a prefill request's KV r
 step that sampled its first token (then aborting it there, before the next step reuses blocks).
 Lockstep engines (an EP group's DPEngine) step every iteration, idle or not: the step is a
 collective the other ranks wait in.
+
+One request never stops the thread: the engine fails a request whose own state raises (its output
+carries `error`), and an add the engine rejects becomes AddFailed. If the engine itself breaks (an
+exception out of step, or `max_failed_steps` steps in a row failing with nobody to blame), its
+requests are reported lost (`on_fatal`), and the thread builds a new engine from the factory, up
+to `max_restarts` times (not for lockstep engines: their group must restart together); only then
+does the loop stay `failed`.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +54,12 @@ _STOP = object()
 class EngineLoop:
     def __init__(self, factory: Callable[[], Any], loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs,
                  on_fatal: Callable[[BaseException], None], on_ready: Callable[[], None] = lambda: None,
-                 kv: Any = None) -> None:
+                 kv: Any = None, max_restarts: int = 3, max_failed_steps: int = 3,
+                 restart_backoff_s: float = 1.0) -> None:
         self._factory, self._loop, self.kv = factory, loop, kv
+        self.max_restarts, self.max_failed_steps, self.restart_backoff_s = max_restarts, max_failed_steps, \
+            restart_backoff_s
+        self.restarts = 0
         self._on_outputs, self._on_fatal, self._on_ready = on_outputs, on_fatal, on_ready
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="moebus-engine", daemon=True)
@@ -55,7 +67,9 @@ class EngineLoop:
         self.failed: BaseException | None = None
         self.stats: dict[str, Any] = {}  # replaced wholesale by the engine thread (atomic for readers)
         self.engine: Any = None
+        self.tokenizer: Any = None  # the engine's; kept while a new engine is built
         self._prefill_only: set[str] = set()  # sub ids to stop (and extract) at their first token
+        self._stopping = False
 
     def start(self) -> None:
         self._thread.start()
@@ -82,27 +96,48 @@ class EngineLoop:
         self._cmds.put(("abort", sub_id))
 
     def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
         self._cmds.put(_STOP)
         if self._thread.ident:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        try:
-            self.engine = self._factory()
-            if self.kv is not None:
-                self.kv.bind(self.engine)
-            self.stats = dict(self.engine.stats())
-            self.ready.set()
-            self._loop.call_soon_threadsafe(self._on_ready)
-            self._loop_forever()
-        except BaseException as e:  # report, the service turns unhealthy and fails its requests
-            log.exception("engine thread died")
-            self.failed = e
-            self._loop.call_soon_threadsafe(self._on_fatal, e)
-        finally:
-            close = getattr(self.engine, "close", None)
-            if close is not None:
+        while True:
+            try:
+                self.engine = None
+                self.engine = self._factory()
+                self.tokenizer = getattr(self.engine, "tokenizer", None)
+                if self.kv is not None:
+                    self.kv.bind(self.engine)
+                self.stats = dict(self.engine.stats())
+                self._prefill_only.clear()
+                self.ready.set()
+                self._loop.call_soon_threadsafe(self._on_ready)
+                self._loop_forever()
+                return
+            except BaseException as e:  # its requests are lost; a new engine may serve the next ones
+                log.exception("engine failed")
+                self.ready.clear()
+                final = (self._stopping or self.restarts >= self.max_restarts or self.engine is None
+                         or getattr(self.engine, "lockstep", False))
+                if final:
+                    self.failed = e  # before on_fatal runs: it reads this to tell a restart from the end
+                self._loop.call_soon_threadsafe(self._on_fatal, e)
+                if final:
+                    return
+                self.restarts += 1
+                log.warning("rebuilding the engine (restart %d of %d)", self.restarts, self.max_restarts)
+            finally:
+                self._close_engine()
+            time.sleep(self.restart_backoff_s * self.restarts)
+
+    def _close_engine(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            try:
                 close()
+            except Exception:
+                log.warning("closing the engine failed", exc_info=True)
 
     def _loop_forever(self) -> None:
         engine = self.engine
@@ -122,6 +157,8 @@ class EngineLoop:
             except queue.Empty:
                 pass
             outputs = engine.step() if lockstep or engine.has_unfinished_requests() else []
+            if getattr(engine, "failed_steps_in_a_row", 0) >= self.max_failed_steps:
+                raise RuntimeError(f"{engine.failed_steps_in_a_row} engine steps in a row failed")
             if self.kv is not None and outputs:
                 self.kv.after_step(engine)  # before extraction aborts prefill requests: they are still live
             prefilled = self._extract_prefilled(outputs) if self._prefill_only else []
@@ -159,8 +196,8 @@ class EngineLoop:
             _, sub_id, prompt, params, prefill_only = cmd
             try:
                 self.engine.add_request(sub_id, prompt, params)
-            except (ValueError, KeyError, TypeError) as e:
-                failed.append(AddFailed(sub_id, str(e)))
+            except Exception as e:  # rejected (ValueError) or raised on its parameters: this request alone
+                failed.append(AddFailed(sub_id, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
                 return
             if prefill_only:
                 self._prefill_only.add(sub_id)
@@ -170,8 +207,8 @@ class EngineLoop:
             _, sub_id, prompt, first_token, params, payload = cmd
             try:
                 self.kv.inject(self.engine, sub_id, prompt, first_token, params, payload)
-            except (ValueError, KeyError, TypeError) as e:
-                failed.append(AddFailed(sub_id, str(e)))
+            except Exception as e:
+                failed.append(AddFailed(sub_id, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
         else:
             self._prefill_only.discard(cmd[1])
             self.engine.abort_request(cmd[1])

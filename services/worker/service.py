@@ -125,7 +125,8 @@ class WorkerService(Service):
             self.kv = EngineKV(self.cfg.kv_cpu_bytes)
         self._loop = EngineLoop(self._factory, asyncio.get_running_loop(), self._on_outputs, self._on_fatal,
                                 on_ready=lambda: self.spawn(self.publish_heartbeat()),  # be routable at once
-                                kv=self.kv)
+                                kv=self.kv, max_restarts=self.cfg.engine_restarts,
+                                restart_backoff_s=self.cfg.engine_restart_backoff_s)
         self._loop.start()
         self.spawn(self._publisher())
         s, i = self.subjects, self.instance_id
@@ -150,12 +151,12 @@ class WorkerService(Service):
             await self._generate_sub.unsubscribe()  # the balancer now gets no-responders here
         for rid, a in list(self._active.items()):
             if not a.started:
-                self._fail(rid, ErrorCode.WORKER_LOST, "worker draining", retryable=True, counter="handed_back")
+                self._fail(rid, ErrorCode.DRAINING, "worker draining", retryable=True, counter="handed_back")
         deadline = time.monotonic() + self.cfg.drain_grace_s
         while self._active and time.monotonic() < deadline and self.healthy:
             await asyncio.sleep(0.05)
         for rid in list(self._active):
-            self._fail(rid, ErrorCode.WORKER_LOST, "worker stopped", retryable=True, counter="handed_back")
+            self._fail(rid, ErrorCode.DRAINING, "worker stopped", retryable=True, counter="handed_back")
         if self._loop is not None:
             await asyncio.to_thread(self._loop.stop)
         await self._outbox.put(None)
@@ -224,13 +225,17 @@ class WorkerService(Service):
         for f in failed:
             rid = f.sub_id.rsplit("#", 1)[0]
             self._fail(rid, ErrorCode.BAD_REQUEST, f.error, retryable=False, counter="failed")
-        tok = self._loop.engine.tokenizer
+        tok = self._loop.tokenizer
         for out in outputs:
             rid, _, idx = out.request_id.rpartition("#")
             a = self._active.get(rid)
             if a is None or int(idx) not in a.open:
                 continue  # aborted while the step ran
             i = int(idx)
+            if getattr(out, "error", None):  # the engine failed this choice: the request fails whole
+                code = ErrorCode.ENGINE_FAILED if out.retryable else ErrorCode.REQUEST_FAILED
+                self._fail(rid, code, out.error, retryable=out.retryable, counter="failed")
+                continue
             chunk = chunk_from_output(out, a.req, self.instance_id, i, a.seq[i], tok)
             if a.req.stage == "decode":
                 chunk.num_cached_tokens = 0  # the prompt came from the prefill worker: its count stands
@@ -269,8 +274,14 @@ class WorkerService(Service):
         self.spawn(beat())
 
     def _on_fatal(self, exc: BaseException) -> None:
+        """The engine broke: its requests may run elsewhere (the frontend caps how many workers
+        one request may break). A loop that rebuilds its engine comes back ready; one that gave
+        up makes this process exit, so its supervisor restarts it."""
         for rid in list(self._active):
-            self._fail(rid, ErrorCode.WORKER_LOST, f"engine failed: {exc}", retryable=True, counter="failed")
+            self._fail(rid, ErrorCode.ENGINE_FAILED, f"engine failed: {type(exc).__name__}: {exc}",
+                       retryable=True, counter="failed")
+        if self._loop is not None and self._loop.failed is not None:
+            self.request_exit(f"engine failed for good: {type(exc).__name__}: {exc}")
 
     def _fail(self, rid: str, code: ErrorCode, message: str, *, retryable: bool, counter: str) -> None:
         a = self._active.pop(rid, None)
