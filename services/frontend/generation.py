@@ -103,7 +103,9 @@ class Generation:
                 failed = item.worker_id
             if retryable and err.code is not ErrorCode.DRAINING:
                 self.worker_failures += 1
-                retryable = self.worker_failures < self.router.cfg.max_worker_failures
+                if self.worker_failures >= self.router.cfg.max_worker_failures:  # poison: fail it for good
+                    err, retryable = ServiceError(ErrorCode.REQUEST_FAILED, f"{err.message} (the request failed on "
+                                                  f"{self.worker_failures} workers; it is not sent to another)"), False
             if not (retryable and self.req.attempt + 1 < self.router.cfg.max_attempts
                     and (self.restartable or not self._got_tokens)):
                 raise err

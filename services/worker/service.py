@@ -64,7 +64,7 @@ class WorkerService(Service):
         super().__init__(cfg, **kw)
         self.cfg: WorkerConfig = cfg
         self.served_model = cfg.served_model_name or cfg.model
-        self.toy = cfg.model == TOY_MODEL and engine_factory is None
+        self.toy = cfg.model == TOY_MODEL  # a factory may wrap the toy engine too (fault-injection tests)
         self._factory = engine_factory or (lambda: make_engine(cfg))
         self.kv: Any = None  # EngineKV (real engines): engine-thread KV hooks
         self.link: Any = None  # WorkerKVLink: transports, broker index and tiers

@@ -63,7 +63,8 @@ async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> N
 
 @asynccontextmanager
 async def toy_stack(nats_url: str, *, workers: int = 1, engine: dict | None = None, worker: dict | None = None,
-                    frontend: dict | None = None, tracer_provider: TracerProvider | None = None) -> AsyncIterator[ToyStack]:
+                    frontend: dict | None = None, tracer_provider: TracerProvider | None = None,
+                    engine_factory: Any = None) -> AsyncIterator[ToyStack]:
     """tokenizer + balancer + N workers + frontend on the toy model, isolated by a subject prefix."""
     prefix = f"t{uuid.uuid4().hex[:8]}.moebus.v1"
     common = {"nats_url": nats_url, "subject_prefix": prefix, "heartbeat_interval_s": HEARTBEAT}
@@ -75,7 +76,7 @@ async def toy_stack(nats_url: str, *, workers: int = 1, engine: dict | None = No
         for i in range(workers):
             cfg = WorkerConfig(model="toy", instance_id=f"worker-{i}", engine={"step_delay_s": 0.002, **(engine or {})},
                                drain_grace_s=2.0, **(worker or {}), **common)
-            ws.append(await stack.enter_async_context(WorkerService(cfg, **kw)))
+            ws.append(await stack.enter_async_context(WorkerService(cfg, engine_factory=engine_factory, **kw)))
         fcfg = FrontendConfig(host="127.0.0.1", port=0, models=["toy"], **(frontend or {}), **common)
         runner, port = await start_frontend(fcfg, tracer_provider)
         stack.push_async_callback(runner.cleanup)

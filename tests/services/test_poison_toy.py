@@ -1,0 +1,81 @@
+"""A request that breaks engines, on a toy-model stack: it breaks at most two workers (never a third),
+the requests that shared a broken engine are rerun elsewhere and succeed, and every broken engine
+is rebuilt and serves again. A worker whose engine cannot come back asks its process to exit."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from moebus.shared.toy_model import ToyEngine, ToyEngineConfig, ToyTokenizer
+
+from .conftest import toy_stack, wait_for
+
+MARK = "POISON-PILL"
+_MARK_IDS = ToyTokenizer().encode(MARK)
+
+
+class BreakingToyEngine(ToyEngine):
+    """A toy engine whose step raises (an engine fault, nobody blamed) while it runs a request whose
+    prompt holds MARK: what a request that trips an engine bug does to it."""
+
+    def step(self):
+        out = super().step()
+        for req in self._running.values():
+            if _contains(req.prompt, _MARK_IDS):
+                raise RuntimeError("engine broken by a poison request")
+        return out
+
+
+def _contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def _factory() -> ToyEngine:
+    return BreakingToyEngine(ToyEngineConfig(step_delay_s=0.002))
+
+
+FAST_RESTART = {"engine_restart_backoff_s": 0.05}
+
+
+async def test_poison_breaks_at_most_two_workers_and_they_come_back(nats_server) -> None:
+    async with toy_stack(nats_server.url, workers=3, engine_factory=_factory, worker=FAST_RESTART) as stack:
+        c = stack.client()
+
+        async def normal() -> str:
+            r = await c.chat.completions.create(model="toy", messages=[{"role": "user", "content": "hi"}])
+            return r.choices[0].message.content
+
+        async def poison() -> openai.APIStatusError:
+            with pytest.raises(openai.APIStatusError) as e:
+                await c.chat.completions.create(model="toy", messages=[{"role": "user", "content": MARK}])
+            return e.value
+
+        results = await asyncio.gather(poison(), *[normal() for _ in range(6)])
+        err = results[0]
+        assert err.status_code == 500 and err.body["code"] == "request_failed", err.body
+        assert "failed on 2 workers" in err.body["message"]
+        assert all("toy model" in text for text in results[1:])  # the ones sharing a broken engine: rerun
+        broken = [w for w in stack.workers if w._loop.restarts]
+        assert len(broken) == 2, [w.counters for w in stack.workers]  # the third never saw it
+        started = time.monotonic()
+        await wait_for(lambda: all(w.ready for w in stack.workers), timeout=5)
+        print(f"broken workers ready again within {time.monotonic() - started:.2f} s of the error")
+        await wait_for(lambda: len(stack.balancer.table.candidates("toy", time.monotonic())) == 3, timeout=5)
+        assert all(w.healthy and not w.exit_requested.is_set() for w in stack.workers)
+        for _ in range(6):  # every worker serves again
+            assert "toy model" in await normal()
+
+
+async def test_engine_gone_for_good_asks_the_process_to_exit(nats_server) -> None:
+    async with toy_stack(nats_server.url, workers=1, engine_factory=_factory,
+                         worker={"engine_restarts": 0}) as stack:
+        c = stack.client()
+        with pytest.raises(openai.APIStatusError) as e:
+            await c.chat.completions.create(model="toy", messages=[{"role": "user", "content": MARK}])
+        assert e.value.status_code in (500, 503)
+        w = stack.workers[0]
+        await wait_for(lambda: w.exit_requested.is_set(), timeout=5)
+        assert not w.ready and not w.healthy and "engine failed for good" in w.exit_reason
