@@ -32,9 +32,9 @@ async def parse_body(request: web.Request, model: type[B], limits: RequestLimits
     try:
         return model.model_validate(data, context=limits)
     except ValidationError as e:
-        err = e.errors()[0]
+        err = max(e.errors(), key=lambda x: len(_param(x["loc"])))  # a union's deepest complaint
         cause = (err.get("ctx") or {}).get("error")
-        param = cause.param if isinstance(cause, ParamError) else _param(err["loc"])
+        param = cause.param if isinstance(cause, ParamError) else ".".join(_param(err["loc"])) or None
         msg = err["msg"].removeprefix("Value error, ")
         code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
         raise bad_request(f"{param}: {msg}" if param else msg, param=param, code=code) from None
@@ -55,8 +55,7 @@ def _int(text: str) -> int | float:
     return int(text) if len(text) <= 64 else float(text)  # past int64 anyway; float() has no digit limit
 
 
-def _param(loc: tuple[int | str, ...]) -> str | None:
+def _param(loc: tuple[int | str, ...]) -> list[str]:
     """`messages.0.content`, without pydantic's union member tags (`str`, `list[ContentPart]`, ...)."""
-    parts = [str(x) for x in loc if isinstance(x, int) or (
+    return [str(x) for x in loc if isinstance(x, int) or (
         x.isidentifier() and x not in _TYPE_TAGS and not x[:1].isupper())]
-    return ".".join(parts) or None

@@ -38,8 +38,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             prompts.append((r.prompt_token_ids, p))
         elif body.echo:
             raise bad_request("echo needs text prompts", param="echo")
-        else:
-            prompts.append((p, ""))
+        else:  # the tokenizer checks the ids against the vocabulary
+            fe.check_context(len(p), params.max_tokens, "prompt")
+            r = await fe.render(RenderRequest(model=body.model, prompt_token_ids=p))
+            prompts.append((r.prompt_token_ids, ""))
         fe.check_context(len(prompts[-1][0]), params.max_tokens, "prompt")
     started = time.monotonic()
     async with AsyncExitStack() as stack:

@@ -65,6 +65,8 @@ class TokenizerService(Service):
 
     async def render(self, req: RenderRequest, _: Msg) -> RenderReply:
         self._check_model(req.model)
+        if req.prompt_token_ids is not None:
+            return self._check_ids(req.prompt_token_ids, req.max_prompt_tokens)
         if req.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
             try:
@@ -80,6 +82,17 @@ class TokenizerService(Service):
         self._renders.inc()
         self._prompt_tokens.inc(len(ids))
         return RenderReply(prompt_token_ids=ids, prompt_text=text, eos_token_ids=list(self.tok.eos_token_ids))
+
+    def _check_ids(self, ids: list[int], max_prompt_tokens: int | None) -> RenderReply:
+        """A prompt given as token ids: every id must be in the vocabulary (the engine indexes with it)."""
+        if max_prompt_tokens is not None and len(ids) >= max_prompt_tokens:
+            raise context_length_exceeded(max_prompt_tokens, len(ids), "prompt")
+        vocab = self.tok.vocab_size
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise ServiceError(ErrorCode.BAD_REQUEST, f"token id {bad} is outside the vocabulary (ids 0..{vocab - 1})",
+                               param="prompt")
+        return RenderReply(prompt_token_ids=ids, eos_token_ids=list(self.tok.eos_token_ids))
 
     async def detokenize(self, req: DetokenizeRequest, _: Msg) -> DetokenizeReply:
         self._check_model(req.model)

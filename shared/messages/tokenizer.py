@@ -13,7 +13,8 @@ class ChatMessage(Message):
 
 
 class RenderRequest(Message):
-    """Either chat `messages` (rendered through the chat template) or a raw `prompt`.
+    """Exactly one of chat `messages` (rendered through the chat template), a raw `prompt`, or
+    `prompt_token_ids` (checked against the vocabulary and given back).
 
     `max_prompt_tokens` (the frontend sends its max_model_len): a prompt of that many tokens or
     more is refused with PROMPT_TOO_LONG instead of a reply too large for the bus.
@@ -22,13 +23,14 @@ class RenderRequest(Message):
     model: str
     messages: list[ChatMessage] | None = None
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
     max_prompt_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_input(self) -> RenderRequest:
-        if (self.messages is None) == (self.prompt is None):
-            raise ValueError("give exactly one of messages or prompt")
+        if sum(x is not None for x in (self.messages, self.prompt, self.prompt_token_ids)) != 1:
+            raise ValueError("give exactly one of messages, prompt or prompt_token_ids")
         return self
 
 

@@ -49,7 +49,8 @@ EXAMPLES: list[Message] = [
                retryable=True),
     AbortRequest(request_id="gen-1", reason="client"),
     RenderRequest(model="m", messages=[ChatMessage(role="user", content="hi", name="bob")]),
-    RenderRequest(model="m", prompt="once upon", add_generation_prompt=False),
+    RenderRequest(model="m", prompt="once upon", add_generation_prompt=False, max_prompt_tokens=8192),
+    RenderRequest(model="m", prompt_token_ids=[5, 6], max_prompt_tokens=8192),
     RenderReply(prompt_token_ids=[1, 2], prompt_text="hi", eos_token_ids=[2]),
     DetokenizeRequest(model="m", token_ids=[1, 2, 3], read_offset=2, held="\n", stop=["\n\n"], finished=True),
     DetokenizeReply(text="ab", held="c", prefix_offset=1, read_offset=3, stopped=True),
@@ -83,6 +84,8 @@ def test_render_request_needs_exactly_one_input() -> None:
         RenderRequest(model="m")
     with pytest.raises(ValueError):
         RenderRequest(model="m", prompt="x", messages=[])
+    with pytest.raises(ValueError):
+        RenderRequest(model="m", prompt="x", prompt_token_ids=[1])
 
 
 def test_error_headers_round_trip() -> None:
