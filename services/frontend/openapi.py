@@ -18,8 +18,8 @@ def openapi_document(version: str = "0.1.0") -> dict:
     def post(summary: str, schema: str) -> dict:
         errors = {str(s): {"description": d, "content": {"application/json": {"schema": {
             "$ref": "#/components/schemas/Error"}}}} for s, d in (
-            (400, "bad request"), (401, "bad API key"), (404, "unknown model"), (429, "overloaded"),
-            (503, "unavailable"), (500, "internal error"))}
+            (400, "bad request"), (401, "bad API key"), (404, "unknown model"), (413, "request too large"),
+            (429, "overloaded"), (503, "unavailable"), (500, "internal error"))}
         return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
             "responses": {"200": {"description": "JSON, or text/event-stream when stream is true"}, **errors}}}

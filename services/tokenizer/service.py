@@ -87,7 +87,7 @@ class TokenizerService(Service):
         """A prompt given as token ids: every id must be in the vocabulary (the engine indexes with it)."""
         if max_prompt_tokens is not None and len(ids) >= max_prompt_tokens:
             raise context_length_exceeded(max_prompt_tokens, len(ids), "prompt")
-        vocab = self.tok.vocab_size
+        vocab = getattr(self.tok, "vocab_size", None) or 2**31
         bad = next((i for i in ids if not 0 <= i < vocab), None)
         if bad is not None:
             raise ServiceError(ErrorCode.BAD_REQUEST, f"token id {bad} is outside the vocabulary (ids 0..{vocab - 1})",
