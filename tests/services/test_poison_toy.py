@@ -1,6 +1,7 @@
 """A request that breaks engines, on a toy-model stack: it breaks at most two workers (never a third),
-the requests that shared a broken engine are rerun elsewhere and succeed, and every broken engine
-is rebuilt and serves again. A worker whose engine cannot come back asks its process to exit."""
+the requests that shared a broken engine are rerun elsewhere (as suspects, each alone: worker
+quarantine) and succeed, and every broken engine is rebuilt and serves again. A worker whose
+engine cannot come back asks its process to exit."""
 from __future__ import annotations
 
 import asyncio

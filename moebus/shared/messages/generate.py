@@ -62,6 +62,7 @@ class GenerateRequest(Message):
     stage: Literal["aggregated", "prefill", "decode"] = "aggregated"
     kv_transfer: KVTransferSpec | None = None  # stage prefill / decode
     exclude_workers: list[str] = []  # balancer skips these (e.g. the worker that just died)
+    suspect: bool = False  # an earlier attempt was on an engine that broke: run it alone (worker quarantine)
 
 
 class GenerateAccepted(Message):

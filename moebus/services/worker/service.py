@@ -37,6 +37,7 @@ from .config import WorkerConfig
 from .engine_loop import AddFailed, EngineLoop, Prefilled
 from .engines import choice_params, make_engine
 from .outputs import chunk_from_output
+from .quarantine import Quarantine
 from .split import SplitStages
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class WorkerService(Service):
         self.kv: Any = None  # EngineKV (real engines): engine-thread KV hooks
         self.link: Any = None  # WorkerKVLink: transports, broker index and tiers
         self.split = SplitStages(self)
+        self.quarantine = Quarantine(self._add)  # suspects (their engine broke before) run alone
         self._beat_pending = False
         self._active: dict[str, _Active] = {}
         self._outbox: asyncio.Queue[tuple[str, TokenChunk | Handoff, dict[str, str]] | None] = asyncio.Queue()
@@ -193,7 +195,7 @@ class WorkerService(Service):
         elif self.link is not None and self.link.broker is not None:
             self.spawn(self._fetch_then_add(a))  # the broker's tiers may hold this prompt's prefix
         else:
-            self._add(a)
+            self.quarantine.submit(a)
         self.counters["accepted"] += 1
         self._m_queue.set(self.queued())
         return accepted
@@ -209,12 +211,13 @@ class WorkerService(Service):
         except Exception:  # the tiers are an optimisation: recompute instead
             log.warning("KV tier fetch for %s failed", a.req.request_id, exc_info=True)
         if self._active.get(a.req.request_id) is a:  # not aborted meanwhile
-            self._add(a)
+            self.quarantine.submit(a)
 
     async def abort(self, req: AbortRequest, _: Msg) -> None:
         a = self._active.pop(req.request_id, None)
         if a is None:
             return
+        self.quarantine.done(req.request_id)
         for sub in a.sub_ids():
             self._loop.abort(sub)
         self.counters["aborted"] += 1
@@ -252,6 +255,7 @@ class WorkerService(Service):
                 a.open.discard(i)
                 if not a.open:
                     del self._active[rid]
+                    self.quarantine.done(rid)
                     self.counters["finished"] += 1
                     self._m_requests.labels("finished").inc()
                     self._beat_soon()
@@ -277,7 +281,11 @@ class WorkerService(Service):
         """The engine broke: its requests may run elsewhere (the frontend caps how many workers
         one request may break). A loop that rebuilds its engine comes back ready; one that gave
         up makes this process exit, so its supervisor restarts it."""
-        for rid in list(self._active):
+        rebuilt = self._loop is not None and self._loop.failed is None
+        # Held requests never reached the broken engine: they run on the rebuilt one. Decided up
+        # front: failing a request releases the next held one into the engine.
+        lost = [rid for rid in self._active if not (rebuilt and self.quarantine.holds(rid))]
+        for rid in lost:
             self._fail(rid, ErrorCode.ENGINE_FAILED, f"engine failed: {type(exc).__name__}: {exc}",
                        retryable=True, counter="failed")
         if self._loop is not None and self._loop.failed is not None:
@@ -287,6 +295,7 @@ class WorkerService(Service):
         a = self._active.pop(rid, None)
         if a is None:
             return
+        self.quarantine.done(rid)
         if a.req.stage == "prefill":
             self.split.cancelled(a)
         if self._loop is not None and self._loop.failed is None:

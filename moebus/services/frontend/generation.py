@@ -134,7 +134,8 @@ class Generation:
             await self.router.bus.publish(self.router.subjects.worker_abort(worker),
                                           AbortRequest(request_id=self.request_id, reason="rerouted"))
         excluded = [*self.req.exclude_workers, *([failed] if failed else [])]
-        self.req = self.req.model_copy(update={"attempt": self.req.attempt + 1, "exclude_workers": excluded})
+        self.req = self.req.model_copy(update={"attempt": self.req.attempt + 1, "exclude_workers": excluded,
+                                               "suspect": self.worker_failures > 0})
         self.open, self._got_tokens = set(range(self.req.params.n)), False
         self.worker_id = self.decode_worker_id = None
         self._next_seq, self._held = [0] * self.req.params.n, {}
