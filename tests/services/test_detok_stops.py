@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from moebus.services.tokenizer.detok import decode_step
-from moebus.services.tokenizer.stops import apply_stops, held_suffix_len
+from moebus.shared.stop_strings import apply_stops, held_suffix_len
 from moebus.shared.toy_model import EOS, ToyTokenizer
 
 
@@ -40,6 +40,43 @@ def test_stops(deltas: list[str], stops: list[str], include: bool, want: tuple[s
 
 def test_earliest_stop_wins() -> None:
     assert apply_stops("", "a-b+c", ["+", "-"]) == ("a", "", True)
+
+
+@pytest.mark.parametrize(("text", "stops", "include", "want"), [
+    ("xabc", ["a", "ab"], True, "xa"),  # "a" is complete first: generation never reaches the "b"
+    ("xabc", ["ab", "a"], True, "xa"),  # the order of the list does not matter
+    ("xabc", ["a", "ab"], False, "x"),
+    ("abc", ["abc", "b"], False, "a"),  # ends first beats starts first
+    ("xab", ["b", "ab"], False, "x"),  # same end: the one starting earlier
+    ("xx STOP1", ["STOP1", "STOP"], True, "xx STOP"),
+])
+def test_first_complete_stop_wins(text: str, stops: list[str], include: bool, want: str) -> None:
+    assert apply_stops("", text, stops, include_stop=include) == (want, "", True)
+
+
+def splits(text: str) -> list[list[str]]:
+    """Every way to cut `text` into non-empty deltas."""
+    out = []
+    for mask in range(2 ** (len(text) - 1)):
+        cuts = [0] + [i + 1 for i in range(len(text) - 1) if mask >> i & 1] + [len(text)]
+        out.append([text[a:b] for a, b in zip(cuts, cuts[1:], strict=False)])
+    return out
+
+
+@pytest.mark.parametrize(("text", "stops"), [
+    ("xabcab", ["a", "ab"]), ("abcbc", ["abc", "b"]), ("aabab", ["ab", "aab", "bab"]), ("xENENDy", ["END", "NE"]),
+    ("hello", ["zz", "lo"]), ("abab", ["x"]),
+])
+@pytest.mark.parametrize("include", [False, True])
+def test_token_boundaries_do_not_change_the_result(text: str, stops: list[str], include: bool) -> None:
+    want = stream_stops([text], stops, include)
+    for deltas in splits(text):
+        assert stream_stops(deltas, stops, include) == want, deltas
+
+
+def test_empty_stop_strings_are_ignored() -> None:
+    assert apply_stops("", "abc", ["", "c"]) == ("ab", "", True)
+    assert apply_stops("", "abc", [""]) == ("abc", "", False)
 
 
 def incremental(tok, prompt: list[int], out: list[int], skip: frozenset[int]) -> str:

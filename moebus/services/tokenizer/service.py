@@ -9,12 +9,12 @@ from nats.aio.msg import Msg
 from moebus.shared.errors import ErrorCode, ServiceError, context_length_exceeded
 from moebus.shared.messages import DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
 from moebus.shared.service import Service
+from moebus.shared.stop_strings import apply_stops
 from moebus.shared.subjects import Queues
 from moebus.shared.toy_model import TOY_MODEL, ToyTokenizer
 
 from .config import TokenizerConfig
 from .detok import decode_step
-from .stops import apply_stops
 
 _INLINE_CHARS = 8192  # longer prompts are encoded off the event loop
 
