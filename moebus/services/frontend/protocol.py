@@ -103,6 +103,7 @@ class _Sampling(_Req):
     min_tokens: int = Field(0, ge=0)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's extension: the matched stop string ends the text
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -182,7 +183,8 @@ class _Sampling(_Req):
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             min_p=self.min_p or 0.0, seed=self.seed, max_tokens=self.max_output_tokens()[0],
             min_tokens=self.min_tokens, stop=list(self.stop or []), stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logprobs=logprobs, structured=self._structured(),
         )

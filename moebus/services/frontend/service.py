@@ -59,11 +59,11 @@ class FrontendService(Service):
         if max_tokens is not None and prompt_tokens + max_tokens > most:
             raise APIError.from_service_error(context_length_exceeded(most, prompt_tokens, param, max_tokens))
 
-    def choices(self, first_index: int, params: SamplingOptions, prompt_ids: list[int], model: str,
-                include_stop: bool = False) -> list[ChoiceState]:
+    def choices(self, first_index: int, params: SamplingOptions, prompt_ids: list[int],
+                model: str) -> list[ChoiceState]:
         def detok() -> Detok:
             return Detok(self.bus, self.subjects, model, self.cfg.tokenizer_timeout_s, list(params.stop),
-                         include_stop, context=prompt_ids)
+                         params.include_stop_str_in_output, context=prompt_ids)
 
         return [ChoiceState(first_index + i, detok()) for i in range(params.n)]
 
