@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -13,13 +13,11 @@ from moebus.shared.messages import RenderRequest
 from .body import parse_body
 from .choice import ChoiceState
 from .errors import APIError, bad_request
-from .events import Delta, Event, Finish, events
-from .formats import SSE, chat_logprobs, usage
+from .events import Delta, Event, events
+from .formats import chat_logprobs, usage
 from .keys import FRONTEND
 from .protocol import ChatCompletionRequest
-
-if TYPE_CHECKING:
-    from .service import FrontendService
+from .sse_pump import pump_sse
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -50,8 +48,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              "finish_reason": c.finish_reason} for c in choices],
                 "usage": usage(len(prompt), choices, choices[0].num_cached_tokens),
             })
-        return await _stream(request, fe, body, base, stream, choices, params.logprobs is not None,
-                             len(prompt), started)
+        base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
+        return await pump_sse(request, fe, stream, _ChatChunks(choices, params.logprobs is not None), base=base,
+                              groups=[choices], n_prompt=len(prompt), include_usage=body.include_usage,
+                              started=started)
 
 
 async def _with_errors(stream: AsyncIterator[Event]) -> AsyncIterator[Event]:
@@ -62,38 +62,23 @@ async def _with_errors(stream: AsyncIterator[Event]) -> AsyncIterator[Event]:
         raise APIError.from_service_error(e) from None
 
 
-async def _stream(request: web.Request, fe: FrontendService, body: ChatCompletionRequest, base: dict,
-                  stream: AsyncIterator[Event], choices: list[ChoiceState], want_logprobs: bool, n_prompt: int,
-                  started: float) -> web.StreamResponse:
-    sse = SSE(request)
-    base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
-    extra = {"usage": None} if body.include_usage else {}
+@dataclass(slots=True)
+class _ChatChunks:
+    """chat.completion.chunk entries: the assistant role first, then content deltas."""
 
-    def chunk(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
-        return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                     "finish_reason": finish}], **extra}
+    choices: list[ChoiceState]
+    want_logprobs: bool
 
-    try:  # errors before the first token keep their HTTP status
-        first = await anext(stream, None)
-    except ServiceError as e:
-        raise APIError.from_service_error(e) from None
-    fe.m_ttft.observe(time.monotonic() - started)
-    await sse.open()
-    for c in choices:
-        await sse.send(chunk(c.index, {"role": "assistant", "content": ""}))
-    try:
-        ev = first
-        while ev is not None:
-            if isinstance(ev, Delta) and (ev.text or ev.logprobs):
-                lp = chat_logprobs(ev.logprobs) if want_logprobs else None
-                await sse.send(chunk(ev.choice.index, {"content": ev.text}, logprobs=lp))
-            elif isinstance(ev, Finish):
-                await sse.send(chunk(ev.choice.index, {}, ev.choice.finish_reason))
-            ev = await anext(stream, None)
-    except ServiceError as e:  # headers are gone: report in-band, as OpenAI does
-        await sse.send(APIError.from_service_error(e).body())
-        return await sse.close()
-    fe.m_tokens.inc(sum(c.num_tokens for c in choices))
-    if body.include_usage:
-        await sse.send({**base, "choices": [], "usage": usage(n_prompt, choices, choices[0].num_cached_tokens)})
-    return await sse.close()
+    def preamble(self) -> list[dict]:
+        return [self._entry(c.index, {"role": "assistant", "content": ""}) for c in self.choices]
+
+    def delta(self, ev: Delta) -> dict:
+        lp = chat_logprobs(ev.logprobs) if self.want_logprobs else None
+        return self._entry(ev.choice.index, {"content": ev.text}, logprobs=lp)
+
+    def finish(self, choice: ChoiceState) -> dict:
+        return self._entry(choice.index, {}, choice.finish_reason)
+
+    @staticmethod
+    def _entry(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -14,14 +13,11 @@ from moebus.shared.messages import RenderRequest
 from .body import parse_body
 from .choice import ChoiceState
 from .errors import APIError, bad_request
-from .events import Delta, Event, Finish, Restart, events
-from .formats import SSE, completion_logprobs, usage
-from .generation import Generation
+from .events import Delta, Restart, events
+from .formats import completion_logprobs, usage
 from .keys import FRONTEND
 from .protocol import CompletionRequest
-
-if TYPE_CHECKING:
-    from .service import FrontendService
+from .sse_pump import pump_sse
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -70,49 +66,43 @@ async def completions(request: web.Request) -> web.StreamResponse:
                             "logprobs": completion_logprobs(c.logprobs, len(echo)) if want_lp else None})
             cached = sum(cs[0].num_cached_tokens for _, cs in pairs)
             return web.json_response({**base, "choices": out, "usage": usage(n_prompt, all_choices, cached)})
-        return await _stream(request, fe, body, base, stream, pairs, prompts, want_lp, n_prompt, started)
+        groups = [cs for _, cs in pairs]
+        fmt = _CompletionChunks([c for cs in groups for c in cs], [p[1] for p in prompts] if body.echo else None,
+                                body.n, want_lp)
+        return await pump_sse(request, fe, stream, fmt, base=base, groups=groups, n_prompt=n_prompt,
+                              include_usage=body.include_usage, started=started)
 
 
-async def _stream(request: web.Request, fe: FrontendService, body: CompletionRequest, base: dict,
-                  stream: AsyncIterator[Event], pairs: list[tuple[Generation, list[ChoiceState]]],
-                  prompts: list[tuple[list[int], str]], want_lp: bool, n_prompt: int,
-                  started: float) -> web.StreamResponse:
-    extra = {"usage": None} if body.include_usage else {}
-    offsets: dict[int, int] = {}
+@dataclass(slots=True)
+class _CompletionChunks:
+    """text_completion entries: the echoed prompt first (echo), then text deltas; logprobs'
+    text offsets count from the start of each choice's text, echo included."""
 
-    def chunk(index: int, text: str, finish: str | None = None, lp: dict | None = None) -> dict:
-        return {**base, "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}], **extra}
+    choices: list[ChoiceState]
+    echoes: list[str] | None  # per prompt; None: no echo
+    n: int
+    want_logprobs: bool
+    offsets: dict[int, int] = field(default_factory=dict)
 
-    try:
-        first = await anext(stream, None)
-    except ServiceError as e:
-        raise APIError.from_service_error(e) from None
-    fe.m_ttft.observe(time.monotonic() - started)
-    sse = SSE(request)
-    await sse.open()
-    if body.echo:
-        for _, cs in pairs:
-            for c in cs:
-                echo = prompts[c.index // body.n][1]
-                offsets[c.index] = len(echo)
-                await sse.send(chunk(c.index, echo))
-    try:
-        ev = first
-        while ev is not None:
-            if isinstance(ev, Delta) and (ev.text or ev.logprobs):
-                i = ev.choice.index
-                lp = completion_logprobs(ev.logprobs, offsets.get(i, 0)) if want_lp else None
-                offsets[i] = offsets.get(i, 0) + len(ev.text)
-                await sse.send(chunk(i, ev.text, lp=lp))
-            elif isinstance(ev, Finish):
-                await sse.send(chunk(ev.choice.index, "", ev.choice.finish_reason))
-            ev = await anext(stream, None)
-    except ServiceError as e:
-        await sse.send(APIError.from_service_error(e).body())
-        return await sse.close()
-    all_choices = [c for _, cs in pairs for c in cs]
-    fe.m_tokens.inc(sum(c.num_tokens for c in all_choices))
-    if body.include_usage:
-        cached = sum(cs[0].num_cached_tokens for _, cs in pairs)
-        await sse.send({**base, "choices": [], "usage": usage(n_prompt, all_choices, cached)})
-    return await sse.close()
+    def preamble(self) -> list[dict]:
+        if self.echoes is None:
+            return []
+        out = []
+        for c in self.choices:
+            echo = self.echoes[c.index // self.n]
+            self.offsets[c.index] = len(echo)
+            out.append(self._entry(c.index, echo))
+        return out
+
+    def delta(self, ev: Delta) -> dict:
+        i = ev.choice.index
+        lp = completion_logprobs(ev.logprobs, self.offsets.get(i, 0)) if self.want_logprobs else None
+        self.offsets[i] = self.offsets.get(i, 0) + len(ev.text)
+        return self._entry(i, ev.text, lp=lp)
+
+    def finish(self, choice: ChoiceState) -> dict:
+        return self._entry(choice.index, "", choice.finish_reason)
+
+    @staticmethod
+    def _entry(index: int, text: str, finish: str | None = None, lp: dict | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
