@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -24,7 +25,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.config_cli import to_cli_args
-from moebus.shared.kv_messages import KVSubjects
 from moebus.shared.messages import HealthReply
 from moebus.shared.nats_server import NatsServer
 from moebus.shared.service import Empty, ServiceConfig, Stats
@@ -48,7 +48,7 @@ class StackConfig(BaseModel):
     prefill_workers: int = Field(1, ge=1)  # disaggregated mode: the two pools
     decode_workers: int = Field(1, ge=1)
     kvbroker: bool | None = None  # None: on for real models (the toy engine has no KV cache)
-    kvbroker_args: list[str] = []  # extra flags, e.g. ["--cpu-bytes", "1G"]
+    kvbroker_args: list[str] = []  # extra KVBrokerConfig flags, e.g. ["--cpu-bytes", "1G"]
     worker: dict[str, Any] = {}  # extra WorkerConfig fields for every worker (e.g. torch_threads)
     balancer: dict[str, Any] = {}  # extra BalancerConfig fields
     nats_url: str | None = None  # use a running NATS instead of starting one
@@ -65,11 +65,12 @@ class StackConfig(BaseModel):
 def _config_classes() -> dict[str, type[ServiceConfig]]:
     from .balancer.config import BalancerConfig
     from .frontend.config import FrontendConfig
+    from .kvbroker.config import KVBrokerConfig
     from .tokenizer.config import TokenizerConfig
     from .worker.config import WorkerConfig
 
     return {"tokenizer": TokenizerConfig, "balancer": BalancerConfig, "worker": WorkerConfig,
-            "frontend": FrontendConfig}
+            "frontend": FrontendConfig, "kvbroker": KVBrokerConfig}
 
 
 class Stack:
@@ -129,12 +130,14 @@ class Stack:
         return self.cfg.kvbroker if self.cfg.kvbroker is not None else self.cfg.model != "toy"
 
     def spawn_kvbroker(self, env: dict[str, str] | None = None, instance_id: str = "kvbroker-0") -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "moebus.services.kvbroker", "--nats-url", self.nats_url,
-               *self.cfg.kvbroker_args]
-        return self._popen(instance_id, "kvbroker", cmd, env)
+        scfg = _config_classes()["kvbroker"](instance_id=instance_id, nats_url=self.nats_url,
+                                             heartbeat_interval_s=self.cfg.heartbeat_interval_s)
+        return self.spawn("kvbroker", scfg, env, self.cfg.kvbroker_args)
 
-    def spawn(self, service: str, scfg: ServiceConfig, env: dict[str, str] | None = None) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", f"moebus.services.{service}", *to_cli_args(scfg)]
+    def spawn(self, service: str, scfg: ServiceConfig, env: dict[str, str] | None = None,
+              extra_args: Sequence[str] = ()) -> subprocess.Popen:
+        """extra_args: flags after the config's own (the last of a repeated flag wins)."""
+        cmd = [sys.executable, "-m", f"moebus.services.{service}", *to_cli_args(scfg), *extra_args]
         return self._popen(scfg.instance_id, service, cmd, env)
 
     def _popen(self, instance_id: str, service: str, cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
@@ -169,10 +172,7 @@ class Stack:
                     if code is not None:
                         raise RuntimeError(f"{instance} exited with code {code} before it was ready")
                     try:
-                        if service == "kvbroker":  # not a shared.Service: its stats endpoint answers once up
-                            await bus.nc.request(KVSubjects().stats, b"", timeout=0.5)
-                        else:
-                            await bus.request(subjects.ready(service, instance), Empty(), HealthReply, timeout=0.5)
+                        await bus.request(subjects.ready(service, instance), Empty(), HealthReply, timeout=0.5)
                         del pending[instance]
                     except Exception:  # not up yet (no responders, timeout, error reply)
                         pass
@@ -255,8 +255,8 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
 
 def serve(service: str, nats_url: str, **opts: Any) -> None:
     """Run one service in this process until SIGINT/SIGTERM."""
-    if service not in SERVICES:
-        raise ValueError(f"unknown service {service!r}; one of {SERVICES}")
+    if service not in STOP_ORDER:
+        raise ValueError(f"unknown service {service!r}; one of {STOP_ORDER}")
     cfg = _config_classes()[service](nats_url=nats_url, **opts)
     main = importlib.import_module(f"moebus.services.{service}.__main__")
     main.main(to_cli_args(cfg))

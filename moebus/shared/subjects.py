@@ -81,6 +81,34 @@ class Subjects:
         """Abort broadcast, for a request whose worker the sender does not know."""
         return self._s("worker", "abort")
 
+    # KV broker: one index + shared tiers (optional; every caller degrades without it).
+    @property
+    def kvbroker_events(self) -> str:
+        """KVEvent publishes from holders (workers)."""
+        return self._s("kvbroker", "events")
+
+    @property
+    def kvbroker_query(self) -> str:
+        return self._s("kvbroker", "query")
+
+    @property
+    def kvbroker_get(self) -> str:
+        return self._s("kvbroker", "get")
+
+    @property
+    def kvbroker_put(self) -> str:
+        """KV transfer address of the broker's tiers (send a KV payload of blocks here)."""
+        return self._s("kvbroker", "put")
+
+    @property
+    def kvbroker_stats(self) -> str:
+        """BrokerStats of whichever broker answers (the per-instance `stats` is the Service's)."""
+        return self._s("kvbroker", "stats")
+
+    # KV transfers: chunked payloads to one worker (prefill -> decode pushes, broker get replies).
+    def kvtransfer_push(self, instance_id: str) -> str:
+        return self._s("kvtransfer", "push", check_token(instance_id))
+
     # Frontend: per-request token streams (one wildcard subscription per frontend).
     def frontend_stream(self, instance_id: str, request_id: str) -> str:
         return self._s("frontend", "stream", instance_id, request_id)

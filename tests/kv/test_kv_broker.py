@@ -8,17 +8,19 @@ import subprocess
 import sys
 import time
 
-import nats
 import pytest
 
 from moebus.engine.kv_tiers import CpuTier, KVOffloader, TieredKVStore, load_prefix
 from moebus.engine.kv_transfer import kv_namespace, stable_block_hashes
 from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService, PrefixIndex
-from moebus.services.kvbroker.tier_client import KVBrokerClient
-from moebus.shared.kv_messages import KVEvent, KVSubjects
-from moebus.shared.messages import WorkerLost
+from moebus.services.worker.kv_link import KVBlockClient
+from moebus.shared.bus import Bus, BusConfig
+from moebus.shared.errors import ServiceError
+from moebus.shared.messages import HealthReply, KVEvent, WorkerLost
 from moebus.shared.nats_server import NatsServer
+from moebus.shared.service import Empty
 from moebus.shared.subjects import Subjects
+from moebus.shared.tracing import Tracing
 
 from .conftest import run
 from .test_kv_tiers import block, same
@@ -42,12 +44,17 @@ def test_index_longest_prefix_per_holder_and_tier():
     assert sorted(idx.expire(now=32, ttl_s=30)) == ["w2", "w3"] and idx.holder_sizes() == {}
 
 
+async def connect(url: str) -> Bus:
+    return await Bus.connect(BusConfig(servers=[url], name="test"), Tracing("test"))
+
+
 async def test_broker_service_index_queries_and_tier_put_get(nats_server, tmp_path):
     prefix = "moebus.v1"
-    cfg = KVBrokerConfig(nats_server.url, prefix, cpu_bytes=2 * block(0).nbytes, disk_dir=str(tmp_path),
-                         expire_interval_s=0.05, holder_ttl_s=30)
-    nc = await nats.connect(nats_server.url)
-    async with KVBrokerService(cfg), KVBrokerClient(nc, "worker-1") as w1, KVBrokerClient(nc, "worker-2") as w2:
+    cfg = KVBrokerConfig(nats_url=nats_server.url, subject_prefix=prefix, cpu_bytes=2 * block(0).nbytes,
+                         disk_dir=str(tmp_path), expire_interval_s=0.05, holder_ttl_s=30)
+    bus = await connect(nats_server.url)
+    nc = bus.nc
+    async with KVBrokerService(cfg), KVBlockClient(bus, "worker-1") as w1, KVBlockClient(bus, "worker-2") as w2:
         await w1.publish(stored=[10, 11, 12])
         await w2.publish(stored=[10, 11])
         await nc.flush()
@@ -71,23 +78,34 @@ async def test_broker_service_index_queries_and_tier_put_get(nats_server, tmp_pa
         assert stats.puts == 1 and stats.gets == 2 and stats.tiers["disk"]["blocks"] >= 1
         local = TieredKVStore([CpuTier(1 << 20)])
         assert await w1.fetch_into(local, [10, 11, 12]) == 3 and local.longest_prefix([10, 11, 12]) == 3
-    await nc.close()
+    await bus.drain()
 
 
 def _start_broker(url: str) -> subprocess.Popen:
+    """The broker process, once it answers `ready` (like every service)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "moebus.services.kvbroker", "--nats-url", url,
-                             "--cpu-bytes", "256M", "--log-level", "WARNING"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if "kvbroker ready" in line:
-            return proc
-        if not line and proc.poll() is not None:
-            break
+                             "--instance-id", "kvbroker-t", "--cpu-bytes", "256M"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env)
+
+    async def until_ready() -> bool:
+        bus = await connect(url)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    await bus.request(Subjects().ready("kvbroker", "kvbroker-t"), Empty(), HealthReply, timeout=0.5)
+                    return True
+                except ServiceError:
+                    await asyncio.sleep(0.1)
+            return False
+        finally:
+            await bus.drain()
+
+    if asyncio.run(until_ready()):
+        return proc
     proc.kill()
-    raise AssertionError(f"kvbroker did not start: {proc.stdout.read()}")
+    raise AssertionError(f"kvbroker did not start (exit code {proc.poll()})")
 
 
 def test_broker_killed_midway_falls_back_to_recompute(engine_b, prompt, reference, nats_server):
@@ -96,8 +114,8 @@ def test_broker_killed_midway_falls_back_to_recompute(engine_b, prompt, referenc
     hashes = stable_block_hashes(prompt, 16, ns)[: (len(prompt) - 1) // 16]
 
     async def main() -> None:
-        nc = await nats.connect(nats_server.url)
-        async with KVBrokerClient(nc, "worker-b", KVSubjects(), timeout_s=1.0) as client:
+        bus = await connect(nats_server.url)
+        async with KVBlockClient(bus, "worker-b", Subjects(), timeout_s=1.0) as client:
             # Offload the prompt's blocks to the broker, as a worker would after prefill.
             bm.reset_prefix_cache()
             staged = TieredKVStore([CpuTier(64 << 20)])
@@ -129,7 +147,7 @@ def test_broker_killed_midway_falls_back_to_recompute(engine_b, prompt, referenc
             cold = run(engine_b, "after-kill", prompt,
                        before_step=lambda: loaded.append(load_prefix(engine_b, "after-kill", empty)))
             assert loaded == [0] and cold.tokens == reference and cold.computed == len(prompt) + 5
-        await nc.close()
+        await bus.drain()
 
     try:
         asyncio.run(main())
@@ -141,20 +159,31 @@ def test_broker_killed_midway_falls_back_to_recompute(engine_b, prompt, referenc
 
 @pytest.mark.parametrize("size", ["512M", "4GiB", "1024", "2k"])
 def test_cli_sizes(size):
-    from moebus.services.kvbroker.__main__ import parse_bytes
+    from moebus.services.kvbroker import parse_bytes
 
     assert parse_bytes(size) in (512 << 20, 4 << 30, 1024, 2048)
+    assert KVBrokerConfig(cpu_bytes=size).cpu_bytes == parse_bytes(size)  # the --cpu-bytes flag takes units
 
 
 async def test_broker_stops_cleanly_after_nats_died():
-    """SIGTERM after the bus is gone: drain() would raise ConnectionReconnectingError, stop() closes."""
+    """SIGTERM after the bus is gone: drain() would raise ConnectionReconnectingError, shutdown() closes."""
     server = NatsServer(jetstream=False).start()
-    svc = await KVBrokerService(KVBrokerConfig(server.url, "moebus.v1", cpu_bytes=1 << 20)).start()
+    svc = await KVBrokerService(KVBrokerConfig(nats_url=server.url, cpu_bytes=1 << 20)).__aenter__()
     server.stop()
     for _ in range(100):  # until the client notices
-        if not svc.nc.is_connected:
+        if not svc.bus.nc.is_connected:
             break
         await asyncio.sleep(0.05)
-    assert not svc.nc.is_connected
-    await asyncio.wait_for(svc.stop(), timeout=10)
-    assert svc.nc.is_closed
+    assert not svc.bus.nc.is_connected
+    await asyncio.wait_for(svc.shutdown(), timeout=10)
+    assert svc.bus.nc.is_closed
+
+
+def test_engine_transports_satisfy_the_shared_client_seam():
+    """shared.kv_client types the seam it needs without importing the engine: these must fit it."""
+    from moebus.engine.kv_transfer import KVPayload, NatsKVTransport, ShmKVTransport
+    from moebus.shared.kv_client import BlockPayload, BlockTransport
+
+    assert isinstance(NatsKVTransport(None, "a.b"), BlockTransport)
+    assert isinstance(ShmKVTransport(), BlockTransport)
+    assert isinstance(KVPayload.from_blocks([block(0), block(1)], [1, 2], 4), BlockPayload)

@@ -1,9 +1,9 @@
-"""KV-aware routing: requests follow the cache until load outweighs it."""
+"""KV-aware routing (the balancer's policy): requests follow the cache until load outweighs it."""
 from __future__ import annotations
 
 import pytest
 
-from moebus.services.kvbroker.routing import (
+from moebus.services.balancer.kv_routing import (
     RoutingWeights,
     WorkerState,
     choose_worker,
@@ -12,7 +12,7 @@ from moebus.services.kvbroker.routing import (
     rank_workers,
     routing_cost,
 )
-from moebus.shared.kv_messages import PrefixMatch
+from moebus.shared.messages import PrefixMatch
 
 W = RoutingWeights(block_size=16)
 
@@ -72,7 +72,8 @@ def test_index_side_imports_stay_torch_free():
     import subprocess
     import sys
 
-    mods = ["moebus.services.kvbroker", "moebus.services.kvbroker.routing", "moebus.services.kvbroker.client",
-            "moebus.services.kvbroker.index", "moebus.shared.kv_messages"]
+    mods = ["moebus.services.kvbroker", "moebus.services.balancer.kv_routing", "moebus.services.balancer.kv_rank",
+            "moebus.shared.kv_client", "moebus.services.kvbroker.index", "moebus.services.kvbroker.config",
+            "moebus.shared.messages.kvbroker"]
     code = f"import sys\nfor m in {mods!r}: __import__(m)\nassert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

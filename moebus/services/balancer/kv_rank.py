@@ -1,5 +1,5 @@
 """KV-aware ordering of candidate workers: ask the KV broker's index which workers hold the
-prompt's leading blocks and rank by the estimated time to finish its prefill (kv_routing).
+prompt's leading blocks and rank by the estimated time to finish its prefill (kv_routing.py).
 
 No broker (or no KV info in the heartbeats: toy workers) -> the plain least-loaded order. After
 a failed query the broker is left alone for a while so a dead broker costs routes nothing.
@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import time
 
-from nats.aio.client import Client as NATS
-
+from moebus.shared.bus import Bus
+from moebus.shared.kv_client import KVBrokerClient
 from moebus.shared.kv_hashing import stable_block_hashes
-from moebus.shared.kv_index_client import KVIndexClient
-from moebus.shared.kv_messages import KVSubjects
-from moebus.shared.kv_routing import RoutingWeights, WorkerState, overlaps, rank_workers
+from moebus.shared.messages import BROKER_HOLDER
+from moebus.shared.subjects import Subjects
 
+from .kv_routing import RoutingWeights, WorkerState, overlaps, rank_workers
 from .table import WorkerEntry
 
 
 class KVRanker:
-    def __init__(self, nc: NATS, subjects: KVSubjects, timeout_s: float = 0.25, backoff_s: float = 2.0) -> None:
-        self.index = KVIndexClient(nc, "balancer", subjects, timeout_s)
+    def __init__(self, bus: Bus, subjects: Subjects, timeout_s: float = 0.25, backoff_s: float = 2.0) -> None:
+        self.index = KVBrokerClient(bus, "balancer", subjects, timeout_s)
         self.backoff_s = backoff_s
         self._quiet_until = 0.0
         self.queries = 0
@@ -34,7 +34,7 @@ class KVRanker:
         hashes = stable_block_hashes(prompt, kv.block_size, kv.namespace)
         if hashes and time.monotonic() >= self._quiet_until:
             self.queries += 1
-            matches = await self.index.query(hashes, holders=[e.worker_id for e in entries] + ["kvbroker"])
+            matches = await self.index.query(hashes, holders=[e.worker_id for e in entries] + [BROKER_HOLDER])
             if matches is None:
                 self._quiet_until = time.monotonic() + self.backoff_s
         device, tiers, shared = overlaps(matches or [])

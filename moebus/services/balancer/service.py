@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
 
 from moebus.shared.errors import ErrorCode, NoResponders, RequestTimeout, ServiceError
-from moebus.shared.kv_messages import KVSubjects
 from moebus.shared.messages import (
     AbortRequest,
     GenerateAccepted,
@@ -37,6 +37,14 @@ from .kv_rank import KVRanker
 from .table import WorkerEntry, WorkerTable
 
 PREFILL, DECODE = ("prefill", "both"), ("decode", "both")
+
+
+@dataclass(slots=True)
+class _Route:
+    """One route call's own state (route calls run concurrently: nothing of it lives on the service)."""
+
+    tried: set[str] = field(default_factory=set)  # workers offered this request (or excluded by the frontend)
+    overloaded: bool = False  # some worker refused it as overloaded: 429 rather than 503
 
 
 class BalancerService(Service):
@@ -59,7 +67,7 @@ class BalancerService(Service):
     async def setup(self) -> None:
         s = self.subjects
         if self.cfg.kv_aware:
-            self.ranker = KVRanker(self.bus.nc, KVSubjects(self.cfg.subject_prefix), self.cfg.kv_query_timeout_s)
+            self.ranker = KVRanker(self.bus, self.subjects, self.cfg.kv_query_timeout_s)
         await self.bus.subscribe(s.heartbeat_all("worker"), Heartbeat, self._on_heartbeat, concurrent=False,
                                  endpoint="heartbeat")
         await self.bus.subscribe(s.balancer_route, GenerateRequest, self.route, queue=Queues.BALANCER,
@@ -79,17 +87,16 @@ class BalancerService(Service):
             self._m_workers.set(len(self.table))
 
     async def route(self, req: GenerateRequest, _: Msg) -> GenerateAccepted:
-        tried = set(req.exclude_workers)
-        await self._await_first_worker(req.model, tried)
-        self._overloaded = False
+        r = _Route(tried=set(req.exclude_workers))
+        await self._await_first_worker(req.model, r.tried)
         if self.cfg.mode == "disaggregated":
-            accepted = await self._route_split(req, tried)
+            accepted = await self._route_split(req, r)
         else:
-            accepted = await self._dispatch(req, await self._ordered(req, tried, None), tried)
+            accepted = await self._dispatch(req, await self._ordered(req, r.tried, None), r)
         if accepted is not None:
             self._m_routed.labels("ok").inc()
             return accepted
-        if self._overloaded:
+        if r.overloaded:
             self._m_routed.labels("overloaded").inc()
             raise ServiceError(ErrorCode.OVERLOADED, "every worker's queue is full", retry_after=1)
         self._m_routed.labels("unavailable").inc()
@@ -102,14 +109,13 @@ class BalancerService(Service):
             cands = await self.ranker.order(req.prompt_token_ids, cands)
         return cands
 
-    async def _dispatch(self, req: GenerateRequest, ordered: list[WorkerEntry],
-                        tried: set[str]) -> GenerateAccepted | None:
+    async def _dispatch(self, req: GenerateRequest, ordered: list[WorkerEntry], r: _Route) -> GenerateAccepted | None:
         """Offer the request to each candidate in turn; None when none of them took it."""
         for entry in ordered:
             worker = entry.worker_id
-            if worker in tried:
+            if worker in r.tried:
                 continue
-            tried.add(worker)
+            r.tried.add(worker)
             self.table.assigned(worker)
             try:
                 accepted = await self.bus.request(self.subjects.worker_generate(worker), req, GenerateAccepted,
@@ -118,30 +124,30 @@ class BalancerService(Service):
                 self.table.assigned(worker, -1)
                 if not await self._next_candidate(e, req, worker):
                     raise
-                self._overloaded |= e.code is ErrorCode.OVERLOADED
+                r.overloaded |= e.code is ErrorCode.OVERLOADED
                 continue
             self.picks[worker] = self.picks.get(worker, 0) + 1
             return accepted
         return None
 
-    async def _route_split(self, req: GenerateRequest, tried: set[str]) -> GenerateAccepted | None:
-        prefill = await self._ordered(req, tried, PREFILL)
-        decode = [e for e in await self._ordered(req, tried, DECODE, kv_aware=False)
+    async def _route_split(self, req: GenerateRequest, r: _Route) -> GenerateAccepted | None:
+        prefill = await self._ordered(req, r.tried, PREFILL)
+        decode = [e for e in await self._ordered(req, r.tried, DECODE, kv_aware=False)
                   if e.beat.kv is not None and e.beat.kv.transfer_address]
         if len({e.worker_id for e in prefill + decode}) < 2:  # one worker cannot be both halves
             prefill = [] if decode else prefill
         if req.params.n != 1 or not prefill or not decode:  # run it whole where we can
             whole = req.model_copy(update={"stage": "aggregated", "kv_transfer": None})
-            return await self._dispatch(whole, decode or prefill or await self._ordered(req, tried, None), tried)
+            return await self._dispatch(whole, decode or prefill or await self._ordered(req, r.tried, None), r)
         tid = f"{req.request_id}#{req.attempt}"
         for d in decode:
             spec = KVTransferSpec(transfer_id=tid, prefill_worker=prefill[0].worker_id, decode_worker=d.worker_id,
                                   address=d.beat.kv.transfer_address, timeout_s=self.cfg.kv_transfer_timeout_s)
-            dec = await self._dispatch(req.model_copy(update={"stage": "decode", "kv_transfer": spec}), [d], tried)
+            dec = await self._dispatch(req.model_copy(update={"stage": "decode", "kv_transfer": spec}), [d], r)
             if dec is None:
                 continue
             pre_req = req.model_copy(update={"stage": "prefill", "kv_transfer": spec})
-            pre = await self._dispatch(pre_req, [p for p in prefill if p.worker_id != d.worker_id], tried)
+            pre = await self._dispatch(pre_req, [p for p in prefill if p.worker_id != d.worker_id], r)
             if pre is None:  # no prefill worker took it: the decode half must not wait for nothing
                 await self.bus.publish(self.subjects.worker_abort(d.worker_id),
                                        AbortRequest(request_id=req.request_id, reason="no prefill worker"))

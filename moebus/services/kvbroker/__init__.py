@@ -1,26 +1,15 @@
-"""KV broker service: prefix-block index across workers, shared CPU/disk KV tiers, KV-aware routing.
+"""KV broker service: prefix-block index across workers, shared CPU/disk KV tiers.
 
-Importing the package, its index, routing and index client stays torch-free (balancers use
-them); the service and the tier client import the engine's KV code (and torch) on first use.
+Importing the package (config, index) stays torch-free; the service imports the engine's KV
+code (and torch) on first use. Workers and balancers never import this package: they talk to
+the broker through moebus.shared.kv_client.
 """
 from typing import Any
 
-from moebus.shared.kv_index_client import BrokerUnavailable, KVIndexClient
-from moebus.shared.kv_routing import (
-    RoutingWeights,
-    WorkerState,
-    choose_worker,
-    overlaps,
-    rank_workers,
-    routing_cost,
-)
-
-from .config import KVBrokerConfig
+from .config import KVBrokerConfig, parse_bytes
 from .index import PrefixIndex
 
-__all__ = ["BrokerUnavailable", "KVBrokerClient", "KVBrokerConfig", "KVBrokerService", "KVIndexClient",
-           "PrefixIndex", "RoutingWeights", "WorkerState", "choose_worker", "overlaps", "rank_workers",
-           "routing_cost"]
+__all__ = ["KVBrokerConfig", "KVBrokerService", "PrefixIndex", "parse_bytes"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,8 +17,4 @@ def __getattr__(name: str) -> Any:
         from .service import KVBrokerService
 
         return KVBrokerService
-    if name == "KVBrokerClient":
-        from .tier_client import KVBrokerClient
-
-        return KVBrokerClient
     raise AttributeError(name)

@@ -1,24 +1,34 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from moebus.shared.service import ServiceConfig
 
 GiB = 1 << 30
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-@dataclass(slots=True)
-class KVBrokerConfig:
-    nats_url: str = "nats://127.0.0.1:4222"
-    prefix: str = "moebus.v1"  # subject prefix (tests isolate themselves with their own)
-    cpu_bytes: int = 4 * GiB  # the broker's host-memory tier
-    disk_dir: str | None = None  # None: no disk tier
-    disk_bytes: int = 64 * GiB
+def parse_bytes(text: str) -> int:
+    """A size with an optional binary unit: "512M", "4GiB", "2k", "1024"."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)i?b?\s*", text.lower())
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 512M, 4GiB)")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+class KVBrokerConfig(ServiceConfig):
+    cpu_bytes: int = Field(4 * GiB, ge=1)  # the broker's host-memory tier
+    disk_dir: str | None = None  # directory of the disk tier; None: no disk tier
+    disk_bytes: int = Field(64 * GiB, ge=1)
     disk_fsync: bool = False
-    chunk_bytes: int = 512 * 1024  # KV transfer chunk size
-    holder_ttl_s: float = 30.0  # forget a holder's blocks after it has been silent this long
-    expire_interval_s: float = 5.0
+    chunk_bytes: int = Field(512 * 1024, ge=1024)  # KV transfer chunk size
+    holder_ttl_s: float = Field(30.0, gt=0)  # forget a holder's blocks after it has been silent this long
+    expire_interval_s: float = Field(5.0, gt=0)
 
-    def __post_init__(self) -> None:
-        if self.cpu_bytes < 1 or self.disk_bytes < 1 or self.chunk_bytes < 1024:
-            raise ValueError("tier sizes must be >= 1 byte and chunk_bytes >= 1024")
-        if self.holder_ttl_s <= 0 or self.expire_interval_s <= 0:
-            raise ValueError("holder_ttl_s and expire_interval_s must be > 0")
+    @field_validator("cpu_bytes", "disk_bytes", "chunk_bytes", mode="before")
+    @classmethod
+    def _sizes(cls, v: Any) -> Any:
+        return parse_bytes(v) if isinstance(v, str) else v

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from moebus.shared.kv_messages import KVEvent, PrefixMatch
+from moebus.shared.messages import KVEvent, PrefixMatch
 
 Key = tuple[str, str]  # (holder, tier)
 

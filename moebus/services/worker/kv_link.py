@@ -1,28 +1,33 @@
 """Asyncio side of a worker's KV features: the transports of a prefill/decode split, the KV
 broker's index (events) and shared tiers (put/get). Every broker call degrades (None / [] /
-False): a dead broker or tier only means recomputing, never a lost request."""
+False): a dead broker or tier only means recomputing, never a lost request. The broker protocol
+itself is shared.kv_client (torch-free); KVBlockClient adds what only a worker has: KV blocks."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Self
 
 from nats.aio.client import Client as NATS
 
+from moebus.engine.kv_tiers import TieredKVStore
 from moebus.engine.kv_transfer import (
+    KVBlock,
     KVPayload,
     KVTransferError,
     KVTransport,
     NatsKVTransport,
+    NatsTransportConfig,
     ShmKVTransport,
     ShmTransportConfig,
 )
-from moebus.services.kvbroker.tier_client import KVBrokerClient
+from moebus.shared.bus import Bus
+from moebus.shared.kv_client import KVBrokerClient
 from moebus.shared.kv_hashing import stable_block_hashes
-from moebus.shared.kv_index_client import KVIndexClient
-from moebus.shared.kv_messages import KVSubjects
 from moebus.shared.messages import KVTransferSpec
+from moebus.shared.subjects import Subjects
+from moebus.shared.tracing import Tracing
 
 from .config import WorkerConfig
 from .engine_loop import EngineLoop
@@ -34,11 +39,12 @@ log = logging.getLogger(__name__)
 class WorkerKVLink:
     def __init__(self, cfg: WorkerConfig, nc: NATS, instance_id: str, loop: EngineLoop, kv: EngineKV) -> None:
         self.cfg, self.nc, self.instance_id, self.loop, self.kv = cfg, nc, instance_id, loop, kv
-        self.subjects = KVSubjects(cfg.subject_prefix)
+        self.subjects = Subjects(cfg.subject_prefix)
+        self.bus = Bus(nc, Tracing("worker"))  # typed requests and trace headers on the service's connection
         self.receiver: KVTransport | None = None
         self._senders: dict[str, KVTransport] = {}
-        self.index: KVIndexClient | None = None
-        self.broker: KVBrokerClient | None = None
+        self.index: KVBrokerClient | None = None
+        self.broker: KVBlockClient | None = None
         self.counters = {"kv_sent": 0, "kv_send_failed": 0, "kv_received": 0, "kv_receive_failed": 0,
                          "tier_fetched_blocks": 0, "tier_shared_blocks": 0}
 
@@ -47,11 +53,11 @@ class WorkerKVLink:
             if self.cfg.kv_transport == "shm":
                 self.receiver = ShmKVTransport(ShmTransportConfig(address=f"moebus-kv-{self.instance_id}"))
             else:
-                self.receiver = await NatsKVTransport(self.nc, self.subjects.transfer(self.instance_id)).start()
+                self.receiver = await NatsKVTransport(self.nc, self.subjects.kvtransfer_push(self.instance_id)).start()
         if self.cfg.kv_events:
-            self.index = KVIndexClient(self.nc, self.instance_id, self.subjects)
+            self.index = KVBrokerClient(self.bus, self.instance_id, self.subjects)
         if self.cfg.kv_share and self.kv.store is not None:
-            self.broker = await KVBrokerClient(self.nc, self.instance_id, self.subjects).start()
+            self.broker = await KVBlockClient(self.bus, self.instance_id, self.subjects).start()
 
     async def close(self) -> None:
         for t in (self.receiver, self.broker, *self._senders.values()):
@@ -150,3 +156,42 @@ class WorkerKVLink:
             hashes, blocks = await self.loop.call(self.kv.take_fresh)
             if hashes and await self.broker.put_blocks(hashes, blocks):
                 self.counters["tier_shared_blocks"] += len(hashes)
+
+
+class KVBlockClient(KVBrokerClient):
+    """The broker's shared tiers in KV blocks, over a private NATS inbox of this process.
+
+    put_blocks -> False and get_blocks -> [] when the broker is gone: the caller recomputes."""
+
+    def __init__(self, bus: Bus, holder: str, subjects: Subjects = Subjects(), timeout_s: float = 2.0,
+                 chunk_bytes: int = 512 * 1024) -> None:
+        super().__init__(bus, holder, subjects, timeout_s)
+        self._tcfg = NatsTransportConfig(chunk_bytes=chunk_bytes, ack_timeout_s=timeout_s)
+
+    async def start(self) -> Self:
+        if self.transport is None:
+            self.transport = await NatsKVTransport(self.bus.nc, self.bus.nc.new_inbox(), self._tcfg).start()
+        return self
+
+    async def close(self) -> None:
+        if self.transport is not None:
+            await self.transport.close()
+
+    async def put_blocks(self, hashes: list[int], blocks: list[KVBlock]) -> bool:
+        """Offload blocks to the broker's tiers; True once it has stored them."""
+        if not blocks:
+            return True
+        return await self.put(KVPayload.from_blocks(blocks, hashes, int(blocks[0].layers[0][0].shape[0])))
+
+    async def get_blocks(self, hashes: list[int], timeout: float | None = None) -> list[KVBlock]:
+        """The leading run of `hashes` the broker's tiers hold ([] on any failure)."""
+        payload = await self.get(hashes, timeout)
+        return [payload.block(i) for i in range(payload.num_blocks)] if payload is not None else []
+
+    async def fetch_into(self, store: TieredKVStore, hashes: list[int], timeout: float | None = None) -> int:
+        """Copy the broker's leading run of `hashes` (beyond what `store` has) into a local store;
+        then `load_prefix(engine, request, store)` on the engine thread uses them."""
+        have = store.longest_prefix(hashes)
+        blocks = await self.get_blocks(hashes[have:], timeout)
+        await asyncio.to_thread(lambda: [store.put(h, b) for h, b in zip(hashes[have:], blocks, strict=False)])
+        return have + len(blocks)

@@ -12,6 +12,17 @@ from .generate import (
     TokenLogprob,
     TopLogprob,
 )
+from .kvbroker import (
+    BROKER_HOLDER,
+    BlockGet,
+    BlockGetReply,
+    BrokerStats,
+    KVEvent,
+    PrefixMatch,
+    PrefixQuery,
+    PrefixQueryReply,
+    TierName,
+)
 from .tokenizer import ChatMessage, DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
 
 __all__ = [
@@ -19,4 +30,7 @@ __all__ = [
     "GenerateRequest", "Handoff", "HealthReply", "Heartbeat", "KVInfo", "KVTransferSpec", "Load", "RenderReply", "RenderRequest",
     "SamplingOptions", "StructuredOptions", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WorkerLost",
+    # kvbroker
+    "BROKER_HOLDER", "BlockGet", "BlockGetReply", "BrokerStats", "KVEvent", "PrefixMatch", "PrefixQuery",
+    "PrefixQueryReply", "TierName",
 ]

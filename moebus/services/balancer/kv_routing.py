@@ -1,4 +1,5 @@
-"""KV-aware routing cost (pure python): pick the worker that finishes a request's prefill first.
+"""The balancer's KV-aware routing policy (pure python): pick the worker that finishes a request's
+prefill first.
 
 cost(worker) = prompt tokens it still has to compute given its cached prefix
              + the cost of loading blocks it lacks from a shared tier (a fraction of computing them)
@@ -9,6 +10,8 @@ penalty (it would have to preempt or wait).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from moebus.shared.messages import BROKER_HOLDER, PrefixMatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +78,7 @@ def choose_worker(prompt_len: int, workers: list[WorkerState], weights: RoutingW
     return ranked[0][0] if ranked else None
 
 
-def overlaps(matches: list, broker_holder: str = "kvbroker") -> tuple[dict[str, int], dict[str, int], int]:
+def overlaps(matches: list[PrefixMatch], broker_holder: str = BROKER_HOLDER) -> tuple[dict[str, int], dict[str, int], int]:
     """Split a PrefixQueryReply's matches into (device blocks per worker, host-tier blocks per
     worker, blocks in the broker's own tiers)."""
     device: dict[str, int] = {}
