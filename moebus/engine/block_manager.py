@@ -71,16 +71,28 @@ class BlockManager:
             hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(toks[i * bs:(i + 1) * bs])))
         return hashes
 
-    def match_prefix(self, req: Request) -> list[int]:
-        """Block ids of the longest cached prefix, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
-            return []
+    def cached_prefix(self, hashes: list[int]) -> list[int]:
+        """Block ids of the leading hashes the prefix cache holds (no hit counted)."""
         hits: list[int] = []
-        for h in self.full_block_hashes(req):
+        for h in hashes:
             bid = self.cached.get(h)
             if bid is None:
                 break
             hits.append(bid)
+        return hits
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self.cached
+
+    def num_free_of(self, block_ids: list[int]) -> int:
+        """How many of these (cached) blocks are free: taking them uses up free blocks."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    def match_prefix(self, req: Request) -> list[int]:
+        """Block ids of the longest cached prefix, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = self.cached_prefix(self.full_block_hashes(req))
         while hits and len(hits) * self.block_size >= req.num_tokens:
             hits.pop()  # the last token must run through the model to produce logits
         self.queries += 1
@@ -88,7 +100,7 @@ class BlockManager:
         return hits
 
     def can_allocate(self, req: Request, num_tokens: int, cached: list[int] = ()) -> bool:
-        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        revived = self.num_free_of(cached)
         need = self.blocks_needed(req, num_tokens) - len(cached)
         return need + revived <= len(self.free)
 

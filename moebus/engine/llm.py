@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -40,25 +40,29 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         results: list[GenerationResult] = []
-        owners: dict[str, tuple[int, int]] = {}
+        owners: dict[str, int] = {}  # engine request id -> prompt index
         for i, p in enumerate(prompts):
             ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             results.append(GenerationResult(p if isinstance(p, str) else None, ids))
-            self._add(ids, params, i, results[-1], owners)
-        bar = tqdm(total=len(owners), desc="generate", unit="seq", disable=not use_tqdm)
-        texts = {rid: [] for rid in owners}
+            rid = f"offline-{next(self._ids)}"
+            # n > 1: the engine fans out n choices sharing the prompt's KV blocks
+            self.engine.add_request(rid, ids, params)
+            owners[rid] = i
+            results[-1].outputs = [Completion(k, "", [], None) for k in range(params.n)]
+        bar = tqdm(total=len(owners) * params.n, desc="generate", unit="seq", disable=not use_tqdm)
+        texts: dict[tuple[str, int], list[str]] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                i, k = owners[out.request_id]
-                comp = results[i].outputs[k]
+                i = owners[out.request_id]
+                comp = results[i].outputs[out.index]
                 comp.token_ids.extend(out.new_token_ids)
-                texts[out.request_id].append(out.new_text)
+                texts.setdefault((out.request_id, out.index), []).append(out.new_text)
                 if out.logprobs:
                     comp.logprobs = comp.logprobs or []
                     comp.logprobs.extend(out.logprobs)
                 if out.finished:
                     comp.finish_reason = out.finish_reason
-                    comp.text = "".join(texts[out.request_id])
+                    comp.text = "".join(texts.pop((out.request_id, out.index)))
                     results[i].num_cached_tokens = max(results[i].num_cached_tokens, out.num_cached_tokens)
                     bar.update(1)
         bar.close()
@@ -68,20 +72,3 @@ class LLM:
              use_tqdm: bool = False) -> list[GenerationResult]:
         prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm)
-
-    def _add(self, ids: list[int], params: SamplingParams, i: int, res: GenerationResult,
-             owners: dict[str, tuple[int, int]]) -> None:
-        # n > 1: n sibling requests; prefix caching lets them share the prompt's KV blocks.
-        first = None
-        for k in range(params.n):
-            rid = f"offline-{next(self._ids)}"
-            child = params if params.n == 1 else replace(params, n=1, seed=None if params.seed is None
-                                                           else params.seed + k)
-            self.engine.add_request(rid, ids, child)
-            req = self.engine.scheduler.by_id[rid]
-            if first is None:
-                first = req
-            else:
-                req.wait_for = first
-            owners[rid] = (i, k)
-            res.outputs.append(Completion(k, "", [], None))

@@ -14,13 +14,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from moebus.engine.block_manager import BlockManager
 from moebus.engine.config import EngineConfig
-from moebus.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from moebus.engine.detokenizer import StopStringMatcher
 from moebus.engine.isolation import RequestFailed, isolate
 from moebus.engine.model_runner import (
     PLACEHOLDER,
@@ -31,29 +31,19 @@ from moebus.engine.model_runner import (
     kv_bytes_per_block,
 )
 from moebus.engine.models import load_model
+from moebus.engine.outputs import EngineStats, RequestOutput
 from moebus.engine.request import Request, RequestStatus
+from moebus.engine.request_table import RequestTable, Tracked, choice_ids
 from moebus.engine.sampling import SamplingParams
 from moebus.engine.sampling.spec_decode import DraftModelProposer, NgramProposer, SpecDecodeStats
 from moebus.engine.scheduler import Scheduler, SchedulerOutput
 from moebus.engine.structured_state import GrammarHub
 from moebus.engine.tokenizer import Tokenizer, load_tokenizer
 
+if TYPE_CHECKING:
+    from moebus.engine.kv_connector import KVConnector
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    logprobs: list[dict[int, float]] | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    error: str | None = None  # finish_reason "error": what failed
-    retryable: bool = False  # the error was the step's, not this request's: another engine may run it
 
 
 class _StepFailed(Exception):
@@ -64,23 +54,13 @@ class _StepFailed(Exception):
         self.cause, self.sched, self.outputs = cause, sched, outputs
 
 
-@dataclass(slots=True)
-class _Tracked:
-    req: Request
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Step counters; step_seconds is model execution time per step."""
-
-    steps: int = 0
-    tokens_computed: int = 0
-    step_seconds: list[float] = field(default_factory=list)
-
-
 class LLMEngine:
+    """Satisfies moebus.engine.port.EnginePort."""
+
+    lockstep = False
+    tokenizer: Tokenizer
+    failed_steps_in_a_row: int
+
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  draft_proposer: DraftModelProposer | None = None) -> None:
         """draft_proposer: an MTP head / draft model used for speculative decoding instead of
@@ -109,7 +89,8 @@ class LLMEngine:
         self.draft_proposer = draft_proposer
         self.spec_stats = SpecDecodeStats()
         self.stats_ = EngineStats()
-        self.tracked: dict[str, _Tracked] = {}
+        self.tracked = RequestTable()  # by engine request id (one per choice)
+        self._kv: KVConnector | None = None
         self.failed_steps_in_a_row = 0  # steps that failed with nobody to blame; the owner may rebuild us
         self._host = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moebus-host") \
             if config.async_scheduling else None
@@ -118,7 +99,11 @@ class LLMEngine:
     # --- public API ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> None:
-        if request_id in self.tracked:
+        """Queue a request. params.n > 1 fans out into n choices (choice i seeded params.seed + i);
+        the later ones wait for the first one's prefill, so all share the prompt's KV blocks.
+        Raises ValueError for a request it refuses; a request that raises leaves nothing behind."""
+        ids = choice_ids(request_id, params.n)
+        if self.tracked.taken(request_id, ids):
             raise ValueError(f"duplicate request id {request_id}")
         if not prompt_token_ids:
             raise ValueError("prompt must have at least one token")
@@ -127,24 +112,33 @@ class LLMEngine:
                              f"{self.config.max_model_len}")
         if max(prompt_token_ids) >= self.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError("prompt token id out of the vocabulary")
+        choices = [self._track(rid, request_id, k, prompt_token_ids, params.for_choice(k), priority)
+                   for k, rid in enumerate(ids)]
+        for tr in choices[1:]:
+            tr.req.wait_for = choices[0].req  # let the first one fill the shared prompt blocks
+        self.tracked.add(choices)  # last: a request that raised above leaves nothing behind
+        for tr in choices:
+            self.scheduler.add(tr.req)
+
+    def _track(self, rid: str, group: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+               priority: int) -> Tracked:
         grammar = self.grammars.state_for(params.structured) if params.structured else None
         eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
-        req = Request(request_id, list(prompt_token_ids), params, eos, priority,
+        req = Request(rid, list(prompt_token_ids), params, eos, priority,
                       max_model_len=self.config.max_model_len, grammar=grammar)
         if self.config.deterministic and req.generator is None and not params.greedy:
             # Batch-invariant sampling needs a per-request stream; unseeded requests share the engine seed.
             req.generator = torch.Generator().manual_seed(self.config.seed)
-        tracked = _Tracked(req, self.tokenizer.detokenizer(prompt_token_ids),
-                           StopStringMatcher(list(params.stop), params.include_stop_str_in_output))
-        self.tracked[request_id] = tracked  # last: a request that raised above leaves nothing behind
-        self.scheduler.add(req)
+        return Tracked(req, self.tokenizer.detokenizer(prompt_token_ids),
+                       StopStringMatcher(list(params.stop), params.include_stop_str_in_output), group, index)
 
     def abort_request(self, request_id: str) -> bool:
-        tr = self.tracked.pop(request_id, None)
-        if tr is None:
-            return False
-        self._finish(tr.req, RequestStatus.FINISHED_ABORTED)
-        return True
+        """End every live choice of the request and free its KV; False: none was live."""
+        choices = self.tracked.choices(request_id)
+        for tr in choices:
+            self.tracked.pop(tr.req.request_id)
+            self._finish(tr.req, RequestStatus.FINISHED_ABORTED)
+        return bool(choices)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -156,6 +150,65 @@ class LLMEngine:
                 "kv_usage": round(bm.usage, 4), "prefix_cache_queries": bm.queries,
                 "prefix_cache_hits": bm.hits, "spec_acceptance_rate": self.spec_stats.acceptance_rate,
                 "steps": self.stats_.steps}
+
+    # --- public verbs for KV movement (the KV connector, engine/kv_connector.py) ---------------
+    @property
+    def kv(self) -> KVConnector:
+        if self._kv is None:
+            from moebus.engine.kv_connector import KVConnector  # kv_transfer pulls in its transports
+
+            self._kv = KVConnector(self)
+        return self._kv
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.runner.kv_caches
+
+    def get_request(self, request_id: str, index: int = 0) -> Request:
+        """The live engine request of a caller's request (its choice `index`); KeyError if none."""
+        for tr in self.tracked.choices(request_id):
+            if tr.index == index:
+                return tr.req
+        raise KeyError(f"no live request {request_id!r}" + (f" (choice {index})" if index else ""))
+
+    def settled_tokens(self, req: Request) -> int:
+        """Tokens of req whose KV is written. Under async scheduling the step in flight (run, its
+        outputs not yet applied) already counts as computed; its tokens are left out until they land."""
+        n = req.num_computed_tokens
+        if self._inflight is not None:
+            for s in self._inflight[0].scheduled:
+                if s.request is req:
+                    n = min(n, s.start)
+        return n
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                      params: SamplingParams, priority: int = 0, generator_state: torch.Tensor | None = None
+                      ) -> Request:
+        """Add a request whose first output token was sampled elsewhere (a prefill engine streamed
+        it): recorded, not emitted again; the next step decodes the second token. Its prompt's KV is
+        attached through the scheduler (reserve_prefilled / admit_prefilled) or recomputed. Raises
+        ValueError, leaving nothing behind, when first_token already ends it."""
+        if params.n != 1:
+            raise ValueError("a prefilled request has one choice (n == 1)")
+        self.add_request(request_id, prompt_token_ids, params, priority)
+        tr = self.tracked[request_id]
+        req = tr.req
+        try:
+            req.output_token_ids.append(first_token)
+            if req.grammar is not None:
+                req.grammar.accept_token(first_token)
+            tr.stops.feed(tr.detok.push([first_token]))  # keep detokenizer/stop-string state in step
+            self.runner.set_last_sampled(request_id, first_token)
+            stops = first_token in req.eos_token_ids or first_token in params.stop_token_ids
+            if req.max_tokens <= 1 or tr.stops.stopped or (params.min_tokens <= 1 and stops) or (
+                    req.grammar is not None and req.grammar.is_terminated()):
+                raise ValueError(f"{request_id} finished at its first token: nothing to decode")
+            if generator_state is not None and req.generator is not None:
+                req.generator.set_state(generator_state)
+        except BaseException:
+            self.abort_request(request_id)
+            raise
+        return req
 
     def step(self) -> list[RequestOutput]:
         """One engine step. A request whose own state raises fails alone (its output has
@@ -250,13 +303,13 @@ class LLMEngine:
 
     def _fail(self, request_id: str, message: str, retryable: bool = False) -> RequestOutput | None:
         """End a request with an error output (None: it had already finished)."""
-        tr = self.tracked.pop(request_id, None)
+        tr = self.tracked.pop(request_id)
         if tr is None:
             return None
         r = tr.req
         self._finish(r, RequestStatus.FINISHED_ABORTED)
-        return RequestOutput(request_id, [], "", True, "error", None, r.num_prompt_tokens, r.num_cached_tokens,
-                             self._num_real_outputs(r), error=message, retryable=retryable)
+        return RequestOutput(tr.group, [], "", True, "error", None, r.num_prompt_tokens, r.num_cached_tokens,
+                             self._num_real_outputs(r), error=message, retryable=retryable, index=tr.index)
 
     @staticmethod
     def _grammar_waits_on(sched: SchedulerOutput) -> bool:
@@ -357,11 +410,11 @@ class LLMEngine:
             del out_ids[_num_real(out_ids):]  # slots of steps still in flight for it
         elif r.status is RequestStatus.RUNNING:
             self.block_manager.cache_blocks(r)
-        out = RequestOutput(r.request_id, emitted, text, status is not None,
+        out = RequestOutput(tr.group, emitted, text, status is not None,
                             status.value if status is not None else None, lps, r.num_prompt_tokens,
-                            r.num_cached_tokens, self._num_real_outputs(r))
+                            r.num_cached_tokens, self._num_real_outputs(r), index=tr.index)
         if status is not None:
-            self.tracked.pop(r.request_id, None)
+            self.tracked.pop(r.request_id)
             self._finish(r, status)
         return out
 

@@ -213,6 +213,10 @@ class ModelRunner:
             out = out[:-1]
         return [self.last_sampled.get(request_id, 0) if t == PLACEHOLDER else t for t in out]
 
+    def set_last_sampled(self, request_id: str, token: int) -> None:
+        """A token sampled elsewhere (a prefill engine's first token), as if this runner had."""
+        self.last_sampled[request_id] = token
+
     def forget(self, request_id: str) -> None:
         self.last_sampled.pop(request_id, None)
 

@@ -76,6 +76,33 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def holding_kv(self) -> list[Request]:
+        """Requests that hold KV blocks: the running ones, and waiting ones with KV attached."""
+        return self.running + [r for r in self.waiting if r.block_ids]
+
+    # --- KV from elsewhere (a prefill engine): reserve blocks, the caller fills them, admit ----
+    def reserve_prefilled(self, req: Request, num_tokens: int, cached: list[int] = ()) -> list[int] | None:
+        """Blocks for the first num_tokens tokens of a waiting request whose KV comes from
+        elsewhere: the `cached` prefix blocks reused, the rest fresh. Returns the fresh block ids
+        for the caller to fill; None when they do not fit (nothing changes: it recomputes)."""
+        if req.status is not RequestStatus.WAITING or req.block_ids:
+            raise ValueError(f"{req.request_id} is not a waiting request without blocks")
+        if not self.bm.can_allocate(req, num_tokens, cached):
+            return None
+        self.bm.allocate(req, num_tokens, cached)
+        return req.block_ids[len(cached):]
+
+    def admit_prefilled(self, req: Request, num_tokens: int) -> None:
+        """The KV of req's first num_tokens tokens is in its reserved blocks: count them computed,
+        publish them to the prefix cache, and run the request now when there is room (otherwise it
+        waits with its KV attached and admission schedules just what is left)."""
+        req.num_computed_tokens = num_tokens
+        self.bm.cache_blocks(req)
+        if len(self.running) < self.config.max_num_seqs:
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from moebus.devmodel.toy import EOS, ToyTokenizer
 from moebus.services.tokenizer.detok import decode_step
 from moebus.shared.stop_strings import apply_stops, held_suffix_len
-from moebus.shared.toy_model import EOS, ToyTokenizer
 
 
 def stream_stops(deltas: list[str], stops: list[str], include_stop: bool = False) -> tuple[str, bool]:

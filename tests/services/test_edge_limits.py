@@ -15,10 +15,10 @@ import aiohttp
 import openai
 import pytest
 
+from moebus.devmodel.toy import ToyTokenizer
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import AbortRequest, GenerateAccepted, RenderReply
-from moebus.shared.toy_model import ToyTokenizer
 from moebus.shared.tracing import Tracing
 
 from .conftest import ToyStack, toy_stack

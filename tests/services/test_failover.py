@@ -10,12 +10,12 @@ import aiohttp
 import openai
 import pytest
 
+from moebus.devmodel.toy import TOY_REPLY, ToyTokenizer
 from moebus.services.launcher import Stack, StackConfig
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.nats_server import free_port
 from moebus.shared.service import Empty, Stats
 from moebus.shared.subjects import Subjects
-from moebus.shared.toy_model import TOY_REPLY, ToyTokenizer
 from moebus.shared.tracing import Tracing
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -7,7 +7,7 @@ import aiohttp
 import openai
 import pytest
 
-from moebus.shared.toy_model import TOY_JSON, TOY_REPLY
+from moebus.devmodel.toy import TOY_JSON, TOY_REPLY
 
 from .conftest import ToyStack, toy_stack
 

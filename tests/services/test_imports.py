@@ -4,8 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-MODULES = ["moebus.shared.bus", "moebus.shared.service", "moebus.shared.messages", "moebus.shared.toy_model",
-           "moebus.shared.probes", "moebus.shared.nats_server", "moebus.services.frontend",
+MODULES = ["moebus.shared.bus", "moebus.shared.service", "moebus.shared.messages", "moebus.devmodel.toy",
+           "moebus.engine.port", "moebus.shared.probes", "moebus.shared.nats_server", "moebus.services.frontend",
            "moebus.services.balancer", "moebus.services.launcher", "moebus.services.cli",
            "moebus.services.worker", "moebus.services.tokenizer"]
 

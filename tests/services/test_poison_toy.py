@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from moebus.shared.toy_model import ToyEngine, ToyEngineConfig, ToyTokenizer
+from moebus.devmodel.toy import ToyEngine, ToyEngineConfig, ToyTokenizer
 
 from .conftest import toy_stack, wait_for
 

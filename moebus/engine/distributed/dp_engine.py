@@ -10,6 +10,7 @@ runs between steps, so in-flight requests keep their KV cache and only expert we
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from moebus.engine.distributed.placement import imbalance
 from moebus.engine.llm_engine import LLMEngine, RequestOutput
 from moebus.engine.sampling import SamplingParams
 from moebus.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from moebus.engine.kv_connector import KVConnector
 
 
 @dataclass(slots=True)
@@ -44,10 +48,13 @@ class DPStats:
 
 
 class DPEngine:
-    """LLMEngine-shaped (add_request / abort_request / step / stats / close), but `step` is a
-    collective: serving loops must call it every iteration, idle or not (`lockstep`)."""
+    """An engine port (moebus.engine.port.LockstepEngine) like LLMEngine, whose requests (n > 1
+    fanned out as there), KV connector and stats are this rank's own; but `step` is a collective:
+    serving loops must call it every iteration, idle or not (`lockstep`)."""
 
     lockstep = True  # for serving loops: call step() even with no local requests
+    tokenizer: Tokenizer
+    group_idle: bool
 
     def __init__(self, config: EngineConfig, group: EPGroup, ep: EPConfig | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
@@ -78,6 +85,15 @@ class DPEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()
+
+    @property
+    def failed_steps_in_a_row(self) -> int:
+        return self.engine.failed_steps_in_a_row
+
+    @property
+    def kv(self) -> KVConnector:
+        """This rank's KV (moved between the group's steps: no collective involved)."""
+        return self.engine.kv
 
     def stats(self) -> dict[str, float | int]:
         s = self.dp_stats

@@ -3,20 +3,24 @@
 load_prefix fills the engine's prefix cache from the store before a waiting request is
 scheduled, so the scheduler's ordinary `match_prefix` turns tier hits into cache hits;
 KVOffloader copies newly computed full blocks of live requests into the store. Both run on the
-engine thread between steps and use only public engine / block manager attributes.
+engine thread between steps and use only public verbs of the engine, its scheduler and its block
+manager (LLMEngine.kv, the KV connector, wraps them for a worker).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from moebus.engine.kv_tiers.store import TieredKVStore
-from moebus.engine.kv_transfer.engine_io import gather_blocks, lookup, scatter_blocks, settled_tokens
+from moebus.engine.kv_transfer.engine_io import gather_blocks, lookup, scatter_blocks
 from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
 from moebus.engine.kv_transfer.payload import KVBlock
-from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from moebus.engine.llm_engine import LLMEngine
 
 
 def load_prefix(engine: LLMEngine, request: str | Request, store: TieredKVStore,
@@ -28,18 +32,15 @@ def load_prefix(engine: LLMEngine, request: str | Request, store: TieredKVStore,
     if not bm.enable_prefix_caching or req.status is not RequestStatus.WAITING or req.num_computed_tokens:
         return 0
     local = bm.full_block_hashes(req)
-    n_local = 0
-    while n_local < len(local) and local[n_local] in bm.cached:
-        n_local += 1
+    hits = bm.cached_prefix(local)
+    n_local = len(hits)
     max_blocks = (req.num_tokens - 1) // bs  # the last token always runs, as in match_prefix
     if n_local >= max_blocks:
         return n_local * bs
     stable = stable_block_hashes(req.all_token_ids[: max_blocks * bs], bs, namespace or kv_namespace(engine))
     want = stable[n_local:max_blocks]
     want = want[: store.longest_prefix(want)]
-    hits = [bm.cached[h] for h in local[:n_local]]
-    revived = sum(1 for b in hits if bm.blocks[b].ref_count == 0)
-    want = want[: max(0, bm.num_free_blocks - revived)]  # never evict the hit we extend
+    want = want[: max(0, bm.num_free_blocks - bm.num_free_of(hits))]  # never evict the hit we extend
     blocks = store.get_prefix(want)
     if not blocks:
         return n_local * bs
@@ -50,7 +51,7 @@ def load_prefix(engine: LLMEngine, request: str | Request, store: TieredKVStore,
     bm.allocate(carrier, n, hits)
     layers = [(torch.stack([b.layers[i][0] for b in blocks]), torch.stack([b.layers[i][1] for b in blocks]))
               for i in range(len(blocks[0].layers))]
-    scatter_blocks(engine.runner.kv_caches, carrier.block_ids[n_local:], layers)
+    scatter_blocks(engine.kv_caches, carrier.block_ids[n_local:], layers)
     carrier.num_computed_tokens = n
     bm.cache_blocks(carrier)
     bm.free_request(carrier)
@@ -75,12 +76,11 @@ class KVOffloader:
     def offload(self, engine: LLMEngine) -> list[int]:
         bs = engine.block_manager.block_size
         ns = self.namespace or kv_namespace(engine)
-        sched = engine.scheduler
-        live = sched.running + [r for r in sched.waiting if r.num_computed_tokens]
+        live = engine.scheduler.holding_kv()
         todo: dict[int, int] = {}  # stable hash -> block id
         for req in live:
             prog = self._progress.setdefault(req.request_id, _Progress())
-            n_full = min(settled_tokens(engine, req) // bs, len(req.block_ids))
+            n_full = min(engine.settled_tokens(req) // bs, len(req.block_ids))
             if n_full <= prog.done:
                 continue
             stable_block_hashes(req.all_token_ids[: n_full * bs], bs, ns, prog.hashes)
@@ -93,7 +93,7 @@ class KVOffloader:
             del self._progress[rid]
         if not todo:
             return []
-        layers = gather_blocks(engine.runner.kv_caches, list(todo.values()))  # one copy per cache tensor
+        layers = gather_blocks(engine.kv_caches, list(todo.values()))  # one copy per cache tensor
         for j, h in enumerate(todo):
             self.store.put(h, KVBlock([(k[j], v[j]) for k, v in layers]))
         return list(todo)

@@ -2,13 +2,16 @@
 
 The block manager knows engine-local hashes only and has no eviction hook, so the tracker
 maps the full cached blocks of live requests to stable hashes and notices evictions by
-polling `block_manager.cached`; a worker publishes the diffs to the KV broker.
+polling the block manager's prefix cache; a worker publishes the diffs to the KV broker.
 """
 from __future__ import annotations
 
-from moebus.engine.kv_transfer.engine_io import settled_tokens
+from typing import TYPE_CHECKING
+
 from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
-from moebus.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    from moebus.engine.llm_engine import LLMEngine
 
 
 class CacheEventTracker:
@@ -25,14 +28,11 @@ class CacheEventTracker:
         """(newly stored, evicted) stable hashes since the last poll."""
         bm, bs = engine.block_manager, engine.block_manager.block_size
         ns = self.namespace or kv_namespace(engine)
-        sched = engine.scheduler
         stored: list[int] = []
-        live = sched.running + [r for r in sched.waiting if r.block_ids]
+        live = engine.scheduler.holding_kv()
         for req in live:
-            local = req.block_hashes[: settled_tokens(engine, req) // bs]
-            n = 0
-            while n < len(local) and bm.cached.get(local[n]) is not None:
-                n += 1
+            local = req.block_hashes[: engine.settled_tokens(req) // bs]
+            n = len(bm.cached_prefix(local))
             if not n or local[n - 1] in self._known:
                 continue  # nothing new: chains are reported prefix first
             st = stable_block_hashes(req.all_token_ids[: n * bs], bs, ns, self._stable.setdefault(req.request_id, []))
@@ -43,7 +43,6 @@ class CacheEventTracker:
         alive = {r.request_id for r in live}
         for rid in [r for r in self._stable if r not in alive]:
             del self._stable[rid]
-        evicted = [s for h, s in self._known.items() if h not in bm.cached]
-        for h in [h for h in self._known if h not in bm.cached]:
-            del self._known[h]
+        gone = [h for h in self._known if not bm.is_cached(h)]
+        evicted = [self._known.pop(h) for h in gone]
         return stored, evicted

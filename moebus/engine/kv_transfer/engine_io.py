@@ -1,21 +1,25 @@
 """Reading a request's KV out of an engine and admitting a prefilled request into another.
 
-Only the engine's public attributes are used (scheduler lists, block manager verbs, the
-runner's kv_caches, `tracked`); call these on the engine's own thread, between steps.
+Only public verbs are used: the engine's (get_request, settled_tokens, add_prefilled, kv_caches),
+the scheduler's (reserve_prefilled / admit_prefilled) and the block manager's; call these on the
+engine's own thread, between steps (LLMEngine.kv, the KV connector, wraps them for a worker).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
 from moebus.engine.kv_transfer.payload import KVPayload, LayerKV
-from moebus.engine.llm_engine import LLMEngine, RequestOutput
 from moebus.engine.model_runner import PLACEHOLDER
-from moebus.engine.request import Request, RequestStatus
+from moebus.engine.outputs import RequestOutput
+from moebus.engine.request import Request
 from moebus.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from moebus.engine.llm_engine import LLMEngine
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -40,25 +44,13 @@ def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], layers: LayerKV) -
 
 
 def lookup(engine: LLMEngine, request: str | Request) -> Request:
-    if isinstance(request, Request):
-        return request
-    req = engine.scheduler.by_id.get(request)
-    if req is None:
-        raise KeyError(f"no live request {request!r}")
-    return req
+    """The live engine request (of an n > 1 request: its first choice); KeyError if none."""
+    return request if isinstance(request, Request) else engine.get_request(request)
 
 
 def settled_tokens(engine: LLMEngine, req: Request) -> int:
-    """Tokens whose KV is settled. Under async scheduling the step held in `_inflight` (run, its
-    outputs not yet applied) already counts as computed; its tokens are excluded until they are
-    (read-only peek at the engine's batch)."""
-    n = req.num_computed_tokens
-    inflight = getattr(engine, "_inflight", None)
-    if inflight is not None:
-        for s in inflight[0].scheduled:
-            if s.request is req:
-                n = min(n, s.start)
-    return n
+    """Tokens whose KV is written (LLMEngine.settled_tokens)."""
+    return engine.settled_tokens(req)
 
 
 def extract_kv(engine: LLMEngine, request: str | Request, num_tokens: int | None = None,
@@ -67,7 +59,7 @@ def extract_kv(engine: LLMEngine, request: str | Request, num_tokens: int | None
     the engine. Call it after the step that sampled the first token, before aborting it."""
     req = lookup(engine, request)
     bs = engine.block_manager.block_size
-    settled = settled_tokens(engine, req)
+    settled = engine.settled_tokens(req)
     n = min(settled, req.num_prompt_tokens) if num_tokens is None else num_tokens
     nb = -(-n // bs)
     if n <= 0 or n > settled or nb > len(req.block_ids):
@@ -75,7 +67,7 @@ def extract_kv(engine: LLMEngine, request: str | Request, num_tokens: int | None
     tokens = req.all_token_ids[:n]
     ns = kv_namespace(engine)
     outs = req.output_token_ids
-    return KVPayload(gather_blocks(engine.runner.kv_caches, req.block_ids[:nb], device), bs, n, tokens,
+    return KVPayload(gather_blocks(engine.kv_caches, req.block_ids[:nb], device), bs, n, tokens,
                      stable_block_hashes(tokens, bs, ns), ns, req.request_id,
                      outs[0] if outs and outs[0] != PLACEHOLDER else None,
                      req.generator.get_state() if req.generator is not None else None)
@@ -100,7 +92,7 @@ def _payload_problem(engine: LLMEngine, prompt: list[int], payload: KVPayload | 
     n = min(payload.num_tokens, len(prompt))
     if n <= 0 or (payload.token_ids and payload.token_ids[:n] != prompt[:n]):
         return "payload tokens are not a prefix of the prompt"
-    caches = engine.runner.kv_caches
+    caches = engine.kv_caches
     if len(payload.layers) != len(caches) or any(
             pk.shape[1:] != k.shape[1:] or pv.shape[1:] != v.shape[1:]
             for (pk, pv), (k, v) in zip(payload.layers, caches, strict=True)):
@@ -115,41 +107,20 @@ def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[
     again). The next step() decodes the second token. Any problem with the payload (missing,
     mismatched, no free blocks) queues the request to recompute prompt + first token instead,
     which gives the same result, only slower."""
-    engine.add_request(request_id, prompt_token_ids, params, priority)
-    req, tr = engine.scheduler.by_id[request_id], engine.tracked[request_id]
-    req.output_token_ids.append(first_token)
-    if req.grammar is not None:
-        req.grammar.accept_token(first_token)
-    tr.stops.feed(tr.detok.push([first_token]))  # keep detokenizer/stop-string state in step
-    engine.runner.last_sampled[request_id] = first_token
-    stops = first_token in req.eos_token_ids or first_token in params.stop_token_ids
-    if req.max_tokens <= 1 or tr.stops.stopped or (params.min_tokens <= 1 and stops) or (
-            req.grammar is not None and req.grammar.is_terminated()):
-        engine.abort_request(request_id)
-        raise ValueError(f"{request_id} finished at its first token: nothing to decode")
-    if payload is not None and payload.generator_state is not None and req.generator is not None:
-        req.generator.set_state(payload.generator_state)
+    state = payload.generator_state if payload is not None else None
+    req = engine.add_prefilled(request_id, prompt_token_ids, first_token, params, priority, state)
     problem = _payload_problem(engine, prompt_token_ids, payload)
     if problem:
         return InjectResult(False, reason=problem)
     bm, bs = engine.block_manager, engine.block_manager.block_size
     hits = bm.match_prefix(req)
     n = max(min(payload.num_tokens, len(prompt_token_ids)), len(hits) * bs)
-    if not bm.can_allocate(req, n, hits):
+    fresh = engine.scheduler.reserve_prefilled(req, n, hits)
+    if fresh is None:
         return InjectResult(False, reason="no free KV blocks")
-    bm.allocate(req, n, hits)
-    fresh = req.block_ids[len(hits):]
     if fresh:
-        scatter_blocks(engine.runner.kv_caches, fresh,
-                       [(k[len(hits):], v[len(hits):]) for k, v in payload.layers])
-    req.num_computed_tokens = n
-    bm.cache_blocks(req)
-    sched = engine.scheduler
-    if len(sched.running) < sched.config.max_num_seqs:
-        sched.waiting.remove(req)
-        req.status = RequestStatus.RUNNING
-        sched.running.append(req)
-    # else: it waits with its KV attached; admission then schedules just the decode token.
+        scatter_blocks(engine.kv_caches, fresh, [(k[len(hits):], v[len(hits):]) for k, v in payload.layers])
+    engine.scheduler.admit_prefilled(req, n)  # runs now when there is room, else waits with its KV
     return InjectResult(True, n, len(fresh), len(hits))
 
 

@@ -13,5 +13,5 @@ def kv_namespace(engine: Any) -> str:
     """Blocks are only interchangeable between engines with the same model, dtype, block size
     and cache layout; the namespace keys the first hash of every chain."""
     cfg = engine.config
-    shapes = ",".join(f"{tuple(k.shape[1:])}/{tuple(v.shape[1:])}" for k, v in engine.runner.kv_caches)
+    shapes = ",".join(f"{tuple(k.shape[1:])}/{tuple(v.shape[1:])}" for k, v in engine.kv_caches)
     return f"{cfg.model}|{cfg.dtype}|{cfg.block_size}|{shapes}"

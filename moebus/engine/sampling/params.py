@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Bounds that keep every value representable in the engine's int32/int64 tensors; the context
 # length bounds token counts long before these do.
@@ -82,6 +82,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Parameters of choice `index` of an n > 1 request: one choice, seeded seed + index."""
+        if self.n == 1:
+            return self
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @property
     def greedy(self) -> bool:

@@ -6,12 +6,12 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from moebus.devmodel.toy import TOY_MODEL, ToyTokenizer
 from moebus.shared.errors import ErrorCode, ServiceError, context_length_exceeded
 from moebus.shared.messages import DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
 from moebus.shared.service import Service
 from moebus.shared.stop_strings import apply_stops
 from moebus.shared.subjects import Queues
-from moebus.shared.toy_model import TOY_MODEL, ToyTokenizer
 
 from .config import TokenizerConfig
 from .detok import decode_step

@@ -4,7 +4,9 @@ The asyncio side only enqueues commands (add/inject/abort/call/stop); the thread
 between steps, so the engine is never touched from two threads. Outputs go back to the event
 loop with call_soon_threadsafe, with a stats snapshot taken on the engine thread.
 
-KV hooks (`kv`, see worker.kv.EngineKV) also run here: loading a request's prefix from the KV
+The engine is anything satisfying moebus.engine.port.EnginePort (LLMEngine, an EP rank's
+DPEngine, the toy engine). KV hooks (`kv`, see worker/kv_engine.py EngineKV, which asks the
+engine's KV connector) also run here: loading a request's prefix from the KV
 tiers after add, offloading after steps, and extracting a prefill request's KV right after the
 step that sampled its first token (then aborting it there, before the next step reuses blocks).
 Lockstep engines (an EP group's DPEngine) step every iteration, idle or not: the step is a
@@ -24,9 +26,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+from moebus.engine.port import EngineOutput, EnginePort, LockstepEngine
+
+if TYPE_CHECKING:
+    from .kv_engine import EngineKV
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +42,7 @@ log = logging.getLogger(__name__)
 class AddFailed:
     """An add_request the engine rejected (e.g. prompt longer than max_model_len)."""
 
-    sub_id: str
+    request_id: str
     error: str
 
 
@@ -43,18 +50,18 @@ class AddFailed:
 class Prefilled:
     """A prefill-only request reached its first token: its KV (None: extraction failed)."""
 
-    sub_id: str
+    request_id: str
     payload: Any
 
 
-OnOutputs = Callable[[list[Any], list[AddFailed], list[Prefilled]], None]
+OnOutputs = Callable[[Sequence[EngineOutput], list[AddFailed], list[Prefilled]], None]
 _STOP = object()
 
 
 class EngineLoop:
-    def __init__(self, factory: Callable[[], Any], loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs,
+    def __init__(self, factory: Callable[[], EnginePort], loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs,
                  on_fatal: Callable[[BaseException], None], on_ready: Callable[[], None] = lambda: None,
-                 kv: Any = None, max_restarts: int = 3, max_failed_steps: int = 3,
+                 kv: EngineKV | None = None, max_restarts: int = 3, max_failed_steps: int = 3,
                  restart_backoff_s: float = 1.0) -> None:
         self._factory, self._loop, self.kv = factory, loop, kv
         self.max_restarts, self.max_failed_steps, self.restart_backoff_s = max_restarts, max_failed_steps, \
@@ -66,9 +73,9 @@ class EngineLoop:
         self.ready = threading.Event()
         self.failed: BaseException | None = None
         self.stats: dict[str, Any] = {}  # replaced wholesale by the engine thread (atomic for readers)
-        self.engine: Any = None
+        self.engine: EnginePort | None = None
         self.tokenizer: Any = None  # the engine's; kept while a new engine is built
-        self._prefill_only: set[str] = set()  # sub ids to stop (and extract) at their first token
+        self._prefill_only: set[str] = set()  # request ids to stop (and extract) at their first token
         self._stopping = False
 
     def start(self) -> None:
@@ -78,22 +85,24 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() or not self._thread.ident
 
-    def add(self, sub_id: str, prompt_token_ids: list[int], params: Any, prefill_only: bool = False) -> None:
-        self._cmds.put(("add", sub_id, prompt_token_ids, params, prefill_only))
+    def add(self, request_id: str, prompt_token_ids: list[int], params: Any, prefill_only: bool = False) -> None:
+        """params: the request's engine parameters, all n choices (the engine fans out)."""
+        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only))
 
-    def inject(self, sub_id: str, prompt_token_ids: list[int], first_token: int, params: Any,
+    def inject(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: Any,
                payload: Any) -> None:
         """Admit a request prefilled elsewhere (payload None: recompute its prompt here)."""
-        self._cmds.put(("inject", sub_id, prompt_token_ids, first_token, params, payload))
+        self._cmds.put(("inject", request_id, prompt_token_ids, first_token, params, payload))
 
-    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+    def call(self, fn: Callable[[EnginePort], Any]) -> asyncio.Future:
         """Run fn(engine) on the engine thread between steps; the future gets its result."""
         fut = self._loop.create_future()
         self._cmds.put(("call", fn, fut))
         return fut
 
-    def abort(self, sub_id: str) -> None:
-        self._cmds.put(("abort", sub_id))
+    def abort(self, request_id: str) -> None:
+        """Every choice of the request."""
+        self._cmds.put(("abort", request_id))
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -106,7 +115,7 @@ class EngineLoop:
             try:
                 self.engine = None
                 self.engine = self._factory()
-                self.tokenizer = getattr(self.engine, "tokenizer", None)
+                self.tokenizer = self.engine.tokenizer
                 if self.kv is not None:
                     self.kv.bind(self.engine)
                 self.stats = dict(self.engine.stats())
@@ -119,7 +128,7 @@ class EngineLoop:
                 log.exception("engine failed")
                 self.ready.clear()
                 final = (self._stopping or self.restarts >= self.max_restarts or self.engine is None
-                         or getattr(self.engine, "lockstep", False))
+                         or self.engine.lockstep)
                 if final:
                     self.failed = e  # before on_fatal runs: it reads this to tell a restart from the end
                 self._loop.call_soon_threadsafe(self._on_fatal, e)
@@ -132,21 +141,20 @@ class EngineLoop:
             time.sleep(self.restart_backoff_s * self.restarts)
 
     def _close_engine(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
+        if self.engine is not None:
             try:
-                close()
+                self.engine.close()
             except Exception:
                 log.warning("closing the engine failed", exc_info=True)
 
     def _loop_forever(self) -> None:
         engine = self.engine
-        lockstep = bool(getattr(engine, "lockstep", False))
+        lockstep = engine.lockstep
         while True:
             idle = not engine.has_unfinished_requests()
             failed: list[AddFailed] = []
             # Block only when idle; a lockstep rank only briefly (the group waits on its step).
-            wait = (0.002 if getattr(engine, "group_idle", True) else 0.0) if lockstep else (0.5 if idle else 0.0)
+            wait = (0.002 if cast(LockstepEngine, engine).group_idle else 0.0) if lockstep else (0.5 if idle else 0.0)
             try:
                 cmd = self._cmds.get(timeout=wait) if wait else self._cmds.get_nowait()
                 while True:
@@ -157,7 +165,7 @@ class EngineLoop:
             except queue.Empty:
                 pass
             outputs = engine.step() if lockstep or engine.has_unfinished_requests() else []
-            if getattr(engine, "failed_steps_in_a_row", 0) >= self.max_failed_steps:
+            if engine.failed_steps_in_a_row >= self.max_failed_steps:
                 raise RuntimeError(f"{engine.failed_steps_in_a_row} engine steps in a row failed")
             if self.kv is not None and outputs:
                 self.kv.after_step(engine)  # before extraction aborts prefill requests: they are still live
@@ -166,7 +174,7 @@ class EngineLoop:
             if outputs or failed or prefilled:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs, failed, prefilled)
 
-    def _extract_prefilled(self, outputs: list[Any]) -> list[Prefilled]:
+    def _extract_prefilled(self, outputs: Sequence[EngineOutput]) -> list[Prefilled]:
         done: list[Prefilled] = []
         for out in outputs:
             if out.request_id not in self._prefill_only:
@@ -193,25 +201,29 @@ class EngineLoop:
                 result, exc = None, e
             self._loop.call_soon_threadsafe(_settle, fut, result, exc)
         elif kind == "add":
-            _, sub_id, prompt, params, prefill_only = cmd
+            _, rid, prompt, params, prefill_only = cmd
             try:
-                self.engine.add_request(sub_id, prompt, params)
+                self.engine.add_request(rid, prompt, params)
             except Exception as e:  # rejected (ValueError) or raised on its parameters: this request alone
-                failed.append(AddFailed(sub_id, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
+                failed.append(AddFailed(rid, _reason(e)))
                 return
             if prefill_only:
-                self._prefill_only.add(sub_id)
+                self._prefill_only.add(rid)
             if self.kv is not None:
-                self.kv.after_add(self.engine, sub_id)
+                self.kv.after_add(self.engine, rid)
         elif kind == "inject":
-            _, sub_id, prompt, first_token, params, payload = cmd
+            _, rid, prompt, first_token, params, payload = cmd
             try:
-                self.kv.inject(self.engine, sub_id, prompt, first_token, params, payload)
+                self.kv.inject(self.engine, rid, prompt, first_token, params, payload)
             except Exception as e:
-                failed.append(AddFailed(sub_id, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
+                failed.append(AddFailed(rid, _reason(e)))
         else:
             self._prefill_only.discard(cmd[1])
             self.engine.abort_request(cmd[1])
+
+
+def _reason(e: Exception) -> str:
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

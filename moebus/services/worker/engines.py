@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from moebus.devmodel.toy import TOY_MODEL, ToyEngine, ToyEngineConfig
+from moebus.engine.port import EnginePort
 from moebus.shared.messages import SamplingOptions
-from moebus.shared.toy_model import TOY_MODEL, ToyEngine, ToyEngineConfig
 
 from .config import WorkerConfig
 
 
-def make_engine(cfg: WorkerConfig) -> Any:
+def make_engine(cfg: WorkerConfig) -> EnginePort:
     if cfg.model == TOY_MODEL:
         return ToyEngine(ToyEngineConfig(**cfg.engine))
     import torch  # torch lives behind this import
@@ -21,14 +22,12 @@ def make_engine(cfg: WorkerConfig) -> Any:
     return LLMEngine(EngineConfig(model=cfg.model, **cfg.engine))
 
 
-def choice_params(opts: SamplingOptions, index: int, toy: bool) -> Any:
-    """Engine parameters of choice `index` (n > 1 runs n engine requests; each gets its own seed)."""
-    fields = opts.model_dump(exclude={"n", "structured"})
-    if opts.seed is not None:
-        fields["seed"] = opts.seed + index
+def engine_params(opts: SamplingOptions, toy: bool) -> Any:
+    """Engine parameters of a request, all n choices (the engine fans out: choice i seeded seed + i).
+    Raises ValueError for values the engine refuses."""
     if toy:  # the toy engine reads attributes only; keep it torch-free
-        return opts.model_copy(update={"n": 1, "seed": fields["seed"]})
+        return opts
     from moebus.engine.sampling.params import SamplingParams, StructuredOutputParams
 
     structured = StructuredOutputParams(**opts.structured.model_dump()) if opts.structured else None
-    return SamplingParams(n=1, structured=structured, **fields)
+    return SamplingParams(structured=structured, **opts.model_dump(exclude={"structured"}))

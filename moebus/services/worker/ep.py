@@ -9,16 +9,19 @@ from __future__ import annotations
 import logging
 import signal
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING
 
 from moebus.shared.runner import run
 
 from .config import WorkerConfig
 
+if TYPE_CHECKING:
+    from moebus.engine.distributed.dp_engine import DPEngine
+
 log = logging.getLogger(__name__)
 
 
-def serve_rank(engine: Any, cfg: WorkerConfig) -> None:
+def serve_rank(engine: DPEngine, cfg: WorkerConfig) -> None:
     """rank_main of launch_ep_group (top level: pickled into the rank process)."""
     from .service import WorkerService
 

@@ -1,20 +1,23 @@
 """Engine-thread side of a worker's KV features (imports torch: real engines only).
 
 Every method runs on the engine thread (EngineLoop calls them between steps), so the engine,
-the local tiered store and the trackers are only ever touched from that one thread.
+the local tiered store and the trackers are only ever touched from that one thread. The engine
+is asked through its KV connector (`engine.kv`, moebus.engine.port.KVConnectorPort); an EP
+rank's is its own cache's (moved between the group's steps, so no collective is involved).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from moebus.engine.kv_tiers import CacheEventTracker, CpuTier, KVOffloader, TieredKVStore, load_prefix
-from moebus.engine.kv_transfer import KVBlock, KVPayload, extract_kv, inject_prefilled, kv_namespace
+from moebus.engine.kv_tiers import CacheEventTracker, CpuTier, KVOffloader, TieredKVStore
+from moebus.engine.kv_transfer import KVBlock, KVPayload
+from moebus.engine.port import EnginePort, KVConnectorPort
 
 
-def _local(engine: Any) -> Any:
-    """An EP rank's DPEngine wraps its own LLMEngine; KV moves in and out of that one (between
-    the group's steps, so no collective is involved)."""
-    return engine.engine if getattr(engine, "lockstep", False) else engine
+def _kv(engine: EnginePort) -> KVConnectorPort:
+    if engine.kv is None:
+        raise ValueError("this engine has no KV connector")
+    return engine.kv
 
 
 class EngineKV:
@@ -37,10 +40,10 @@ class EngineKV:
         self._dev_evicted: list[int] = []
         self._cpu_evicted: list[int] = []
 
-    def bind(self, engine: Any) -> None:
-        engine = _local(engine)
-        self.namespace = kv_namespace(engine)
-        self.block_size = engine.block_manager.block_size
+    def bind(self, engine: EnginePort) -> None:
+        kv = _kv(engine)
+        self.namespace = kv.namespace
+        self.block_size = kv.block_size
         self.tracker.namespace = self.namespace
         if self.offloader is not None:
             self.offloader.namespace = self.namespace
@@ -49,35 +52,31 @@ class EngineKV:
         self._cpu_evicted += hashes
 
     # ---- EngineLoop hooks ------------------------------------------------------------------
-    def after_add(self, engine: Any, sub_id: str) -> None:
-        engine = _local(engine)
-        if self.store is not None:
-            load_prefix(engine, sub_id, self.store, self.namespace)
+    def after_add(self, engine: EnginePort, request_id: str) -> None:
+        if self.store is not None:  # n > 1: the first choice's prompt, which the others share
+            _kv(engine).load_prefix(request_id, self.store, self.namespace)
 
-    def after_step(self, engine: Any) -> None:
-        engine = _local(engine)
-        stored, evicted = self.tracker.poll(engine)
+    def after_step(self, engine: EnginePort) -> None:
+        kv = _kv(engine)
+        stored, evicted = kv.cache_events(self.tracker)
         self._dev_stored += stored
         self._dev_evicted += evicted
         if self.offloader is not None:
-            new = self.offloader.offload(engine)
+            new = kv.offload(self.offloader)
             self._fresh += new
             self._cpu_stored += new
 
-    def extract(self, engine: Any, sub_id: str) -> KVPayload:
-        engine = _local(engine)
-        return extract_kv(engine, sub_id)
+    def extract(self, engine: EnginePort, request_id: str) -> KVPayload:
+        return _kv(engine).extract(request_id)
 
-    def inject(self, engine: Any, sub_id: str, prompt: list[int], first_token: int, params: Any,
+    def inject(self, engine: EnginePort, request_id: str, prompt: list[int], first_token: int, params: Any,
                payload: KVPayload | None) -> None:
-        engine = _local(engine)
-        inject_prefilled(engine, sub_id, prompt, first_token, params, payload)
+        _kv(engine).inject(request_id, prompt, first_token, params, payload)
 
     # ---- called through EngineLoop.call ----------------------------------------------------
-    def poll(self, engine: Any) -> dict[str, tuple[list[int], list[int]]]:
+    def poll(self, engine: EnginePort) -> dict[str, tuple[list[int], list[int]]]:
         """Per tier, (stored, evicted) stable hashes since the last poll."""
-        engine = _local(engine)
-        stored, evicted = self.tracker.poll(engine)
+        stored, evicted = _kv(engine).cache_events(self.tracker)
         out = {"device": (self._dev_stored + stored, self._dev_evicted + evicted)}
         self._dev_stored, self._dev_evicted = [], []
         if self.store is not None:
@@ -85,29 +84,28 @@ class EngineKV:
             self._cpu_stored, self._cpu_evicted = [], []
         return out
 
-    def held(self, engine: Any) -> dict[str, list[int]]:
+    def held(self, engine: EnginePort) -> dict[str, list[int]]:
         """Everything held per tier (for snapshots that heal lost events)."""
-        engine = _local(engine)
         out = {"device": self.tracker.held}
         if self.store is not None:
             out["cpu"] = [h for t in self.store.tiers for h in t.keys()]
         return out
 
-    def take_fresh(self, engine: Any) -> tuple[list[int], list[KVBlock]]:
+    def take_fresh(self, engine: EnginePort) -> tuple[list[int], list[KVBlock]]:
         """Newly offloaded blocks (at most share_limit) for the broker's shared tiers."""
         hashes, self._fresh = self._fresh[: self.share_limit], self._fresh[self.share_limit:]
         blocks = [self.store.get(h) for h in hashes] if self.store is not None else []
         kept = [(h, b) for h, b in zip(hashes, blocks, strict=True) if b is not None]
         return [h for h, _ in kept], [b for _, b in kept]
 
-    def put_local(self, engine: Any, hashes: list[int], blocks: list[KVBlock]) -> int:
+    def put_local(self, engine: EnginePort, hashes: list[int], blocks: list[KVBlock]) -> int:
         if self.store is None:
             return 0
         for h, b in zip(hashes, blocks, strict=False):
             self.store.put(h, b)
         return len(blocks)
 
-    def local_prefix(self, engine: Any, hashes: list[int]) -> int:
+    def local_prefix(self, engine: EnginePort, hashes: list[int]) -> int:
         """Leading blocks this worker already has (device prefix cache or local tier)."""
         device = set(self.tracker.held)
         n = 0

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from moebus.engine.port import EngineOutput
 from moebus.shared.messages import GenerateRequest, TokenChunk, TokenLogprob, TopLogprob
 
 
-def chunk_from_output(out: Any, req: GenerateRequest, worker_id: str, index: int, seq: int,
+def chunk_from_output(out: EngineOutput, req: GenerateRequest, worker_id: str, index: int, seq: int,
                       tok: Any) -> TokenChunk:
     logprobs = None
     if out.logprobs is not None and req.params.logprobs is not None:
@@ -14,7 +15,7 @@ def chunk_from_output(out: Any, req: GenerateRequest, worker_id: str, index: int
                                                                               strict=False)]
     return TokenChunk(
         request_id=req.request_id, worker_id=worker_id, attempt=req.attempt, index=index, seq=seq,
-        token_ids=list(out.new_token_ids), text=getattr(out, "new_text", None), logprobs=logprobs,
+        token_ids=list(out.new_token_ids), text=out.new_text, logprobs=logprobs,
         finished=bool(out.finished), finish_reason=out.finish_reason if out.finished else None,
         num_prompt_tokens=int(out.num_prompt_tokens or 0), num_cached_tokens=int(out.num_cached_tokens or 0),
     )

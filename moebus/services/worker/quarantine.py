@@ -15,7 +15,7 @@ from typing import Any
 
 class Quarantine:
     def __init__(self, add: Callable[[Any], None]) -> None:
-        self._add = add  # puts a request (a worker's _Active) into the engine
+        self._add = add  # puts a request (a worker's Active) into the engine
         self._held: deque[Any] = deque()
         self._in_engine: set[str] = set()
         self._suspect: str | None = None  # the suspect in the engine now

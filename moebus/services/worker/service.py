@@ -2,8 +2,11 @@
 
 Lifecycle of a request: `generate.<id>` (admission: draining/unready -> unavailable, queue full ->
 overloaded) -> GenerateAccepted reply -> TokenChunks on `reply_to` -> done, or `abort.<id>`.
-n > 1 runs n engine requests ``<request_id>#<i>``. On drain, requests that have not produced a
-token are handed back (retryable error chunk) so the frontend reruns them elsewhere.
+The engine is any moebus.engine.port.EnginePort; n > 1 is one engine request whose choices the
+engine fans out (sharing the prompt's KV), each output naming its choice (TokenChunk.index). On
+drain, requests that have not produced a token are handed back (retryable error chunk) so the
+frontend reruns them elsewhere. Request counts live in one place, the Prometheus counter
+(counters.py), which stats() reads.
 Split requests (stage prefill / decode, see split.py) and the KV broker hooks (kv_link.py) are
 only wired up for real engines; the toy engine runs aggregated requests only.
 """
@@ -12,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from moebus.devmodel.toy import TOY_MODEL
+from moebus.engine.port import EngineOutput, EnginePort
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import (
     AbortRequest,
@@ -31,55 +36,44 @@ from moebus.shared.messages import (
     WorkerLost,
 )
 from moebus.shared.service import Service
-from moebus.shared.toy_model import TOY_MODEL
 
+from .active import Active
 from .config import WorkerConfig
+from .counters import RequestCounters
 from .engine_loop import AddFailed, EngineLoop, Prefilled
-from .engines import choice_params, make_engine
+from .engines import engine_params, make_engine
 from .outputs import chunk_from_output
 from .quarantine import Quarantine
 from .split import SplitStages
 
+if TYPE_CHECKING:
+    from .kv_engine import EngineKV
+    from .kv_link import WorkerKVLink
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Active:
-    req: GenerateRequest
-    trace_headers: dict[str, str]  # the generate span's context, for every chunk of the stream
-    accepted_at: float
-    seq: list[int] = field(default_factory=list)
-    open: set[int] = field(default_factory=set)  # choice indices not finished yet
-    started: bool = False  # some token went out: no longer safe to hand back for a rerun
-    params: list[Any] = field(default_factory=list)  # engine parameters per choice
-    first_token: int | None = None  # stage prefill: the token streamed, handed to the decode worker
-
-    def sub_ids(self) -> list[str]:
-        return [f"{self.req.request_id}#{i}" for i in sorted(self.open)]
 
 
 class WorkerService(Service):
     name = "worker"
 
-    def __init__(self, cfg: WorkerConfig, engine_factory: Any = None, **kw: Any) -> None:
+    def __init__(self, cfg: WorkerConfig, engine_factory: Callable[[], EnginePort] | None = None,
+                 **kw: Any) -> None:
         super().__init__(cfg, **kw)
         self.cfg: WorkerConfig = cfg
         self.served_model = cfg.served_model_name or cfg.model
         self.toy = cfg.model == TOY_MODEL  # a factory may wrap the toy engine too (fault-injection tests)
-        self._factory = engine_factory or (lambda: make_engine(cfg))
-        self.kv: Any = None  # EngineKV (real engines): engine-thread KV hooks
-        self.link: Any = None  # WorkerKVLink: transports, broker index and tiers
+        self._factory: Callable[[], EnginePort] = engine_factory or (lambda: make_engine(cfg))
+        self.kv: EngineKV | None = None  # real engines: engine-thread KV hooks
+        self.link: WorkerKVLink | None = None  # transports, broker index and tiers
         self.split = SplitStages(self)
         self.quarantine = Quarantine(self._add)  # suspects (their engine broke before) run alone
         self._beat_pending = False
-        self._active: dict[str, _Active] = {}
+        self._active: dict[str, Active] = {}
         self._outbox: asyncio.Queue[tuple[str, TokenChunk | Handoff, dict[str, str]] | None] = asyncio.Queue()
         self._loop: EngineLoop | None = None
         self._generate_sub: Subscription | None = None
-        self.counters = {"accepted": 0, "finished": 0, "aborted": 0, "rejected_overloaded": 0,
-                         "handed_back": 0, "failed": 0, "handed_off": 0}
         m = self.metrics
-        self._m_requests = m.counter("requests_total", "Requests by outcome", ["outcome"])
+        self.request_counts = RequestCounters(m)
         self._m_ttft = m.histogram("time_to_first_token_seconds", "Accept to first token")
         self._m_tokens = m.counter("generated_tokens_total", "Tokens generated")
         self._m_queue = m.gauge("queued_requests", "Requests waiting for their first token")
@@ -95,6 +89,11 @@ class WorkerService(Service):
 
     def model(self) -> str | None:
         return self.served_model
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Request counts by outcome (read from the Prometheus counter)."""
+        return self.request_counts.snapshot()
 
     def queued(self) -> int:
         return sum(1 for a in self._active.values() if not a.started)
@@ -153,12 +152,12 @@ class WorkerService(Service):
             await self._generate_sub.unsubscribe()  # the balancer now gets no-responders here
         for rid, a in list(self._active.items()):
             if not a.started:
-                self._fail(rid, ErrorCode.DRAINING, "worker draining", retryable=True, counter="handed_back")
+                self.fail(rid, ErrorCode.DRAINING, "worker draining", retryable=True, counter="handed_back")
         deadline = time.monotonic() + self.cfg.drain_grace_s
         while self._active and time.monotonic() < deadline and self.healthy:
             await asyncio.sleep(0.05)
         for rid in list(self._active):
-            self._fail(rid, ErrorCode.DRAINING, "worker stopped", retryable=True, counter="handed_back")
+            self.fail(rid, ErrorCode.DRAINING, "worker stopped", retryable=True, counter="handed_back")
         if self._loop is not None:
             await asyncio.to_thread(self._loop.stop)
         await self._outbox.put(None)
@@ -181,13 +180,12 @@ class WorkerService(Service):
         if req.request_id in self._active:
             return accepted  # a retried delivery of the same request: idempotent
         if self.queued() >= self.cfg.max_queued:
-            self.counters["rejected_overloaded"] += 1
-            self._m_requests.labels("overloaded").inc()
+            self.request_counts.inc("rejected_overloaded")
             raise ServiceError(ErrorCode.OVERLOADED, f"{self.instance_id} queue is full", retry_after=1)
         self.split.check(req)  # stage prefill / decode: ServiceError when it cannot run here
-        params = [choice_params(req.params, i, self.toy) for i in range(req.params.n)]  # ValueError -> 400
-        a = _Active(req, self.tracing.inject(), time.monotonic(), seq=[0] * req.params.n,
-                    open=set(range(req.params.n)), params=params)
+        params = engine_params(req.params, self.toy)  # ValueError -> 400
+        a = Active(req, self.tracing.inject(), time.monotonic(), params, seq=[0] * req.params.n,
+                   open=set(range(req.params.n)))
         self._active[req.request_id] = a
         if req.stage == "decode":
             a.seq[0] = 1  # the prefill worker sent chunk 0 (the first token)
@@ -196,16 +194,14 @@ class WorkerService(Service):
             self.spawn(self._fetch_then_add(a))  # the broker's tiers may hold this prompt's prefix
         else:
             self.quarantine.submit(a)
-        self.counters["accepted"] += 1
+        self.request_counts.inc("accepted")
         self._m_queue.set(self.queued())
         return accepted
 
-    def _add(self, a: _Active) -> None:
-        prefill = a.req.stage == "prefill"
-        for i, p in enumerate(a.params):
-            self._loop.add(f"{a.req.request_id}#{i}", a.req.prompt_token_ids, p, prefill_only=prefill)
+    def _add(self, a: Active) -> None:
+        self._loop.add(a.req.request_id, a.req.prompt_token_ids, a.params, prefill_only=a.req.stage == "prefill")
 
-    async def _fetch_then_add(self, a: _Active) -> None:
+    async def _fetch_then_add(self, a: Active) -> None:
         try:
             await self.link.fetch(a.req.prompt_token_ids)
         except Exception:  # the tiers are an optimisation: recompute instead
@@ -218,26 +214,23 @@ class WorkerService(Service):
         if a is None:
             return
         self.quarantine.done(req.request_id)
-        for sub in a.sub_ids():
-            self._loop.abort(sub)
-        self.counters["aborted"] += 1
-        self._m_requests.labels("aborted").inc()
+        self._loop.abort(req.request_id)
+        self.request_counts.inc("aborted")
 
     # ---- engine side -----------------------------------------------------------------------
-    def _on_outputs(self, outputs: list[Any], failed: list[AddFailed], prefilled: list[Prefilled] = ()) -> None:
+    def _on_outputs(self, outputs: Sequence[EngineOutput], failed: list[AddFailed],
+                    prefilled: list[Prefilled] = ()) -> None:
         for f in failed:
-            rid = f.sub_id.rsplit("#", 1)[0]
-            self._fail(rid, ErrorCode.BAD_REQUEST, f.error, retryable=False, counter="failed")
+            self.fail(f.request_id, ErrorCode.BAD_REQUEST, f.error, retryable=False, counter="failed")
         tok = self._loop.tokenizer
         for out in outputs:
-            rid, _, idx = out.request_id.rpartition("#")
+            rid, i = out.request_id, out.index
             a = self._active.get(rid)
-            if a is None or int(idx) not in a.open:
+            if a is None or i not in a.open:
                 continue  # aborted while the step ran
-            i = int(idx)
-            if getattr(out, "error", None):  # the engine failed this choice: the request fails whole
+            if out.error:  # the engine failed this choice: the request fails whole
                 code = ErrorCode.ENGINE_FAILED if out.retryable else ErrorCode.REQUEST_FAILED
-                self._fail(rid, code, out.error, retryable=out.retryable, counter="failed")
+                self.fail(rid, code, out.error, retryable=out.retryable, counter="failed")
                 continue
             chunk = chunk_from_output(out, a.req, self.instance_id, i, a.seq[i], tok)
             if a.req.stage == "decode":
@@ -254,12 +247,9 @@ class WorkerService(Service):
             if chunk.finished:
                 a.open.discard(i)
                 if not a.open:
-                    del self._active[rid]
-                    self.quarantine.done(rid)
-                    self.counters["finished"] += 1
-                    self._m_requests.labels("finished").inc()
+                    self.release(rid, "finished")
                     self._beat_soon()
-            self._outbox.put_nowait((a.req.reply_to, chunk, a.trace_headers))
+            self.send(a.req.reply_to, chunk, a.trace_headers)
         for p in prefilled:
             self.split.prefilled(p)
         self._m_queue.set(self.queued())
@@ -286,12 +276,28 @@ class WorkerService(Service):
         # front: failing a request releases the next held one into the engine.
         lost = [rid for rid in self._active if not (rebuilt and self.quarantine.holds(rid))]
         for rid in lost:
-            self._fail(rid, ErrorCode.ENGINE_FAILED, f"engine failed: {type(exc).__name__}: {exc}",
+            self.fail(rid, ErrorCode.ENGINE_FAILED, f"engine failed: {type(exc).__name__}: {exc}",
                        retryable=True, counter="failed")
         if self._loop is not None and self._loop.failed is not None:
             self.request_exit(f"engine failed for good: {type(exc).__name__}: {exc}")
 
-    def _fail(self, rid: str, code: ErrorCode, message: str, *, retryable: bool, counter: str) -> None:
+    # ---- the surface split.py works through ---------------------------------------------------
+    def active(self, rid: str) -> Active | None:
+        return self._active.get(rid)
+
+    def active_requests(self) -> list[Active]:
+        return list(self._active.values())
+
+    def release(self, rid: str, outcome: str) -> Active | None:
+        """The request leaves this worker with `outcome` (finished, handed_off) and no error chunk."""
+        a = self._active.pop(rid, None)
+        if a is not None:
+            self.quarantine.done(rid)
+            self.request_counts.inc(outcome)
+        return a
+
+    def fail(self, rid: str, code: ErrorCode, message: str, *, retryable: bool, counter: str) -> None:
+        """End the request with an error chunk (counted as `counter`); its engine request is aborted."""
         a = self._active.pop(rid, None)
         if a is None:
             return
@@ -299,13 +305,19 @@ class WorkerService(Service):
         if a.req.stage == "prefill":
             self.split.cancelled(a)
         if self._loop is not None and self._loop.failed is None:
-            for sub in a.sub_ids():
-                self._loop.abort(sub)
-        self.counters[counter] += 1
-        self._m_requests.labels(counter).inc()
+            self._loop.abort(rid)
+        self.request_counts.inc(counter)
         chunk = TokenChunk(request_id=rid, worker_id=self.instance_id, attempt=a.req.attempt, finished=True,
                            error=code.value, error_message=message, retryable=retryable)
-        self._outbox.put_nowait((a.req.reply_to, chunk, a.trace_headers))
+        self.send(a.req.reply_to, chunk, a.trace_headers)
+
+    def send(self, subject: str, message: TokenChunk | Handoff, headers: dict[str, str]) -> None:
+        """Publish in order after everything sent before (one publisher drains the outbox)."""
+        self._outbox.put_nowait((subject, message, headers))
+
+    def inject(self, a: Active, first_token: int, payload: Any) -> None:
+        """A decode half: admit the request prefilled elsewhere (payload None: recompute its prompt)."""
+        self._loop.inject(a.req.request_id, a.req.prompt_token_ids, first_token, a.params, payload)
 
     async def _publisher(self) -> None:
         # One consumer keeps each request's chunks in order.

@@ -7,75 +7,98 @@ with the first token (after the KV, so the decode worker knows whether to wait f
 Decode (stage "decode"): wait for the Handoff, take the KV (none or broken: recompute the
 prompt, same tokens, only slower), inject the request with its first token and stream from
 chunk 1 on. A prefill worker that never hands off makes this a retryable failure.
+
+The worker is asked through `SplitHost`, its small public surface (WorkerService satisfies it).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nats.aio.msg import Msg
 
 from moebus.shared.errors import ErrorCode, ServiceError
-from moebus.shared.messages import GenerateRequest, Handoff, WorkerLost
+from moebus.shared.messages import GenerateRequest, Handoff, TokenChunk, WorkerLost
+from moebus.shared.subjects import Subjects
 
+from .active import Active
 from .engine_loop import Prefilled
 
 if TYPE_CHECKING:
-    from .service import WorkerService, _Active
+    from .kv_link import WorkerKVLink
 
 log = logging.getLogger(__name__)
 
 
+class SplitHost(Protocol):
+    instance_id: str
+    subjects: Subjects
+    link: WorkerKVLink | None  # None: this worker's engine moves no KV
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task: ...
+
+    def active(self, rid: str) -> Active | None: ...
+
+    def active_requests(self) -> list[Active]: ...
+
+    def release(self, rid: str, outcome: str) -> Active | None: ...
+
+    def fail(self, rid: str, code: ErrorCode, message: str, *, retryable: bool, counter: str) -> None: ...
+
+    def send(self, subject: str, message: TokenChunk | Handoff, headers: dict[str, str]) -> None: ...
+
+    def inject(self, a: Active, first_token: int, payload: Any) -> None: ...
+
+
 class SplitStages:
-    def __init__(self, svc: WorkerService) -> None:
-        self.svc = svc
+    def __init__(self, host: SplitHost) -> None:
+        self.host = host
         self._handoffs: dict[str, asyncio.Future[Handoff]] = {}  # transfer id -> the decode side's wait
 
     def check(self, req: GenerateRequest) -> None:
         if req.stage == "aggregated":
             return
-        if self.svc.kv is None or self.svc.link is None:
+        link = self.host.link
+        if link is None:
             raise ServiceError(ErrorCode.UNAVAILABLE, "this worker's engine cannot split requests")
         if req.kv_transfer is None or req.params.n != 1:
             raise ServiceError(ErrorCode.BAD_REQUEST, "split requests need kv_transfer and n == 1")
-        if req.stage == "decode" and self.svc.link.receiver is None:
-            raise ServiceError(ErrorCode.UNAVAILABLE, f"{self.svc.instance_id} does not receive KV")
+        if req.stage == "decode" and link.receiver is None:
+            raise ServiceError(ErrorCode.UNAVAILABLE, f"{self.host.instance_id} does not receive KV")
 
     # ---- prefill side ----------------------------------------------------------------------
     def prefilled(self, p: Prefilled) -> None:
         """Engine thread extracted (and aborted) the request after its first token."""
-        rid = p.sub_id.rsplit("#", 1)[0]
-        a = self.svc._active.get(rid)
+        a = self.host.active(p.request_id)
         if a is None or a.req.stage != "prefill":
             return  # aborted meanwhile (maybe already replaced by a later attempt)
-        del self.svc._active[rid]
-        self.svc.counters["handed_off"] += 1
-        self.svc.spawn(self._hand_over(a, p.payload))
+        self.host.release(p.request_id, "handed_off")
+        self.host.spawn(self._hand_over(a, p.payload))
 
-    async def _hand_over(self, a: _Active, payload: Any) -> None:
+    async def _hand_over(self, a: Active, payload: Any) -> None:
         spec = a.req.kv_transfer
-        sent = await self.svc.link.send(payload, spec)
+        sent = await self.host.link.send(payload, spec)
         self._handoff(a, Handoff(request_id=a.req.request_id, attempt=a.req.attempt, first_token=a.first_token,
                                  kv_sent=sent))
 
-    def finished_at_first_token(self, a: _Active) -> None:
+    def finished_at_first_token(self, a: Active) -> None:
         self._handoff(a, Handoff(request_id=a.req.request_id, attempt=a.req.attempt, first_token=a.first_token,
                                  finished=True))
 
-    def cancelled(self, a: _Active) -> None:
+    def cancelled(self, a: Active) -> None:
         """The prefill half failed: let the decode worker drop its half now, not at its timeout."""
         self._handoff(a, Handoff(request_id=a.req.request_id, attempt=a.req.attempt))
 
-    def _handoff(self, a: _Active, h: Handoff) -> None:
+    def _handoff(self, a: Active, h: Handoff) -> None:
         # Through the outbox: after the first token's chunk, in order.
-        subject = self.svc.subjects.worker_handoff(a.req.kv_transfer.decode_worker)
-        self.svc._outbox.put_nowait((subject, h, a.trace_headers))
+        self.host.send(self.host.subjects.worker_handoff(a.req.kv_transfer.decode_worker), h, a.trace_headers)
 
     # ---- decode side -----------------------------------------------------------------------
     async def on_worker_lost(self, event: WorkerLost, _: Msg) -> None:
         """A prefill worker died: its pending halves will never be handed over."""
-        for a in list(self.svc._active.values()):
+        for a in self.host.active_requests():
             spec = a.req.kv_transfer
             if a.req.stage == "decode" and spec.prefill_worker == event.worker_id and spec.transfer_id in self._handoffs:
                 fut = self._handoffs[spec.transfer_id]
@@ -87,8 +110,8 @@ class SplitStages:
         if fut is not None and not fut.done():
             fut.set_result(h)
 
-    async def start_decode(self, a: _Active) -> None:
-        spec, rid, svc = a.req.kv_transfer, a.req.request_id, self.svc
+    async def start_decode(self, a: Active) -> None:
+        spec, rid, host = a.req.kv_transfer, a.req.request_id, self.host
         fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
         self._handoffs[spec.transfer_id] = fut
         try:
@@ -97,16 +120,15 @@ class SplitStages:
             h = None
         finally:
             self._handoffs.pop(spec.transfer_id, None)
-        if svc._active.get(rid) is not a:
+        if host.active(rid) is not a:
             return  # aborted while waiting
         if h is None or h.first_token is None:
-            svc._fail(rid, ErrorCode.WORKER_LOST, "the prefill stage did not hand over", retryable=True,
+            host.fail(rid, ErrorCode.WORKER_LOST, "the prefill stage did not hand over", retryable=True,
                       counter="failed")
             return
         if h.finished:  # the prefill worker's chunk already finished the request
-            del svc._active[rid]
-            svc.counters["finished"] += 1
+            host.release(rid, "finished")
             return
-        payload = await svc.link.receive(spec.transfer_id, spec.timeout_s) if h.kv_sent else None
-        if svc._active.get(rid) is a:
-            svc._loop.inject(f"{rid}#0", a.req.prompt_token_ids, h.first_token, a.params[0], payload)
+        payload = await host.link.receive(spec.transfer_id, spec.timeout_s) if h.kv_sent else None
+        if host.active(rid) is a:
+            host.inject(a, h.first_token, payload)

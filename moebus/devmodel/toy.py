@@ -1,8 +1,10 @@
-"""A torch-free stand-in for the engine and its tokenizer (model name "toy").
+"""A torch-free stand-in for the engine and its tokenizer (model name "toy"), for tests and smoke
+runs: not a served model.
 
-It follows the same contracts as moebus.engine (LLMEngine.add_request/abort_request/step/stats,
-the tokenizer's encode/decode/apply_chat_template/detokenizer), so the whole service stack can
-run and be tested in milliseconds without weights. Byte-level vocabulary (id = byte + 3), so
+ToyEngine satisfies the engine port (moebus.engine.port.EnginePort: add_request with n > 1
+fanned out into choices, abort_request, step, stats, close; no KV connector) and ToyTokenizer the
+tokenizer's encode/decode/apply_chat_template/detokenizer, so the whole service stack can run
+and be tested in milliseconds without weights. Byte-level vocabulary (id = byte + 3), so
 multi-byte characters span tokens like in real BPE. It "generates" a fixed sentence, then EOS.
 """
 from __future__ import annotations
@@ -63,16 +65,20 @@ class ToyEngineConfig:
 
 @dataclass
 class _Req:
-    request_id: str
+    request_id: str  # the engine's: "<group>#<index>" for a choice of an n > 1 request
     prompt: list[int]
     params: Any
     reply: list[int]
+    group: str = ""  # the caller's request id
+    index: int = 0
     out: list[int] = field(default_factory=list)
     blocks: int = 0
 
 
 @dataclass
 class ToyOutput:
+    """Satisfies moebus.engine.port.EngineOutput (no text: the frontend detokenizes)."""
+
     request_id: str
     new_token_ids: list[int]
     finished: bool
@@ -80,28 +86,55 @@ class ToyOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+    new_text: str | None = None
+    error: str | None = None
+    retryable: bool = False
 
 
 class ToyEngine:
+    lockstep = False
+    kv = None  # no paged KV to move: workers run it aggregated only
+
     def __init__(self, cfg: ToyEngineConfig | None = None) -> None:
         self.cfg = cfg or ToyEngineConfig()
         self.tokenizer = ToyTokenizer()
+        self.failed_steps_in_a_row = 0  # its steps never fail with nobody to blame
         self._waiting: deque[_Req] = deque()
         self._running: dict[str, _Req] = {}
+        self._groups: dict[str, int] = {}  # caller's request id -> live choices
         self._free = self.cfg.num_blocks
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0) -> None:
+        """params: anything with the sampling fields it reads (n, max_tokens, logprobs, structured)."""
+        if request_id in self._groups:
+            raise ValueError(f"duplicate request id {request_id}")
         if len(prompt_token_ids) >= self.cfg.max_model_len:  # the same check (and error type) as the engine
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.cfg.max_model_len}")
         structured = getattr(params, "structured", None)
-        reply = TOY_JSON if structured is not None else TOY_REPLY
-        self._waiting.append(_Req(request_id, list(prompt_token_ids), params, self.tokenizer.encode(reply)))
+        reply = self.tokenizer.encode(TOY_JSON if structured is not None else TOY_REPLY)
+        n = getattr(params, "n", 1) or 1
+        for k in range(n):  # its reply is fixed, so every choice (whatever its seed) gives the same
+            rid = request_id if n == 1 else f"{request_id}#{k}"
+            self._waiting.append(_Req(rid, list(prompt_token_ids), params, reply, request_id, k))
+        self._groups[request_id] = n
 
-    def abort_request(self, request_id: str) -> None:
-        req = self._running.pop(request_id, None)
-        if req is not None:
-            self._free += req.blocks
-        self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
+    def abort_request(self, request_id: str) -> bool:
+        """Every live choice of the request; False: none was live."""
+        live = self._groups.pop(request_id, 0)
+        for rid in [r for r, q in self._running.items() if q.group == request_id]:
+            self._free += self._running.pop(rid).blocks
+        self._waiting = deque(r for r in self._waiting if r.group != request_id)
+        return live > 0
+
+    def _finished(self, req: _Req) -> None:
+        self._free += self._running.pop(req.request_id).blocks
+        self._groups[req.group] -= 1
+        if not self._groups[req.group]:
+            del self._groups[req.group]
+
+    def close(self) -> None:
+        pass
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._running)
@@ -134,7 +167,8 @@ class ToyEngine:
             if req.params.logprobs is not None:
                 lp = [{token: -0.25, **{t: -1.0 - k for k, t in enumerate(range(3, 3 + req.params.logprobs))
                                         if t != token}}]
-            outputs.append(ToyOutput(req.request_id, [token], reason is not None, reason, len(req.prompt), 0, lp))
+            outputs.append(ToyOutput(req.group, [token], reason is not None, reason, len(req.prompt), 0, lp,
+                                     index=req.index))
             if reason is not None:
-                self.abort_request(req.request_id)
+                self._finished(req)
         return outputs

@@ -1,0 +1,89 @@
+"""The engine port: what a worker needs of the engine it runs (torch-free: services import it
+without loading an engine).
+
+Satisfied by `LLMEngine` (engine/llm_engine.py), the expert-parallel group's `DPEngine`
+(engine/distributed/dp_engine.py) and the toy engine (devmodel/toy.py);
+tests/engine/test_engine_port.py checks all three. The contract:
+
+- `add_request(request_id, prompt_token_ids, params, priority=0)` validates and queues; a request
+  it refuses raises (ValueError for bad input) and leaves nothing behind. `params.n > 1` fans out
+  inside the engine: n choices, choice i seeded `params.seed + i`, the later ones waiting for the
+  first one's prefill so that they share the prompt's KV blocks.
+- `step()` runs one step and returns its outputs: each names the caller's `request_id` and the
+  choice `index`; `error` set (finish_reason "error") fails that choice, `retryable` when the
+  fault was the step's and another engine may run it.
+- `abort_request(request_id)` ends every choice of the request and frees its KV (False: none live).
+- `failed_steps_in_a_row`: steps that failed with nobody to blame (the owner may rebuild the engine).
+- `lockstep`: `step()` is a collective; call it every iteration, idle or not (see `LockstepEngine`).
+- `kv`: the engine's KV connector (extract / inject / load a prefix / cache events / offload), or
+  None when the engine has no paged KV to move (the toy engine).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class EngineOutput(Protocol):
+    request_id: str  # as given to add_request
+    index: int  # the choice (0 .. n-1)
+    new_token_ids: list[int]
+    new_text: str | None  # None: the engine does not detokenize (the frontend does)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[dict[int, float]] | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None
+    retryable: bool
+
+
+@runtime_checkable
+class KVConnectorPort(Protocol):
+    """Moves a request's KV in and out of an engine; call on the engine's thread, between steps."""
+
+    @property
+    def namespace(self) -> str: ...  # engines with equal namespaces can exchange blocks
+
+    @property
+    def block_size(self) -> int: ...
+
+    def extract(self, request_id: str) -> Any: ...  # KVPayload of the request's computed prompt
+
+    def inject(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: Any,
+               payload: Any) -> Any: ...  # admit a request prefilled elsewhere (payload None: recompute)
+
+    def load_prefix(self, request_id: str, store: Any, namespace: str | None = None) -> int: ...
+
+    def cache_events(self, tracker: Any) -> tuple[list[int], list[int]]: ...  # (stored, evicted) hashes
+
+    def offload(self, offloader: Any) -> list[int]: ...  # stable hashes newly copied to the store
+
+
+@runtime_checkable
+class EnginePort(Protocol):
+    tokenizer: Any  # encode / decode / eos_token_ids (the worker decodes logprob tokens with it)
+    lockstep: bool
+    failed_steps_in_a_row: int
+
+    @property
+    def kv(self) -> KVConnectorPort | None: ...
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                    priority: int = 0) -> None: ...
+
+    def abort_request(self, request_id: str) -> bool: ...
+
+    def step(self) -> Sequence[EngineOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> Mapping[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class LockstepEngine(EnginePort, Protocol):
+    group_idle: bool  # set by step(): no rank of the group had work

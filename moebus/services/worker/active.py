@@ -1,0 +1,19 @@
+"""A request a worker holds, from its acceptance to its last chunk."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from moebus.shared.messages import GenerateRequest
+
+
+@dataclass(slots=True)
+class Active:
+    req: GenerateRequest
+    trace_headers: dict[str, str]  # the generate span's context, for every chunk of the stream
+    accepted_at: float
+    params: Any  # engine parameters (all n choices: the engine fans out)
+    seq: list[int] = field(default_factory=list)  # next chunk sequence number per choice
+    open: set[int] = field(default_factory=set)  # choice indices not finished yet
+    started: bool = False  # some token went out: no longer safe to hand back for a rerun
+    first_token: int | None = None  # stage prefill: the token streamed, handed to the decode worker
