@@ -93,8 +93,12 @@ class ToyOutput:
 
 
 class ToyEngine:
+    """Satisfies moebus.engine.port.EnginePort."""
+
     lockstep = False
     kv = None  # no paged KV to move: workers run it aggregated only
+    tokenizer: ToyTokenizer
+    failed_steps_in_a_row: int
 
     def __init__(self, cfg: ToyEngineConfig | None = None) -> None:
         self.cfg = cfg or ToyEngineConfig()

@@ -32,6 +32,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.hits = 0
         self.queries = 0
+        self.allocated = 0  # blocks taken from the free list (prefix-cache hits not counted)
 
     @property
     def num_free_blocks(self) -> int:
@@ -46,6 +47,7 @@ class BlockManager:
 
     def _pop_free(self) -> int:
         bid, _ = self.free.popitem(last=False)
+        self.allocated += 1
         blk = self.blocks[bid]
         if blk.block_hash is not None:  # evict from the prefix cache
             if self.cached.get(blk.block_hash) == bid:

@@ -148,7 +148,8 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_blocks_free": bm.num_free_blocks, "kv_blocks_total": len(bm.blocks),
                 "kv_usage": round(bm.usage, 4), "prefix_cache_queries": bm.queries,
-                "prefix_cache_hits": bm.hits, "spec_acceptance_rate": self.spec_stats.acceptance_rate,
+                "prefix_cache_hits": bm.hits, "kv_blocks_allocated": bm.allocated,
+                "spec_acceptance_rate": self.spec_stats.acceptance_rate,
                 "steps": self.stats_.steps}
 
     # --- public verbs for KV movement (the KV connector, engine/kv_connector.py) ---------------
