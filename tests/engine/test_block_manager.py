@@ -66,3 +66,21 @@ def test_uncomputed_blocks_are_not_published():
     a.num_computed_tokens = 5  # a chunk computed only the first block
     bm.cache_blocks(a)
     assert len(bm.cached) == 1
+
+
+def test_cached_prefix_and_allocation_counters():
+    bm = BlockManager(8, 4)
+    a = _req(range(12), "a")
+    bm.allocate(a, 12)
+    a.num_computed_tokens = 12
+    bm.cache_blocks(a)
+    hashes = bm.full_block_hashes(a)
+    assert bm.cached_prefix(hashes[:2] + [12345] + hashes[2:]) == a.block_ids[:2]
+    assert bm.is_cached(hashes[0]) and not bm.is_cached(12345) and bm.queries == 0
+    assert bm.num_free_of(a.block_ids) == 0 and bm.allocated == 3
+    bm.free_request(a)
+    b = _req(list(range(12)) + [5], "b")
+    hits = bm.match_prefix(b)
+    assert bm.num_free_of(hits) == 3
+    bm.allocate(b, b.num_tokens, hits)
+    assert bm.allocated == 4  # the three cached blocks were reused, one fresh block taken

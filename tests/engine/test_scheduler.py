@@ -73,3 +73,27 @@ def test_abort_frees_blocks():
     assert s.bm.num_free_blocks < 64
     s.abort("a")
     assert s.bm.num_free_blocks == 64 and not s.has_unfinished()
+
+
+def test_prefilled_kv_is_reserved_then_admitted():
+    """KV from elsewhere (a prefill engine): blocks reserved past the cached prefix, filled by the
+    caller, then counted computed and run (or left waiting with its KV when there is no room)."""
+    s = _sched(blocks=8, bs=4, seqs=1)
+    prompt = list(range(10))
+    a = Request("a", prompt, SamplingParams())
+    s.add(a)
+    fresh = s.reserve_prefilled(a, 10)
+    assert fresh == a.block_ids and len(fresh) == 3 and a.status is RequestStatus.WAITING
+    s.admit_prefilled(a, 10)
+    assert a.num_computed_tokens == 10 and a.status is RequestStatus.RUNNING and s.running == [a]
+    assert s.holding_kv() == [a]
+    b = Request("b", prompt + [7], SamplingParams())  # shares a's two full blocks
+    s.add(b)
+    hits = s.bm.match_prefix(b)
+    fresh = s.reserve_prefilled(b, 11, hits)
+    assert len(hits) == 2 and fresh == b.block_ids[2:] and len(fresh) == 1
+    s.admit_prefilled(b, 11)
+    assert b.status is RequestStatus.WAITING and s.holding_kv() == [a, b]  # max_num_seqs 1: it waits
+    c = Request("c", list(range(100, 140)), SamplingParams())
+    s.add(c)
+    assert s.reserve_prefilled(c, 40) is None and c.block_ids == []  # does not fit: nothing changes
