@@ -6,6 +6,7 @@ dependencies and nothing of the source tree on the path.
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -25,9 +26,13 @@ for name in names:
 
 
 def test_wheel_ships_and_imports_every_module(tmp_path: Path) -> None:
-    dist = tmp_path / "dist"
+    # A clean copy: setuptools' build/ folder in the tree would carry files deleted since.
+    src, dist = tmp_path / "src", tmp_path / "dist"
+    shutil.copytree(ROOT / "moebus", src / "moebus", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(dist), str(ROOT)], check=True, cwd=tmp_path)
+                    str(dist), str(src)], check=True, cwd=tmp_path)
     (wheel,) = dist.glob("moebus-*.whl")
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
@@ -38,8 +43,9 @@ def test_wheel_ships_and_imports_every_module(tmp_path: Path) -> None:
     assert in_tree <= shipped, sorted(in_tree - shipped)
     assert any(p.name.endswith(".c") for p in (site / "moebus" / "kernels" / "csrc").iterdir())
     # -P: not the working directory on sys.path; PYTHONPATH puts the wheel before the editable install.
-    out = subprocess.run([sys.executable, "-P", "-c", IMPORT_ALL, str(site)], check=True, cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-P", "-c", IMPORT_ALL, str(site)], cwd=tmp_path,
                          capture_output=True, text=True, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-3000:]
     imported = set(out.stdout.split())
     modules = {p.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for p in shipped}
     assert imported == modules - {"moebus"}

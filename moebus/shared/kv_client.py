@@ -31,7 +31,7 @@ from .subjects import Subjects
 
 log = logging.getLogger(__name__)
 
-# What a failed transfer raises: the engine's KVTransferError (and KVTransferTimeout) are
+# What a failed transfer raises: moebus.kvtransport.KVTransferError (and KVTransferTimeout) are
 # RuntimeErrors; shared memory fails with OSError; a torn payload with ValueError.
 TRANSFER_ERRORS: tuple[type[Exception], ...] = (RuntimeError, OSError, ValueError)
 
@@ -48,7 +48,7 @@ class BlockPayload(Protocol):
 
 @runtime_checkable
 class BlockTransport(Protocol):
-    """Moves one payload by transfer id (engine.kv_transfer.KVTransport); raises TRANSFER_ERRORS."""
+    """Moves one payload by transfer id (moebus.kvtransport.KVTransport); raises TRANSFER_ERRORS."""
 
     @property
     def address(self) -> str: ...

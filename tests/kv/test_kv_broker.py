@@ -181,7 +181,8 @@ async def test_broker_stops_cleanly_after_nats_died():
 
 def test_engine_transports_satisfy_the_shared_client_seam():
     """shared.kv_client types the seam it needs without importing the engine: these must fit it."""
-    from moebus.engine.kv_transfer import KVPayload, NatsKVTransport, ShmKVTransport
+    from moebus.engine.kv_transfer import KVPayload
+    from moebus.kvtransport import NatsKVTransport, ShmKVTransport
     from moebus.shared.kv_client import BlockPayload, BlockTransport
 
     assert isinstance(NatsKVTransport(None, "a.b"), BlockTransport)

@@ -6,17 +6,9 @@ import asyncio
 import nats
 import pytest
 
-from moebus.engine.kv_transfer import (
-    KVTransferTimeout,
-    NatsKVTransport,
-    ShmKVTransport,
-    ShmTransportConfig,
-    extract_kv,
-    inject_prefilled,
-    kv_namespace,
-    prefill,
-)
+from moebus.engine.kv_transfer import extract_kv, inject_prefilled, kv_namespace, prefill
 from moebus.engine.sampling import SamplingParams
+from moebus.kvtransport import KVTransferTimeout, NatsKVTransport, ShmKVTransport, ShmTransportConfig
 
 from .conftest import GREEDY, run
 

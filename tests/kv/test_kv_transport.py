@@ -10,17 +10,16 @@ import nats
 import pytest
 import torch
 
-from moebus.engine.kv_transfer import (
-    KVPayload,
+from moebus.engine.kv_transfer import KVPayload, stable_block_hashes
+from moebus.kvtransport import (
     KVTransferError,
     KVTransferTimeout,
     NatsKVTransport,
     NatsTransportConfig,
     ShmKVTransport,
     ShmTransportConfig,
-    stable_block_hashes,
 )
-from moebus.engine.kv_transfer.nats_transport import H_BYTES, H_CRC, H_ID, H_SEQ, H_TOTAL
+from moebus.kvtransport.nats import H_BYTES, H_CRC, H_ID, H_SEQ, H_TOTAL
 
 
 def make_payload(num_blocks: int = 5, layers: int = 4, heads: int = 3, dim: int = 64, seed: int = 0) -> KVPayload:

@@ -20,7 +20,8 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from moebus.engine.kv_tiers import CpuTier, DiskTier, Tier, TieredKVStore
-from moebus.engine.kv_transfer import KVPayload, KVTransferError, NatsKVTransport, NatsTransportConfig
+from moebus.engine.kv_transfer import KVPayload
+from moebus.kvtransport import KVTransferError, NatsKVTransport, NatsTransportConfig
 from moebus.shared.messages import (
     BROKER_HOLDER,
     BlockGet,

@@ -12,9 +12,8 @@ from typing import Any, Self
 from nats.aio.client import Client as NATS
 
 from moebus.engine.kv_tiers import TieredKVStore
-from moebus.engine.kv_transfer import (
-    KVBlock,
-    KVPayload,
+from moebus.engine.kv_transfer import KVBlock, KVPayload
+from moebus.kvtransport import (
     KVTransferError,
     KVTransport,
     NatsKVTransport,

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from moebus.engine.kv_transfer.payload import KVPayload
-from moebus.engine.kv_transfer.transport import KVTransferError, KVTransferTimeout, KVTransport
+from moebus.kvtransport.base import KVTransferError, KVTransferTimeout, KVTransport
 
 log = logging.getLogger(__name__)
 H_ID, H_SEQ, H_TOTAL, H_BYTES, H_CRC = ("Moebus-Kv-Id", "Moebus-Kv-Seq", "Moebus-Kv-Total", "Moebus-Kv-Bytes",
