@@ -15,9 +15,10 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from moebus.services.balancer import BalancerConfig, BalancerService
 from moebus.services.frontend import FrontendConfig, start_frontend
+from moebus.services.launcher import Stack, StackConfig
 from moebus.services.tokenizer import TokenizerConfig, TokenizerService
 from moebus.services.worker import WorkerConfig, WorkerService
-from moebus.shared.nats_server import NatsServer
+from moebus.shared.nats_server import NatsServer, free_port
 
 HEARTBEAT = 0.1  # fast heartbeats: dead workers are noticed in ~0.3 s
 
@@ -87,4 +88,20 @@ async def toy_stack(nats_url: str, *, workers: int = 1, engine: dict | None = No
 @pytest.fixture
 async def stack(nats_server: NatsServer) -> AsyncIterator[ToyStack]:
     async with toy_stack(nats_server.url) as s:
+        yield s
+
+
+def real_model_stack(tmp_path_factory: pytest.TempPathFactory, **cfg: Any) -> Iterator[Stack]:
+    """The whole stack as real processes on the embedded SmolLM2 (skipped without it); for module
+    fixtures: `yield from real_model_stack(tmp_path_factory, workers=2, ...)`."""
+    try:
+        from moebus.engine.loader.gguf_file import embedded_gguf_path
+
+        embedded_gguf_path()
+    except Exception:
+        pytest.skip("the embedded SmolLM2 GGUF is not available")
+    stack_cfg = StackConfig(**{"port": free_port(), "host": "127.0.0.1", "model": "smollm2",
+                               "heartbeat_interval_s": 0.25, "log_dir": str(tmp_path_factory.mktemp("logs")),
+                               **cfg})
+    with Stack(stack_cfg) as s:
         yield s

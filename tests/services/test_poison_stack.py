@@ -11,14 +11,15 @@ import aiohttp
 import openai
 import pytest
 
-from moebus.services.launcher import Stack, StackConfig
+from moebus.services.launcher import Stack
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import GenerateAccepted
-from moebus.shared.nats_server import free_port
 from moebus.shared.service import Empty, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
+
+from .conftest import real_model_stack
 
 pytest.importorskip("torch")
 MSG = [{"role": "user", "content": "Say hi."}]
@@ -28,18 +29,8 @@ WORKERS = ("worker-0", "worker-1")
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    try:
-        from moebus.engine.loader.gguf_file import embedded_gguf_path
-
-        embedded_gguf_path()
-    except Exception:
-        pytest.skip("the embedded SmolLM2 GGUF is not available")
-    cfg = StackConfig(port=free_port(), host="127.0.0.1", model="smollm2", workers=2, heartbeat_interval_s=0.25,
-                      engine={"num_kv_blocks": 128, "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN},
-                      worker={"torch_threads": 1}, ready_timeout_s=300,
-                      log_dir=str(tmp_path_factory.mktemp("logs")))
-    with Stack(cfg) as s:
-        yield s
+    yield from real_model_stack(tmp_path_factory, workers=2, worker={"torch_threads": 1}, ready_timeout_s=300,
+                                engine={"num_kv_blocks": 128, "max_num_seqs": 8, "max_model_len": MAX_MODEL_LEN})
 
 
 def client(stack: Stack) -> openai.AsyncOpenAI:

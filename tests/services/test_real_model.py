@@ -7,12 +7,13 @@ import json
 import openai
 import pytest
 
-from moebus.services.launcher import Stack, StackConfig
+from moebus.services.launcher import Stack
 from moebus.shared.bus import Bus, BusConfig
-from moebus.shared.nats_server import free_port
 from moebus.shared.service import Empty, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
+
+from .conftest import real_model_stack
 
 pytest.importorskip("torch")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -20,17 +21,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    try:
-        from moebus.engine.loader.gguf_file import embedded_gguf_path
-
-        embedded_gguf_path()
-    except Exception:
-        pytest.skip("the embedded SmolLM2 GGUF is not available")
-    cfg = StackConfig(port=free_port(), host="127.0.0.1", model="smollm2", workers=1, heartbeat_interval_s=0.25,
-                      engine={"num_kv_blocks": 256, "max_num_seqs": 8}, ready_timeout_s=180,
-                      log_dir=str(tmp_path_factory.mktemp("logs")))
-    with Stack(cfg) as s:
-        yield s
+    yield from real_model_stack(tmp_path_factory, workers=1, engine={"num_kv_blocks": 256, "max_num_seqs": 8},
+                                ready_timeout_s=180)
 
 
 def client(stack: Stack) -> openai.AsyncOpenAI:
