@@ -1,4 +1,4 @@
-"""`moebus` command line: generate (offline engine), up / serve (services)."""
+"""`moebus` command line: generate (offline engine), up / serve (services), loadtest."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         from moebus.services.cli import add_cli_commands
 
         add_cli_commands(sub)
+    from moebus.loadtest.cli import add_cli_commands as add_loadtest
+
+    add_loadtest(sub)
     return parser
 
 

@@ -1,0 +1,74 @@
+"""The request list a load test replays, and its shaping: a time window, a time scale (speed-up),
+a length scale and caps. Every reader (formats.py, synthetic.py) yields TraceRequests."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+BLOCK_TOKENS = 512  # Mooncake: each hash id stands for one block of this many prompt tokens
+
+
+class TraceError(ValueError):
+    """A trace file (or one of its rows) that cannot be read; the message names the file and line."""
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    arrival_s: float  # relative to the trace's first request
+    input_tokens: int  # prompt length (ignored when text or messages are given)
+    output_tokens: int  # forced output length
+    hash_ids: list[int] = field(default_factory=list)  # shared ids = shared prefix blocks
+    text: str | None = None  # a literal prompt (aiperf text_input)
+    messages: list[dict] | None = None  # a literal chat (aiperf messages)
+    line: int = 0  # source line, for messages
+
+
+@dataclass(slots=True)
+class Shaping:
+    """How a trace sized for a GPU fleet is fitted to the machine under test (the report states it)."""
+
+    start_s: float = 0.0  # window start, in trace time
+    duration_s: float | None = None  # window length, in trace time (None: to the end)
+    time_scale: float = 1.0  # speed-up: 2.0 replays the trace twice as fast
+    length_scale: float = 1.0  # input and output lengths (and the prefix block size) are multiplied by this
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.time_scale <= 0 or self.length_scale <= 0:
+            raise ValueError("time_scale and length_scale must be > 0")
+        if self.start_s < 0 or (self.duration_s is not None and self.duration_s <= 0):
+            raise ValueError("start must be >= 0 and duration > 0")
+
+    @property
+    def block_tokens(self) -> int:
+        return max(1, round(BLOCK_TOKENS * self.length_scale))
+
+    def apply(self, reqs: list[TraceRequest]) -> list[TraceRequest]:
+        """The window, re-based to 0 and sped up; lengths scaled (>= 1) and capped."""
+        reqs = sorted(reqs, key=lambda r: r.arrival_s)
+        end = None if self.duration_s is None else self.start_s + self.duration_s
+        win = [r for r in reqs if r.arrival_s >= self.start_s and (end is None or r.arrival_s < end)]
+        if self.max_requests is not None:
+            win = win[: self.max_requests]
+        out = []
+        for r in win:
+            n_in = _cap(max(1, round(r.input_tokens * self.length_scale)), self.max_input_tokens)
+            n_out = _cap(max(1, round(r.output_tokens * self.length_scale)), self.max_output_tokens)
+            out.append(replace(r, arrival_s=(r.arrival_s - self.start_s) / self.time_scale,
+                               input_tokens=n_in, output_tokens=n_out))
+        if out:  # the window's first request starts the clock
+            t0 = out[0].arrival_s
+            for r in out:
+                r.arrival_s -= t0
+        return out
+
+    def describe(self) -> dict:
+        return {"start_s": self.start_s, "duration_s": self.duration_s, "time_scale": self.time_scale,
+                "length_scale": self.length_scale, "block_tokens": self.block_tokens,
+                "max_input_tokens": self.max_input_tokens, "max_output_tokens": self.max_output_tokens,
+                "max_requests": self.max_requests}
+
+
+def _cap(n: int, cap: int | None) -> int:
+    return n if cap is None else max(1, min(n, cap))
