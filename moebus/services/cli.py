@@ -19,7 +19,8 @@ def _up(args: argparse.Namespace) -> int:
               api_keys=args.api_key or [], heartbeat_interval_s=args.heartbeat_interval,
               max_queued=args.max_queued, engine=json.loads(args.engine), log_dir=args.log_dir,
               mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-              kvbroker=False if args.no_kvbroker else None, worker=worker)
+              kvbroker=False if args.no_kvbroker else None, worker=worker,
+              balancer={"policy": args.balancer_policy})
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -52,6 +53,8 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--prefill-workers", type=int, default=1)
     u.add_argument("--decode-workers", type=int, default=1)
     u.add_argument("--no-kvbroker", action="store_true", help="no KV broker (no KV-aware routing, no shared tiers)")
+    u.add_argument("--balancer-policy", choices=("kv", "round_robin", "random"), default="kv",
+                   help="routing: KV overlap + load (default), or a baseline to compare against")
     u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
     u.add_argument("--worker", default="{}", help='extra WorkerConfig fields as JSON, e.g. \'{"kv_cpu_bytes": 1e9}\'')
     u.set_defaults(func=_up)

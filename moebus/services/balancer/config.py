@@ -14,6 +14,10 @@ class BalancerConfig(ServiceConfig):
     # first token, a decode worker (which receives the KV) the rest.
     mode: Literal["aggregated", "disaggregated"] = "aggregated"
     kv_aware: bool = True  # rank workers by the prompt prefix they cache (KV broker index)
+    # kv: the KV-aware + load ranking (least loaded without KV info); round_robin / random:
+    # baselines for comparing routing on the same trace (policy.py)
+    policy: Literal["kv", "round_robin", "random"] = "kv"
+    policy_seed: int | None = None  # random: a fixed seed for repeatable runs
     kv_query_timeout_s: float = 0.25
     # How long a decode worker waits for its prefill half (a queued prefill may take long; a dead
     # prefill worker fails its halves at once through balancer.worker_lost).

@@ -34,6 +34,7 @@ from moebus.shared.subjects import Queues
 
 from .config import BalancerConfig
 from .kv_rank import KVRanker
+from .policy import StaticOrder
 from .table import WorkerEntry, WorkerTable
 
 PREFILL, DECODE = ("prefill", "both"), ("decode", "both")
@@ -58,15 +59,17 @@ class BalancerService(Service):
         self._m_lost = self.metrics.counter("workers_lost_total", "Workers dropped for missed heartbeats")
         self._m_workers = self.metrics.gauge("workers", "Workers in the table")
         self.ranker: KVRanker | None = None
+        self.static = None if cfg.policy == "kv" else StaticOrder(cfg.policy, cfg.policy_seed)
         self.picks: dict[str, int] = {}  # worker id -> requests routed there (both halves of splits)
 
     def stats(self) -> dict[str, Any]:
         kv = {"queries": self.ranker.queries, "hits": self.ranker.hits} if self.ranker else {}
-        return {"workers": self.table.snapshot(), "mode": self.cfg.mode, "kv": kv, "picks": dict(self.picks)}
+        return {"workers": self.table.snapshot(), "mode": self.cfg.mode, "policy": self.cfg.policy, "kv": kv,
+                "picks": dict(self.picks)}
 
     async def setup(self) -> None:
         s = self.subjects
-        if self.cfg.kv_aware:
+        if self.cfg.kv_aware and self.cfg.policy == "kv":
             self.ranker = KVRanker(self.bus, self.subjects, self.cfg.kv_query_timeout_s)
         await self.bus.subscribe(s.heartbeat_all("worker"), Heartbeat, self._on_heartbeat, concurrent=False,
                                  endpoint="heartbeat")
@@ -105,6 +108,8 @@ class BalancerService(Service):
     async def _ordered(self, req: GenerateRequest, tried: set[str], roles: tuple[str, ...] | None,
                        kv_aware: bool = True) -> list[WorkerEntry]:
         cands = self.table.candidates(req.model, time.monotonic(), tried, roles)
+        if self.static is not None:
+            return self.static.order(cands)
         if kv_aware and self.ranker is not None:
             cands = await self.ranker.order(req.prompt_token_ids, cands)
         return cands
