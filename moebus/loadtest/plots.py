@@ -117,7 +117,8 @@ def plot_compare(runs: dict[str, list[RequestRecord]], path: Path) -> Path:
                           (axes[1][1], "output tok/s over time", "s since start")):
         ax.set(title=title, xlabel=xl)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
     return _save(plt, fig, path, "")
 
 
