@@ -53,7 +53,9 @@ class Shaping:
             win = win[: self.max_requests]
         out = []
         for r in win:
-            n_in = _cap(max(1, round(r.input_tokens * self.length_scale)), self.max_input_tokens)
+            literal = r.text is not None or r.messages is not None  # its length is what it is
+            n_in = r.input_tokens if literal else _cap(max(1, round(r.input_tokens * self.length_scale)),
+                                                       self.max_input_tokens)
             n_out = _cap(max(1, round(r.output_tokens * self.length_scale)), self.max_output_tokens)
             out.append(replace(r, arrival_s=(r.arrival_s - self.start_s) / self.time_scale,
                                input_tokens=n_in, output_tokens=n_out))
