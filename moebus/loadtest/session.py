@@ -90,6 +90,8 @@ def finish(run_dir: Path, slo: SLO | None = None, plots: bool = True, echo: bool
         plot_run(records, run_dir, run_dir.name)
     if echo:
         print(table({run_dir.name: summary}))
+        if meta.get("interrupted"):
+            print(f"interrupted: {len(records)} of {meta.get('requests_planned')} requests recorded")
         sh = meta.get("shaping", {})
         if sh:
             print(f"scale: time x{sh['time_scale']} (speed-up), lengths x{sh['length_scale']} "
