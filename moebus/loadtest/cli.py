@@ -43,7 +43,7 @@ def _run(args: argparse.Namespace) -> int:
             trace = synthetic_trace(spec)
             source = {"synthetic": {k: getattr(spec, k) for k in spec.__slots__}}
         shaping = Shaping(args.start, args.duration, args.time_scale, args.length_scale, args.max_input_tokens,
-                          args.max_output_tokens, args.max_requests)
+                          args.max_output_tokens, args.max_requests, args.output_scale)
         pacing = Pacing(args.max_in_flight, args.concurrency)
     except (TraceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -116,6 +116,7 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     sh.add_argument("--duration", type=float, default=None, help="window length, trace seconds")
     sh.add_argument("--time-scale", type=float, default=1.0, help="speed-up: 2 replays twice as fast")
     sh.add_argument("--length-scale", type=float, default=1.0, help="multiply input/output lengths (and blocks)")
+    sh.add_argument("--output-scale", type=float, default=None, help="output lengths only (default: --length-scale)")
     sh.add_argument("--max-input-tokens", type=int, default=None)
     sh.add_argument("--max-output-tokens", type=int, default=None)
     sh.add_argument("--max-requests", type=int, default=None)

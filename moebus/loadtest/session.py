@@ -94,7 +94,9 @@ def finish(run_dir: Path, slo: SLO | None = None, plots: bool = True, echo: bool
             print(f"interrupted: {len(records)} of {meta.get('requests_planned')} requests recorded")
         sh = meta.get("shaping", {})
         if sh:
+            out = sh.get("output_scale")
             print(f"scale: time x{sh['time_scale']} (speed-up), lengths x{sh['length_scale']} "
+                  f"{'' if out is None else f'(outputs x{out}) '}"
                   f"(caps in {sh['max_input_tokens']} / out {sh['max_output_tokens']}), "
                   f"window {sh['start_s']} s + {sh['duration_s']} s")
     return summary

@@ -33,10 +33,11 @@ class Shaping:
     max_input_tokens: int | None = None
     max_output_tokens: int | None = None
     max_requests: int | None = None
+    output_scale: float | None = None  # output lengths only (None: length_scale)
 
     def __post_init__(self) -> None:
-        if self.time_scale <= 0 or self.length_scale <= 0:
-            raise ValueError("time_scale and length_scale must be > 0")
+        if min(self.time_scale, self.length_scale, 1.0 if self.output_scale is None else self.output_scale) <= 0:
+            raise ValueError("time_scale, length_scale and output_scale must be > 0")
         if self.start_s < 0 or (self.duration_s is not None and self.duration_s <= 0):
             raise ValueError("start must be >= 0 and duration > 0")
 
@@ -56,7 +57,8 @@ class Shaping:
             literal = r.text is not None or r.messages is not None  # its length is what it is
             n_in = r.input_tokens if literal else _cap(max(1, round(r.input_tokens * self.length_scale)),
                                                        self.max_input_tokens)
-            n_out = _cap(max(1, round(r.output_tokens * self.length_scale)), self.max_output_tokens)
+            out_scale = self.length_scale if self.output_scale is None else self.output_scale
+            n_out = _cap(max(1, round(r.output_tokens * out_scale)), self.max_output_tokens)
             out.append(replace(r, arrival_s=(r.arrival_s - self.start_s) / self.time_scale,
                                input_tokens=n_in, output_tokens=n_out))
         if out:  # the window's first request starts the clock
@@ -67,7 +69,7 @@ class Shaping:
 
     def describe(self) -> dict:
         return {"start_s": self.start_s, "duration_s": self.duration_s, "time_scale": self.time_scale,
-                "length_scale": self.length_scale, "block_tokens": self.block_tokens,
+                "length_scale": self.length_scale, "output_scale": self.output_scale, "block_tokens": self.block_tokens,
                 "max_input_tokens": self.max_input_tokens, "max_output_tokens": self.max_output_tokens,
                 "max_requests": self.max_requests}
 

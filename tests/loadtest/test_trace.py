@@ -27,10 +27,11 @@ def test_length_scale_and_caps() -> None:
     assert sh.block_tokens == 5
     assert Shaping(length_scale=1e-6).apply(trace())[0].input_tokens == 1, "never below one token"
     assert Shaping(max_requests=2).apply(trace())[-1].arrival_s == 1.0
+    assert [r.output_tokens for r in Shaping(length_scale=0.01, output_scale=0.5).apply(trace())] == [50] * 5
 
 
 def test_bad_shaping() -> None:
-    for kw in ({"time_scale": 0}, {"length_scale": -1}, {"duration_s": 0}, {"start_s": -1}):
+    for kw in ({"time_scale": 0}, {"length_scale": -1}, {"duration_s": 0}, {"start_s": -1}, {"output_scale": 0}):
         with pytest.raises(ValueError):
             Shaping(**kw)
 
