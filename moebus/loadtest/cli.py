@@ -51,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
     name = args.name or f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(args.trace).stem if args.trace else 'synthetic'}"
     out = Path(args.out) if args.out else RESULTS / name
     lt = LoadTest(args.url, out, args.model, args.api_key, args.tokenizer, shaping, pacing,
-                  SLO(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000), args.shared_prefix_tokens, args.seed,
+                  SLO(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000), args.shared_prefix_tokens, args.prompt_seed,
                   args.timeout, not args.no_progress, not args.no_plots, source)
     run_loadtest(trace, lt)
     print(f"results: {out}")
@@ -122,7 +122,9 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     sh.add_argument("--max-requests", type=int, default=None)
     sh.add_argument("--shared-prefix-tokens", type=int, default=0,
                     help="a prefix common to every synthesised prompt (traces have no sharing otherwise)")
-    sh.add_argument("--seed", type=int, default=0)
+    sh.add_argument("--seed", type=int, default=0, help="synthetic arrivals and lengths")
+    sh.add_argument("--prompt-seed", type=int, default=None,
+                    help="prompt text (default: fresh per run, so reruns do not hit the previous run's cache)")
     pc = r.add_argument_group("pacing")
     pc.add_argument("--max-in-flight", type=int, default=None, help="open loop: bound on requests in flight")
     pc.add_argument("--concurrency", type=int, default=None, help="closed loop: this many users, no trace clock")

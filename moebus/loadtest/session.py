@@ -3,6 +3,7 @@ and plots into the run folder. `finish` (re)builds summary and plots from a run 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +29,9 @@ class LoadTest:
     pacing: Pacing = field(default_factory=Pacing)
     slo: SLO = field(default_factory=SLO)
     shared_prefix_tokens: int = 0  # a prefix common to every synthesised prompt (traces without hash ids)
-    seed: int = 0
+    # Seeds the prompt text. None: a fresh one per run, so a rerun against a warm server does not
+    # hit the prefix cache left by the previous run (the seed used is in meta.json).
+    prompt_seed: int | None = None
     timeout_s: float = 600.0
     progress: bool = True
     plots: bool = True
@@ -39,7 +42,10 @@ def build_prompts(reqs: list[TraceRequest], lt: LoadTest) -> list[str | None]:
     """Literal prompts as given; the others synthesised to their exact token count."""
     if all(r.text is not None or r.messages is not None for r in reqs):
         return [r.text for r in reqs]
-    synth = PromptSynth(load_tokenizer(lt.tokenizer), lt.shaping.block_tokens, lt.seed, lt.shared_prefix_tokens)
+    if lt.prompt_seed is None:
+        lt.prompt_seed = secrets.randbits(32)
+    synth = PromptSynth(load_tokenizer(lt.tokenizer), lt.shaping.block_tokens, lt.prompt_seed,
+                        lt.shared_prefix_tokens)
     return [r.text if r.text is not None or r.messages is not None else synth.prompt(r, i)
             for i, r in enumerate(reqs)]
 
@@ -52,7 +58,7 @@ def run_loadtest(trace: list[TraceRequest], lt: LoadTest) -> dict[str, Any]:
         raise ValueError("no request in the chosen window")
     prompts = build_prompts(reqs, lt)
     meta = {"url": lt.url, "model": lt.model, "tokenizer": lt.tokenizer, "source": lt.source,
-            "shaping": lt.shaping.describe(), "pacing": asdict(lt.pacing), "seed": lt.seed,
+            "shaping": lt.shaping.describe(), "pacing": asdict(lt.pacing), "prompt_seed": lt.prompt_seed,
             "shared_prefix_tokens": lt.shared_prefix_tokens, "requests_planned": len(reqs),
             "trace_span_s": reqs[-1].arrival_s, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     lt.out_dir.mkdir(parents=True, exist_ok=True)

@@ -50,3 +50,14 @@ def test_no_sharing_without_hash_ids_unless_asked(tok) -> None:
     shared = PromptSynth(tok, block_tokens=16, shared_prefix_tokens=50)
     a, c = (tok.encode(shared.prompt(TraceRequest(0, 200, 1), i)) for i in (0, 1))
     assert common_prefix(a, c) >= 50 and a[50:60] != c[50:60]
+
+
+def test_each_run_gets_fresh_prompts_unless_seeded(tmp_path) -> None:
+    """A rerun against a warm server must not hit the prefix cache its previous run left."""
+    from moebus.loadtest.session import LoadTest, build_prompts
+
+    reqs = [TraceRequest(0, 30, 1), TraceRequest(0, 30, 1, hash_ids=[4])]
+    runs = [build_prompts(reqs, LoadTest("http://x", tmp_path, tokenizer="toy")) for _ in range(2)]
+    assert runs[0][0] != runs[1][0] and runs[0][1] != runs[1][1]
+    seeded = [build_prompts(reqs, LoadTest("http://x", tmp_path, tokenizer="toy", prompt_seed=5)) for _ in range(2)]
+    assert seeded[0] == seeded[1]
