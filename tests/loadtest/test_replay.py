@@ -102,3 +102,25 @@ async def test_short_replay_writes_jsonl_summary_plots_and_compares(nats_server,
     assert main(["loadtest", "compare", str(open_run), str(tmp_path / "closed"), "--out", str(fig)]) == 0
     out = capsys.readouterr().out
     assert "open" in out and "closed" in out and "TTFT p50 ms" in out and fig.stat().st_size > 1000
+
+
+async def test_cli_run_with_a_scenario_and_flags(nats_server, tmp_path: Path, capsys) -> None:
+    scenario = tmp_path / "s.json"
+    scenario.write_text(json.dumps({"trace": str(AZURE), "duration": 2.0, "length_scale": 0.01,
+                                    "max_output_tokens": 4, "tokenizer": "toy", "max_in_flight": 4}))
+    async with toy_stack(nats_server.url) as s:
+        rc = await asyncio.to_thread(main, ["loadtest", "run", "--scenario", str(scenario), "--url", s.base_url,
+                                            "--time-scale", "2", "--out", str(tmp_path / "run"), "--no-progress",
+                                            "--no-plots"])
+    assert rc == 0
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["shaping"]["time_scale"] == 2.0 and meta["shaping"]["length_scale"] == 0.01
+    assert meta["pacing"]["max_in_flight"] == 4 and meta["tokenizer"] == "toy"
+    assert "results:" in capsys.readouterr().out
+
+
+def test_cli_reports_a_bad_trace(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("Timestamp,Request tokens,Response tokens\n1,2,x\n")
+    assert main(["loadtest", "run", "--trace", str(bad), "--no-progress"]) == 2
+    assert f"{bad}:2:" in capsys.readouterr().err
