@@ -80,3 +80,19 @@ async def test_engine_gone_for_good_asks_the_process_to_exit(nats_server) -> Non
         w = stack.workers[0]
         await wait_for(lambda: w.exit_requested.is_set(), timeout=5)
         assert not w.ready and not w.healthy and "engine failed for good" in w.exit_reason
+
+
+async def test_restart_budget_counts_failures_in_a_row(nats_server) -> None:
+    """An engine that served long enough before it broke starts a new restart budget, so a
+    long-lived worker does not exit after `engine_restarts` unrelated failures spread over days."""
+    async with toy_stack(nats_server.url, workers=1, engine_factory=_factory,
+                         worker={"engine_restarts": 1, **FAST_RESTART}) as stack:
+        c, w = stack.client(), stack.workers[0]
+        w._loop.healthy_after_s = 0.0  # every engine counts as having served long enough
+        for _ in range(3):  # three failures, one restart allowed in a row: the worker stays
+            with pytest.raises(openai.APIStatusError):
+                await c.chat.completions.create(model="toy", messages=[{"role": "user", "content": MARK}])
+            await wait_for(lambda: w.ready, timeout=5)
+        assert w._loop.restarts == 1 and not w.exit_requested.is_set()
+        r = await c.chat.completions.create(model="toy", messages=[{"role": "user", "content": "hi"}])
+        assert "toy model" in r.choices[0].message.content

@@ -16,8 +16,9 @@ One request never stops the thread: the engine fails a request whose own state r
 carries `error`), and an add the engine rejects becomes AddFailed. If the engine itself breaks (an
 exception out of step, or `max_failed_steps` steps in a row failing with nobody to blame), its
 requests are reported lost (`on_fatal`), and the thread builds a new engine from the factory, up
-to `max_restarts` times (not for lockstep engines: their group must restart together); only then
-does the loop stay `failed`.
+to `max_restarts` times in a row (an engine that served `healthy_after_s` before it broke starts
+the count again; not for lockstep engines: their group must restart together); only then does
+the loop stay `failed`.
 """
 from __future__ import annotations
 
@@ -62,11 +63,12 @@ class EngineLoop:
     def __init__(self, factory: Callable[[], EnginePort], loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs,
                  on_fatal: Callable[[BaseException], None], on_ready: Callable[[], None] = lambda: None,
                  kv: EngineKV | None = None, max_restarts: int = 3, max_failed_steps: int = 3,
-                 restart_backoff_s: float = 1.0) -> None:
+                 restart_backoff_s: float = 1.0, healthy_after_s: float = 300.0) -> None:
         self._factory, self._loop, self.kv = factory, loop, kv
         self.max_restarts, self.max_failed_steps, self.restart_backoff_s = max_restarts, max_failed_steps, \
             restart_backoff_s
-        self.restarts = 0
+        self.restarts = 0  # in a row: an engine that served healthy_after_s since its build clears them
+        self.healthy_after_s = healthy_after_s
         self._on_outputs, self._on_fatal, self._on_ready = on_outputs, on_fatal, on_ready
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="moebus-engine", daemon=True)
@@ -112,6 +114,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
+            built = time.monotonic()
             try:
                 self.engine = None
                 self.engine = self._factory()
@@ -127,6 +130,8 @@ class EngineLoop:
             except BaseException as e:  # its requests are lost; a new engine may serve the next ones
                 log.exception("engine failed")
                 self.ready.clear()
+                if self.engine is not None and time.monotonic() - built >= self.healthy_after_s:
+                    self.restarts = 0  # a failure long after the last one starts a new budget
                 final = (self._stopping or self.restarts >= self.max_restarts or self.engine is None
                          or self.engine.lockstep)
                 if final:
