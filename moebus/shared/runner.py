@@ -19,7 +19,7 @@ async def serve_until_signal(service: Service, stop: asyncio.Event | None = None
     try:
         async with service:
             log.info("%s up (instance %s)", service.name, service.instance_id)
-            waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(service.exit_requested.wait())]
+            waits = [asyncio.ensure_future(e.wait()) for e in (stop, service.stop_requested, service.exit_requested)]
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()

@@ -1,7 +1,8 @@
 """Service base: an async context manager that owns the bus connection and the control plane.
 
-Every service answers ``health``/``ready`` (service-wide and per instance) and ``stats`` (per
-instance) over NATS, publishes a heartbeat (with its load) every `heartbeat_interval_s`, and can
+Every service answers ``health``/``ready`` (service-wide and per instance), ``stats`` and
+``drain`` (per instance: shut down as on SIGTERM) over NATS, publishes a heartbeat (with its load)
+every `heartbeat_interval_s`, and can
 serve ``/healthz`` ``/readyz`` ``/metrics`` over HTTP for Kubernetes probes. Shutdown order: mark
 draining (a last heartbeat tells watchers), `teardown()` (the subclass finishes its work), drain.
 """
@@ -68,6 +69,7 @@ class Service:
         self._closed = False
         self.exit_requested = asyncio.Event()  # set when the service cannot go on: its process should exit
         self.exit_reason: str | None = None
+        self.stop_requested = asyncio.Event()  # a `drain` control message: shut down gracefully, exit 0
 
     # ---- hooks for subclasses -------------------------------------------------------------
     async def setup(self) -> None:
@@ -180,8 +182,14 @@ class Service:
         async def stats(_: Empty, __: Msg) -> Stats:
             return Stats(service=n, instance_id=i, stats=self.stats())
 
+        async def drain(_: Empty, __: Msg) -> HealthReply:
+            log.info("%s: drain requested over the bus", i)
+            self.stop_requested.set()
+            return self.health_reply()
+
         for subject, handler in ((s.health(n), health), (s.health(n, i), health),
-                                 (s.ready(n), ready), (s.ready(n, i), ready), (s.stats(n, i), stats)):
+                                 (s.ready(n), ready), (s.ready(n, i), ready), (s.stats(n, i), stats),
+                                 (s.drain(n, i), drain)):
             await self.bus.subscribe(subject, Empty, handler, concurrent=False, endpoint=subject.split(".")[-1])
 
     async def _until_routable(self, timeout: float = 2.0) -> None:

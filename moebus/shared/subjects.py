@@ -37,6 +37,10 @@ class Subjects:
     def stats(self, service: str, instance_id: str) -> str:
         return self._s(service, "stats", instance_id)
 
+    def drain(self, service: str, instance_id: str) -> str:
+        """Ask one instance to drain and exit, as SIGTERM does (the planner's scale-in)."""
+        return self._s(service, "drain", instance_id)
+
     def probe(self, service: str, instance_id: str) -> str:
         """Private to the instance: used once at startup to see that its subscriptions route."""
         return self._s(service, "probe", instance_id)
