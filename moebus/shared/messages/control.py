@@ -10,6 +10,16 @@ class Load(Message):
     max_waiting: int = 0  # admission limit; beyond it the worker answers "overloaded"
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
+    # Demand, for the planner: cumulative counts since the process started (rates come from
+    # differences between beats), and latency over the last `window_s` seconds (None: no sample).
+    requests_total: int = 0  # requests accepted
+    prompt_tokens_total: int = 0  # prompt tokens of accepted requests
+    output_tokens_total: int = 0  # tokens generated
+    ttft_p50_s: float | None = None  # accept -> first token (queueing included)
+    ttft_p90_s: float | None = None
+    itl_p50_s: float | None = None  # gaps between a request's successive chunks
+    itl_p90_s: float | None = None
+    window_s: float = 0.0
 
 
 class KVInfo(Message):
