@@ -113,6 +113,11 @@ class Subjects:
     def kvtransfer_push(self, instance_id: str) -> str:
         return self._s("kvtransfer", "push", check_token(instance_id))
 
+    # Planner: replica-count decisions (broadcast; anyone may watch).
+    @property
+    def planner_decision(self) -> str:
+        return self._s("planner", "decision")
+
     # Frontend: per-request token streams (one wildcard subscription per frontend).
     def frontend_stream(self, instance_id: str, request_id: str) -> str:
         return self._s("frontend", "stream", instance_id, request_id)

@@ -23,6 +23,7 @@ from .kvbroker import (
     PrefixQueryReply,
     TierName,
 )
+from .planner import PlannerDecision, PoolDecision, PoolObservation
 from .tokenizer import ChatMessage, DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "GenerateRequest", "Handoff", "HealthReply", "Heartbeat", "KVInfo", "KVTransferSpec", "Load", "RenderReply", "RenderRequest",
     "SamplingOptions", "StructuredOptions", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WorkerLost",
+    # planner
+    "PlannerDecision", "PoolDecision", "PoolObservation",
     # kvbroker
     "BROKER_HOLDER", "BlockGet", "BlockGetReply", "BrokerStats", "KVEvent", "PrefixMatch", "PrefixQuery",
     "PrefixQueryReply", "TierName",
