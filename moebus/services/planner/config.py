@@ -73,7 +73,7 @@ class LocalActuatorConfig(BaseModel):
 class KubernetesActuatorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    namespace: str = "moebus"
+    namespace: str | None = None  # None: the pod's own (in cluster), else "default"
     deployments: dict[PoolName, str] = {"both": "worker", "prefill": "worker-prefill", "decode": "worker-decode"}
     in_cluster: bool = True  # service-account credentials; false: ~/.kube/config
 

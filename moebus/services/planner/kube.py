@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from moebus.shared.messages.planner import PoolName
@@ -17,6 +18,7 @@ from .config import KubernetesActuatorConfig
 from .fleet import WorkerView
 
 log = logging.getLogger(__name__)
+POD_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 class KubernetesActuator:
@@ -31,6 +33,8 @@ class KubernetesActuator:
             config.load_incluster_config() if cfg.in_cluster else config.load_kube_config()
             apps_api = client.AppsV1Api()
         self.api = apps_api
+        self.namespace = cfg.namespace or (POD_NAMESPACE.read_text().strip() if cfg.in_cluster and
+                                           POD_NAMESPACE.exists() else "default")
         self.patches: list[tuple[str, int]] = []  # (deployment, replicas) sent
 
     async def scale(self, pool: PoolName, desired: int, workers: Sequence[WorkerView]) -> None:
@@ -40,7 +44,7 @@ class KubernetesActuator:
         await asyncio.to_thread(self._scale, name, desired)
 
     def _scale(self, name: str, desired: int) -> None:
-        ns = self.cfg.namespace
+        ns = self.namespace
         current = self.api.read_namespaced_deployment_scale(name, ns).spec.replicas
         if current == desired:
             return
