@@ -20,7 +20,18 @@ def _up(args: argparse.Namespace) -> int:
               max_queued=args.max_queued, engine=json.loads(args.engine), log_dir=args.log_dir,
               mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
               kvbroker=False if args.no_kvbroker else None, worker=worker,
-              balancer={"policy": args.balancer_policy})
+              balancer={"policy": args.balancer_policy}, autoscale=args.autoscale, planner=json.loads(args.planner))
+
+
+def autoscale_bounds(text: str) -> tuple[int, int]:
+    """`MIN:MAX` -> (MIN, MAX), 1 <= MIN <= MAX."""
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX, e.g. 1:4, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -57,6 +68,11 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="routing: KV overlap + load (default), or a baseline to compare against")
     u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
     u.add_argument("--worker", default="{}", help='extra WorkerConfig fields as JSON, e.g. \'{"kv_cpu_bytes": 1e9}\'')
+    u.add_argument("--autoscale", type=autoscale_bounds, default=None, metavar="MIN:MAX",
+                   help="start MIN workers (each pool, disaggregated) and a planner that keeps every pool "
+                        "within MIN..MAX against its SLO, starting and draining workers (docs/planner.md)")
+    u.add_argument("--planner", default="{}",
+                   help='extra PlannerConfig fields as JSON, e.g. \'{"policy": {"ttft_target_s": 1}}\'')
     u.set_defaults(func=_up)
 
     s = subparsers.add_parser("serve", help="run one service in this process",

@@ -4,6 +4,8 @@
 to kill a worker process for real); `serve()` runs a single service in this process.
 Real models also get a KV broker process (prefix index for KV-aware routing, shared tiers);
 `mode="disaggregated"` starts a prefill pool and a decode pool instead of `workers`.
+`autoscale=(MIN, MAX)` starts MIN workers per pool plus a planner (local actuator) that keeps every
+pool within MIN..MAX: it starts more workers itself and drains them again (docs/planner.md).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.config_cli import to_cli_args
@@ -32,8 +34,9 @@ from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
 
 log = logging.getLogger(__name__)
-SERVICES = ("tokenizer", "balancer", "worker", "frontend")
-STOP_ORDER = ("kvbroker", *SERVICES)  # stopped in reverse: frontends first, the broker last
+SERVICES = ("tokenizer", "balancer", "worker", "frontend", "planner")
+# Stopped in reverse: the planner first (no new workers; it stops its own), frontends, the broker last.
+STOP_ORDER = ("kvbroker", *SERVICES)
 
 
 class StackConfig(BaseModel):
@@ -60,17 +63,35 @@ class StackConfig(BaseModel):
     frontend: dict[str, Any] = {}  # extra FrontendConfig fields
     log_dir: str | None = None  # one <instance>.log per process; default: inherit stderr
     ready_timeout_s: float = 600.0
+    # (MIN, MAX): MIN workers per pool at start, a planner process scales each pool within MIN..MAX.
+    autoscale: tuple[int, int] | None = None
+    planner: dict[str, Any] = {}  # extra PlannerConfig fields, merged over the launcher's (e.g. {"policy": {...}})
+
+    @model_validator(mode="after")
+    def _autoscale_bounds(self) -> Self:
+        if self.autoscale is not None and not 1 <= self.autoscale[0] <= self.autoscale[1]:
+            raise ValueError(f"autoscale MIN:MAX needs 1 <= MIN <= MAX, got {self.autoscale}")
+        return self
 
 
 def _config_classes() -> dict[str, type[ServiceConfig]]:
     from .balancer.config import BalancerConfig
     from .frontend.config import FrontendConfig
     from .kvbroker.config import KVBrokerConfig
+    from .planner.config import PlannerConfig
     from .tokenizer.config import TokenizerConfig
     from .worker.config import WorkerConfig
 
     return {"tokenizer": TokenizerConfig, "balancer": BalancerConfig, "worker": WorkerConfig,
-            "frontend": FrontendConfig, "kvbroker": KVBrokerConfig}
+            "frontend": FrontendConfig, "kvbroker": KVBrokerConfig, "planner": PlannerConfig}
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, nested dicts merged key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 class Stack:
@@ -97,16 +118,27 @@ class Stack:
         ]
         pools = [("worker", "both", c.workers)] if c.mode == "aggregated" else [
             ("prefill", "prefill", c.prefill_workers), ("decode", "decode", c.decode_workers)]
+        if c.autoscale is not None:  # every pool starts at MIN
+            pools = [(prefix, role, c.autoscale[0]) for prefix, role, _ in pools]
+        template = {"model": c.model, "served_model_name": name, "max_queued": c.max_queued, "engine": c.engine,
+                    **c.worker}
         for prefix, role, n in pools:
             for i in range(n):
-                wcfg = {"max_queued": c.max_queued, "engine": c.engine, "role": role, **c.worker}
-                out.append(("worker", classes["worker"](instance_id=f"{prefix}-{i}", model=c.model,
-                                                        served_model_name=name, **wcfg, **common)))
+                wcfg = {"role": role, **template}
+                out.append(("worker", classes["worker"](instance_id=f"{prefix}-{i}", **wcfg, **common)))
         fcfg = dict(c.frontend)
         if "max_model_len" in c.engine:  # the frontend's context check matches the workers' engines
             fcfg["limits"] = {"max_model_len": c.engine["max_model_len"], **fcfg.get("limits", {})}
         out.append(("frontend", classes["frontend"](instance_id="frontend-0", host=c.host, port=c.port,
                                                     models=[name], **fcfg, **common)))
+        if c.autoscale is not None:
+            lo, hi = c.autoscale
+            planner = {"actuator": "local",
+                       # its workers are like ours; it stops them on shutdown before stop() gives up on it
+                       "local": {"worker": template, "log_dir": c.log_dir, "stop_timeout_s": 15.0},
+                       "policy": {"pools": {role: {"min_replicas": lo, "max_replicas": hi} for _, role, _ in pools}}}
+            out.append(("planner", classes["planner"](instance_id="planner-0", **_merged(planner, c.planner),
+                                                      **common)))
         return out
 
     def start(self) -> Self:
@@ -239,9 +271,15 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
         stack.wait_ready()
         pools = f"{cfg.workers} worker(s)" if cfg.mode == "aggregated" else \
             f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)"
+        if cfg.autoscale is not None:
+            each = "" if cfg.mode == "aggregated" else " per pool (prefill, decode)"
+            pools = f"{cfg.autoscale[0]}..{cfg.autoscale[1]} worker(s){each} scaled by planner-0"
         print(f"moebus up: {stack.url}/v1 (model {cfg.served_model_name or model}, {pools}, "
               f"{'KV broker, ' if stack.kvbroker_on else ''}NATS {stack.nats_url})", flush=True)
         while not stop.wait(0.5):
+            if cfg.autoscale is not None:  # the planner drained one of our workers: it exited 0, not died
+                for i in [i for i, p in stack.procs.items() if stack.services[i] == "worker" and p.poll() == 0]:
+                    del stack.procs[i], stack.services[i]
             dead = [i for i, p in stack.procs.items() if p.poll() is not None]
             if dead:
                 print(f"moebus: {', '.join(dead)} exited; shutting down", file=sys.stderr, flush=True)

@@ -5,12 +5,15 @@ the pool's role, the planner's NATS and subject prefix). Scale-in sends one work
 `drain` control message: it stops taking work, hands its requests over and exits 0. The worker is
 one this actuator started (newest, then least loaded, first), else the least loaded one it sees.
 Started but not yet seen workers count toward the pool (no double start while one boots); on
-scale-in they are stopped first. Exited children are reaped every tick.
+scale-in they are stopped first. Exited children are reaped every tick; they get SIGTERM when the
+planner exits (and, on Linux, when it dies), so none outlives it.
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +38,12 @@ from .fleet import WorkerView
 log = logging.getLogger(__name__)
 ID_PREFIX: dict[PoolName, str] = {"both": "worker", "prefill": "prefill", "decode": "decode"}
 DRAIN_RETRY_S = 30.0  # a drained worker still seen this long after the request gets asked again
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM (a drain) when the planner dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class _Fields(BaseModel):
@@ -103,7 +112,8 @@ class LocalActuator:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
             out = open(Path(self.cfg.log_dir) / f"{instance}.log", "ab")  # noqa: SIM115
         # Own session: a Ctrl-C meant for the launcher does not reach workers past the planner.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                preexec_fn=_die_with_parent)
         self.children[instance] = _Child(proc, pool, self._seq, out)
         self._seq += 1
         log.info("started %s (pid %d)", instance, proc.pid)
