@@ -129,3 +129,12 @@ def test_every_actuator_satisfies_the_protocol(monkeypatch) -> None:
     act, _ = local_actuator(monkeypatch)
     kube = KubernetesActuator(KubernetesActuatorConfig(namespace="x"), apps_api=object())
     assert all(isinstance(a, Actuator) for a in (act, kube, NoActuator()))
+
+
+def test_decision_message_round_trips() -> None:
+    from moebus.shared.messages import PoolDecision, PoolObservation
+
+    d = PlannerDecision(planner_id="planner-0", ts=1.5, ttft_target_s=2, itl_target_s=0.2, actuator="local",
+                        pools=[PoolDecision(pool="decode", action="scale_out", desired=3, previous=2, reason="itl",
+                                            observed=PoolObservation(replicas=2, itl_p90_s=0.4))])
+    assert PlannerDecision.decode(d.encode()) == d

@@ -28,7 +28,10 @@ class KubernetesActuator:
         """apps_api: a kubernetes.client.AppsV1Api (default: from the in-cluster or kube config)."""
         self.cfg = cfg
         if apps_api is None:
-            from kubernetes import client, config  # the optional `k8s` extra
+            try:
+                from kubernetes import client, config
+            except ImportError as e:
+                raise RuntimeError("the Kubernetes actuator needs the k8s extra: pip install 'moebus[k8s]'") from e
 
             config.load_incluster_config() if cfg.in_cluster else config.load_kube_config()
             apps_api = client.AppsV1Api()
