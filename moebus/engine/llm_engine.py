@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +35,7 @@ from moebus.engine.models import load_model
 from moebus.engine.outputs import EngineStats, RequestOutput
 from moebus.engine.request import Request, RequestStatus
 from moebus.engine.request_table import RequestTable, Tracked, choice_ids
+from moebus.engine.resume import check_resume, prime
 from moebus.engine.sampling import SamplingParams
 from moebus.engine.sampling.spec_decode import DraftModelProposer, NgramProposer, SpecDecodeStats
 from moebus.engine.scheduler import Scheduler, SchedulerOutput
@@ -98,10 +100,12 @@ class LLMEngine:
 
     # --- public API ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+                    priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None) -> None:
         """Queue a request. params.n > 1 fans out into n choices (choice i seeded params.seed + i);
         the later ones wait for the first one's prefill, so all share the prompt's KV blocks.
-        Raises ValueError for a request it refuses; a request that raises leaves nothing behind."""
+        resume: a migrated request (engine/resume.py): for each choice still to run, the tokens it
+        had produced elsewhere; choices left out had finished. Raises ValueError for a request it
+        refuses; a request that raises leaves nothing behind."""
         ids = choice_ids(request_id, params.n)
         if self.tracked.taken(request_id, ids):
             raise ValueError(f"duplicate request id {request_id}")
@@ -112,12 +116,18 @@ class LLMEngine:
                              f"{self.config.max_model_len}")
         if max(prompt_token_ids) >= self.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError("prompt token id out of the vocabulary")
-        choices = [self._track(rid, request_id, k, prompt_token_ids, params.for_choice(k), priority)
-                   for k, rid in enumerate(ids)]
+        prior = check_resume(resume, params.n, self.vocab_size)
+        choices = []
+        for k in sorted(prior):
+            tr = self._track(ids[k], request_id, k, prompt_token_ids, params.for_choice(k), priority)
+            prime(tr, prior[k], self.vocab_size)
+            choices.append(tr)
         for tr in choices[1:]:
             tr.req.wait_for = choices[0].req  # let the first one fill the shared prompt blocks
         self.tracked.add(choices)  # last: a request that raised above leaves nothing behind
         for tr in choices:
+            if tr.req.output_token_ids:
+                self.runner.set_last_sampled(tr.req.request_id, tr.req.output_token_ids[-1])
             self.scheduler.add(tr.req)
 
     def _track(self, rid: str, group: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
@@ -191,24 +201,10 @@ class LLMEngine:
         ValueError, leaving nothing behind, when first_token already ends it."""
         if params.n != 1:
             raise ValueError("a prefilled request has one choice (n == 1)")
-        self.add_request(request_id, prompt_token_ids, params, priority)
-        tr = self.tracked[request_id]
-        req = tr.req
-        try:
-            req.output_token_ids.append(first_token)
-            if req.grammar is not None:
-                req.grammar.accept_token(first_token)
-            tr.stops.feed(tr.detok.push([first_token]))  # keep detokenizer/stop-string state in step
-            self.runner.set_last_sampled(request_id, first_token)
-            stops = first_token in req.eos_token_ids or first_token in params.stop_token_ids
-            if req.max_tokens <= 1 or tr.stops.stopped or (params.min_tokens <= 1 and stops) or (
-                    req.grammar is not None and req.grammar.is_terminated()):
-                raise ValueError(f"{request_id} finished at its first token: nothing to decode")
-            if generator_state is not None and req.generator is not None:
-                req.generator.set_state(generator_state)
-        except BaseException:
-            self.abort_request(request_id)
-            raise
+        self.add_request(request_id, prompt_token_ids, params, priority, resume={0: [first_token]})
+        req = self.tracked[request_id].req
+        if generator_state is not None and req.generator is not None:
+            req.generator.set_state(generator_state)
         return req
 
     def step(self) -> list[RequestOutput]:
