@@ -34,6 +34,7 @@ class PlannerService(Service):
         self.actuator = actuator
         self.last: PlannerDecision | None = None
         self.decisions = 0
+        self._ticker: asyncio.Task | None = None
         m = self.metrics
         self._m_desired = m.gauge("desired_replicas", "Replicas decided", ["pool"])
         self._m_current = m.gauge("current_replicas", "Ready, not draining replicas seen", ["pool"])
@@ -70,9 +71,12 @@ class PlannerService(Service):
             self.actuator = self._make_actuator()
         await self.bus.subscribe(self.subjects.heartbeat_all("worker"), Heartbeat, self._on_heartbeat,
                                  concurrent=False, endpoint="heartbeat")
-        self.spawn(self._loop())
+        self._ticker = self.spawn(self._loop())
 
     async def teardown(self) -> None:
+        if self._ticker is not None:  # no tick may start a worker while the actuator stops them
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
         if self.actuator is not None:
             await self.actuator.close()
 
