@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,8 +110,10 @@ class ToyEngine:
         self._groups: dict[str, int] = {}  # caller's request id -> live choices
         self._free = self.cfg.num_blocks
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0) -> None:
-        """params: anything with the sampling fields it reads (n, max_tokens, logprobs, structured)."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0,
+                    resume: Mapping[int, Sequence[int]] | None = None) -> None:
+        """params: anything with the sampling fields it reads (n, max_tokens, logprobs, structured);
+        resume: choice -> tokens it produced elsewhere (its reply goes on from there)."""
         if request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id}")
         if len(prompt_token_ids) >= self.cfg.max_model_len:  # the same check (and error type) as the engine
@@ -118,10 +121,13 @@ class ToyEngine:
         structured = getattr(params, "structured", None)
         reply = self.tokenizer.encode(TOY_JSON if structured is not None else TOY_REPLY)
         n = getattr(params, "n", 1) or 1
-        for k in range(n):  # its reply is fixed, so every choice (whatever its seed) gives the same
+        prior = {k: [] for k in range(n)} if resume is None else {k: list(t) for k, t in resume.items()}
+        if not prior or not all(0 <= k < n for k in prior):
+            raise ValueError(f"resume must name choices of 0..{n - 1}")
+        for k, out in sorted(prior.items()):  # its reply is fixed: every choice (whatever its seed) is the same
             rid = request_id if n == 1 else f"{request_id}#{k}"
-            self._waiting.append(_Req(rid, list(prompt_token_ids), params, reply, request_id, k))
-        self._groups[request_id] = n
+            self._waiting.append(_Req(rid, list(prompt_token_ids), params, reply, request_id, k, out))
+        self._groups[request_id] = len(prior)
 
     def abort_request(self, request_id: str) -> bool:
         """Every live choice of the request; False: none was live."""

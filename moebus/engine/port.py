@@ -8,7 +8,9 @@ tests/engine/test_engine_port.py checks all three. The contract:
 - `add_request(request_id, prompt_token_ids, params, priority=0)` validates and queues; a request
   it refuses raises (ValueError for bad input) and leaves nothing behind. `params.n > 1` fans out
   inside the engine: n choices, choice i seeded `params.seed + i`, the later ones waiting for the
-  first one's prefill so that they share the prompt's KV blocks.
+  first one's prefill so that they share the prompt's KV blocks. `resume` (a migrated request)
+  maps each choice still to run to the tokens it produced elsewhere; the choice continues from
+  them as if this engine had sampled them (engine/resume.py).
 - `step()` runs one step and returns its outputs: each names the caller's `request_id` and the
   choice `index`; `error` set (finish_reason "error") fails that choice, `retryable` when the
   fault was the step's and another engine may run it.
@@ -71,7 +73,7 @@ class EnginePort(Protocol):
     def kv(self) -> KVConnectorPort | None: ...
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                    priority: int = 0) -> None: ...
+                    priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None) -> None: ...
 
     def abort_request(self, request_id: str) -> bool: ...
 

@@ -9,6 +9,7 @@ runs between steps, so in-flight requests keep their KV cache and only expert we
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -77,8 +78,8 @@ class DPEngine:
 
     # --- per-rank request API (local, no collectives) -------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params, priority)
+                    priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params, priority, resume)
 
     def abort_request(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)

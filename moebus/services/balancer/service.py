@@ -9,7 +9,8 @@ skipped for the next candidate. A worker that misses heartbeats is dropped and a
 
 Disaggregated mode: the decode worker is asked first (it starts waiting for the KV), then the
 prefill worker, with one KVTransferSpec naming both; the accept reply names both workers. A
-missing pool (or n > 1) runs the request whole on whichever pool is left.
+missing pool, n > 1 or a migrated request (resume) runs the request whole, on the decode pool when
+it has a worker.
 """
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ class BalancerService(Service):
                   if e.beat.kv is not None and e.beat.kv.transfer_address]
         if len({e.worker_id for e in prefill + decode}) < 2:  # one worker cannot be both halves
             prefill = [] if decode else prefill
-        if req.params.n != 1 or not prefill or not decode:  # run it whole where we can
+        # n > 1 and migrated requests (the prompt and the tokens so far prefill together) run whole
+        if req.params.n != 1 or req.resume or not prefill or not decode:
             whole = req.model_copy(update={"stage": "aggregated", "kv_transfer": None})
             return await self._dispatch(whole, decode or prefill or await self._ordered(req, r.tried, None), r)
         tid = f"{req.request_id}#{req.attempt}"

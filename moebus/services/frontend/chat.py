@@ -33,7 +33,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prompt = rendered.prompt_token_ids
     fe.check_context(len(prompt), params.max_tokens, "messages")
     started = time.monotonic()
-    async with fe.generation(body.model, prompt, params, restartable=not body.stream) as gen:
+    async with fe.generation(body.model, prompt, params) as gen:
         choices = fe.choices(0, params, prompt, body.model)
         base = {"id": "chatcmpl-" + gen.request_id[4:], "created": int(time.time()), "model": body.model}
         stream = events([(gen, choices)])

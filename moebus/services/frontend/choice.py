@@ -31,9 +31,6 @@ class Detok:
         if not self.window:
             self.window, self.read_offset = list(self.context), len(self.context)
 
-    def fresh(self) -> Detok:
-        return Detok(self.bus, self.subjects, self.model, self.timeout, self.stop, self.include_stop, self.context)
-
     async def push(self, token_ids: list[int], finished: bool) -> tuple[str, bool]:
         self.window += token_ids
         req = DetokenizeRequest(model=self.model, token_ids=self.window, read_offset=self.read_offset,

@@ -13,7 +13,7 @@ from moebus.shared.messages import RenderRequest
 from .body import parse_body
 from .choice import ChoiceState
 from .errors import APIError, bad_request
-from .events import Delta, Restart, events
+from .events import Delta, events
 from .formats import completion_logprobs, usage
 from .keys import FRONTEND
 from .protocol import CompletionRequest
@@ -43,7 +43,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with AsyncExitStack() as stack:
         pairs = []
         for k, (ids, _) in enumerate(prompts):
-            gen = await stack.enter_async_context(fe.generation(body.model, ids, params, restartable=not body.stream))
+            gen = await stack.enter_async_context(fe.generation(body.model, ids, params))
             pairs.append((gen, fe.choices(k * params.n, params, ids, body.model)))
         base = {"id": "cmpl-" + pairs[0][0].request_id[4:], "object": "text_completion", "created": int(time.time()),
                 "model": body.model, "system_fingerprint": None}
@@ -52,9 +52,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         want_lp = params.logprobs is not None
         if not body.stream:
             try:
-                async for ev in stream:
-                    if isinstance(ev, Restart):
-                        continue
+                async for _ in stream:  # the choices collect their text and logprobs
+                    pass
             except ServiceError as e:
                 raise APIError.from_service_error(e) from None
             all_choices = [c for _, cs in pairs for c in cs]

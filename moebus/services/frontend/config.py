@@ -39,7 +39,9 @@ class FrontendConfig(ServiceConfig):
     tokenizer_timeout_s: float = 10.0
     route_timeout_s: float = 15.0
     stream_idle_timeout_s: float = 120.0  # no chunk for this long: give up on the request
-    max_attempts: int = Field(3, ge=1)  # tries of one request across workers
+    # Moves of one request to another worker (its worker died, drained or failed retryably); the
+    # open choices go on from the tokens already sent (generation.py).
+    max_migrations: int = Field(3, ge=0)
     # Workers one request may break (they died, or their engine failed, while holding it) before
     # it is failed instead of sent to the next: a poison request cannot walk the fleet.
     max_worker_failures: int = Field(2, ge=1)

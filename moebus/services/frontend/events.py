@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from moebus.shared.messages import TokenLogprob
 
 from .choice import ChoiceState
-from .generation import RESTART, Generation
+from .generation import Generation
 
 
 @dataclass(slots=True)
@@ -23,23 +23,11 @@ class Finish:
     choice: ChoiceState
 
 
-@dataclass(slots=True)
-class Restart:
-    """A non-streamed generation starts over elsewhere: its choices were reset."""
-
-    gen_index: int
+Event = Delta | Finish
 
 
-Event = Delta | Finish | Restart
-
-
-async def _one(gen: Generation, choices: list[ChoiceState], gen_index: int) -> AsyncIterator[Event]:
+async def _one(gen: Generation, choices: list[ChoiceState]) -> AsyncIterator[Event]:
     async for item in gen.chunks():
-        if item is RESTART:
-            for i, c in enumerate(choices):
-                choices[i] = ChoiceState(c.index, c.detok.fresh())
-            yield Restart(gen_index)
-            continue
         c = choices[item.index]
         if c.finished:
             continue
@@ -54,22 +42,22 @@ async def _one(gen: Generation, choices: list[ChoiceState], gen_index: int) -> A
 async def events(pairs: Sequence[tuple[Generation, list[ChoiceState]]]) -> AsyncIterator[Event]:
     """Events of every generation, interleaved as they come (completions with several prompts)."""
     if len(pairs) == 1:
-        async for ev in _one(*pairs[0], 0):
+        async for ev in _one(*pairs[0]):
             yield ev
         return
     out: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, gen: Generation, choices: list[ChoiceState]) -> None:
+    async def pump(gen: Generation, choices: list[ChoiceState]) -> None:
         try:
-            async for ev in _one(gen, choices, i):
+            async for ev in _one(gen, choices):
                 await out.put(ev)
         except Exception as e:
             await out.put(e)
         finally:
             await out.put(done)
 
-    tasks = [asyncio.create_task(pump(i, g, c)) for i, (g, c) in enumerate(pairs)]
+    tasks = [asyncio.create_task(pump(g, c)) for g, c in pairs]
     try:
         remaining = len(tasks)
         while remaining:

@@ -1,14 +1,18 @@
-"""One request's life at the frontend: route it, receive its chunks, retry it, abort it.
+"""One request's life at the frontend: route it, receive its chunks, migrate it, abort it.
 
-Retries: a retryable failure (worker lost, worker draining, engine crash) reruns the request on
-another worker, excluding the ones that failed it, as long as no token reached the client: before
-the first token for streams, any time for non-streamed requests (their consumer gets `RESTART`
-and drops what it had). A request the engine failed by itself (invalid, or its own state raised)
-is never rerun, and one that broke `max_worker_failures` workers (they died or their engine
-failed while holding it) is not sent to another: a poison request cannot walk the fleet. A
-worker handing back work it has not started (draining) does not count. Chunks of an older attempt are ignored, so a late worker cannot
-interleave with its replacement. A split request (prefill worker, then decode worker) takes
-chunks from both, in sequence-number order (they come from two publishers).
+Migration: when the worker holding a request is lost (missed heartbeats), drains, or fails with a
+retryable error, the request moves to another worker, excluding the ones that failed it, with
+every open choice carrying the tokens the client already has (`GenerateRequest.resume`); the new
+worker's engine continues from them (engine/resume.py), so the client sees one uninterrupted
+response, streamed or not: no token repeated or missing, greedy output identical to an
+undisturbed run. A request moves at most `max_migrations` times. A request the engine failed by
+itself (invalid, or its own state raised) never moves, and one that broke `max_worker_failures`
+workers (they died or their engine failed while holding it) is not sent to another: a poison
+request cannot walk the fleet. A draining worker handing a request over does not count as a
+failure. Chunks of an older attempt are ignored, so a late worker cannot interleave with its
+replacement. A split request (prefill worker, then decode worker) takes chunks from both, in
+sequence-number order (they come from two publishers); the prefill worker matters until the
+decode worker has streamed, since the KV hand-off between them may still be under way.
 """
 from __future__ import annotations
 
@@ -19,12 +23,10 @@ from typing import TYPE_CHECKING
 
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import AbortRequest, GenerateAccepted, GenerateRequest, TokenChunk
+from moebus.shared.messages.generate import ResumedChoice
 
 if TYPE_CHECKING:
     from .router import StreamRouter
-
-RESTART = object()  # yielded when a non-streamed request starts over on another worker
-
 
 @dataclass(frozen=True, slots=True)
 class Lost:
@@ -32,17 +34,19 @@ class Lost:
 
 
 class Generation:
-    def __init__(self, router: StreamRouter, req: GenerateRequest, *, restartable: bool) -> None:
-        self.router, self.req, self.restartable = router, req, restartable
+    def __init__(self, router: StreamRouter, req: GenerateRequest) -> None:
+        self.router, self.req = router, req
         self.queue: asyncio.Queue[TokenChunk | Lost] = asyncio.Queue()
         self.worker_id: str | None = None
         self.decode_worker_id: str | None = None  # split requests: the second half's worker
+        self._decoding = False  # the decode worker has streamed: the prefill worker no longer matters
         self.open = set(range(req.params.n))  # choices the worker is still generating
+        self.sent: dict[int, list[int]] = {}  # per choice, the tokens passed on to the client
         self._next_seq = [0] * req.params.n
         self._held: dict[tuple[int, int], TokenChunk] = {}  # arrived ahead of their turn
-        self._got_tokens = False
         self._cut = False  # the consumer ended a choice early: the worker must be told
         self.worker_failures = 0  # workers that died or whose engine failed while holding this request
+        self.migrations = 0
 
     @property
     def request_id(self) -> str:
@@ -72,18 +76,21 @@ class Generation:
         once the decode worker streams)."""
         if worker_id == self.decode_worker_id:
             return True
-        return worker_id == self.worker_id and not (self.decode_worker_id and any(self._next_seq))
+        return worker_id == self.worker_id and not self._decoding
 
     def _workers(self) -> list[str]:
         return [w for w in (self.worker_id, self.decode_worker_id) if w]
 
-    async def chunks(self) -> AsyncIterator[TokenChunk | object]:
+    async def chunks(self) -> AsyncIterator[TokenChunk]:
         idle = self.router.cfg.stream_idle_timeout_s
         while self.open:
             try:
                 item = await asyncio.wait_for(self.queue.get(), idle)
             except TimeoutError:
-                raise ServiceError(ErrorCode.TIMEOUT, f"no tokens for {idle:g}s from {self.worker_id}") from None
+                stuck = self.decode_worker_id if self._decoding else self.worker_id
+                item = TokenChunk(request_id=self.request_id, worker_id=stuck or "", attempt=self.req.attempt,
+                                  error=ErrorCode.TIMEOUT.value, error_message=f"no tokens for {idle:g}s from "
+                                  f"{stuck}", retryable=True)
             if isinstance(item, Lost):
                 if not self.watches(item.worker_id):
                     continue
@@ -92,8 +99,9 @@ class Generation:
             elif item.attempt != self.req.attempt or item.worker_id not in self._workers():
                 continue  # from an abandoned attempt
             elif not item.error:
+                self._decoding |= item.worker_id == self.decode_worker_id
                 for chunk in self._in_order(item):
-                    self._got_tokens |= bool(chunk.token_ids)
+                    self.sent.setdefault(chunk.index, []).extend(chunk.token_ids)
                     if chunk.finished:
                         self.open.discard(chunk.index)
                     yield chunk
@@ -106,12 +114,9 @@ class Generation:
                 if self.worker_failures >= self.router.cfg.max_worker_failures:  # poison: fail it for good
                     err, retryable = ServiceError(ErrorCode.REQUEST_FAILED, f"{err.message} (the request failed on "
                                                   f"{self.worker_failures} workers; it is not sent to another)"), False
-            if not (retryable and self.req.attempt + 1 < self.router.cfg.max_attempts
-                    and (self.restartable or not self._got_tokens)):
+            if not retryable or self.migrations >= self.router.cfg.max_migrations:
                 raise err
-            if self._got_tokens:
-                yield RESTART
-            await self._retry(failed)
+            await self._migrate(failed, err.code)
 
     def _in_order(self, chunk: TokenChunk) -> list[TokenChunk]:
         """This chunk and any held ones that follow it, once it is its choice's next; a chunk
@@ -129,17 +134,21 @@ class Generation:
             self._next_seq[i] += 1
         return out
 
-    async def _retry(self, failed: str | None) -> None:
+    async def _migrate(self, failed: str | None, reason: ErrorCode) -> None:
+        """Rerun the open choices on another worker from the tokens the client already has."""
         for worker in self._workers():  # alive after all (a NATS blip looks like a death)? stop the old attempt
             await self.router.bus.publish(self.router.subjects.worker_abort(worker),
-                                          AbortRequest(request_id=self.request_id, reason="rerouted"))
+                                          AbortRequest(request_id=self.request_id, reason="migrated"))
+        fresh = self.open == set(range(self.req.params.n)) and not any(self.sent.values())
+        resume = [] if fresh else [ResumedChoice(index=k, token_ids=self.sent.get(k, [])) for k in sorted(self.open)]
         excluded = [*self.req.exclude_workers, *([failed] if failed else [])]
         self.req = self.req.model_copy(update={"attempt": self.req.attempt + 1, "exclude_workers": excluded,
-                                               "suspect": self.worker_failures > 0})
-        self.open, self._got_tokens = set(range(self.req.params.n)), False
+                                               "suspect": self.worker_failures > 0, "resume": resume})
         self.worker_id = self.decode_worker_id = None
+        self._decoding = False
         self._next_seq, self._held = [0] * self.req.params.n, {}
-        self.router.retries.inc()
+        self.migrations += 1
+        self.router.migrations.labels(reason.value, "fresh" if fresh else "resumed").inc()
         await self._route()
 
     def finish_choice(self, index: int) -> None:

@@ -21,7 +21,9 @@ class StreamRouter:
                  metrics: Metrics) -> None:
         self.bus, self.subjects, self.instance_id, self.cfg = bus, subjects, instance_id, cfg
         self._gens: dict[str, Generation] = {}
-        self.retries = metrics.counter("retries_total", "Requests rerun on another worker")
+        self.migrations = metrics.counter("migrations_total", "Requests moved to another worker: why, and whether "
+                                          "they went on from tokens already sent (resumed) or from the start (fresh)",
+                                          ["reason", "kind"])
         self.aborts = metrics.counter("aborts_total", "Abort messages sent to workers")
 
     def __len__(self) -> int:
@@ -33,11 +35,10 @@ class StreamRouter:
         await self.bus.subscribe(self.subjects.balancer_worker_lost, WorkerLost, self._on_lost, concurrent=False,
                                  endpoint="worker_lost")
 
-    def new(self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingOptions,
-            *, restartable: bool) -> Generation:
+    def new(self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingOptions) -> Generation:
         req = GenerateRequest(request_id=request_id, model=model, prompt_token_ids=prompt_token_ids, params=params,
                               reply_to=self.subjects.frontend_stream(self.instance_id, request_id))
-        return Generation(self, req, restartable=restartable)
+        return Generation(self, req)
 
     def register(self, gen: Generation) -> None:
         self._gens[gen.request_id] = gen

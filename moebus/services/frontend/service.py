@@ -68,15 +68,15 @@ class FrontendService(Service):
         return [ChoiceState(first_index + i, detok()) for i in range(params.n)]
 
     @asynccontextmanager
-    async def generation(self, model: str, prompt_ids: list[int], params: SamplingOptions, *,
-                         restartable: bool) -> AsyncIterator[Generation]:
+    async def generation(self, model: str, prompt_ids: list[int], params: SamplingOptions
+                         ) -> AsyncIterator[Generation]:
         """A routed generation, aborted on its worker if we leave early (client gone, error)."""
         if len(self.router) >= self.cfg.max_inflight:
             raise APIError(503, "too many requests in flight", type="service_unavailable", code="overloaded",
                            retry_after=1)
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
-        gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params, restartable=restartable)
+        gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params)
         try:
             await gen.start()
         except ServiceError as e:

@@ -17,3 +17,4 @@ class Active:
     open: set[int] = field(default_factory=set)  # choice indices not finished yet
     started: bool = False  # some token went out: no longer safe to hand back for a rerun
     first_token: int | None = None  # stage prefill: the token streamed, handed to the decode worker
+    last_chunk_at: float = 0.0  # when its latest chunk went out (inter-token latency)

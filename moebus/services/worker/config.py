@@ -11,6 +11,7 @@ class WorkerConfig(ServiceConfig):
     model: str = "smollm2"  # engine model name or checkpoint dir; "toy" runs the torch-free stand-in
     served_model_name: str | None = None  # the name clients use; default: `model`
     max_queued: int = Field(128, ge=1)  # requests waiting for their first token; beyond: "overloaded"
+    latency_window_s: float = 30.0  # TTFT / ITL percentiles in the heartbeat cover this many seconds
     drain_grace_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
     # A broken engine is rebuilt in this process this many times (backoff restart_backoff_s x the
     # restart count) before the process exits for its supervisor to restart.

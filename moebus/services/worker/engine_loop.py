@@ -87,9 +87,11 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() or not self._thread.ident
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: Any, prefill_only: bool = False) -> None:
-        """params: the request's engine parameters, all n choices (the engine fans out)."""
-        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only))
+    def add(self, request_id: str, prompt_token_ids: list[int], params: Any, prefill_only: bool = False,
+            resume: dict[int, list[int]] | None = None) -> None:
+        """params: the request's engine parameters, all n choices (the engine fans out); resume: a
+        migrated request's open choices and their tokens so far."""
+        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only, resume))
 
     def inject(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: Any,
                payload: Any) -> None:
@@ -206,9 +208,12 @@ class EngineLoop:
                 result, exc = None, e
             self._loop.call_soon_threadsafe(_settle, fut, result, exc)
         elif kind == "add":
-            _, rid, prompt, params, prefill_only = cmd
+            _, rid, prompt, params, prefill_only, resume = cmd
             try:
-                self.engine.add_request(rid, prompt, params)
+                if resume is None:
+                    self.engine.add_request(rid, prompt, params)
+                else:
+                    self.engine.add_request(rid, prompt, params, resume=resume)
             except Exception as e:  # rejected (ValueError) or raised on its parameters: this request alone
                 failed.append(AddFailed(rid, _reason(e)))
                 return

@@ -4,8 +4,10 @@ Lifecycle of a request: `generate.<id>` (admission: draining/unready -> unavaila
 overloaded) -> GenerateAccepted reply -> TokenChunks on `reply_to` -> done, or `abort.<id>`.
 The engine is any moebus.engine.port.EnginePort; n > 1 is one engine request whose choices the
 engine fans out (sharing the prompt's KV), each output naming its choice (TokenChunk.index). On
-drain, requests that have not produced a token are handed back (retryable error chunk) so the
-frontend reruns them elsewhere. Request counts live in one place, the Prometheus counter
+drain (SIGTERM or the `drain` control subject), requests that have not produced a token are
+handed back at once (retryable error chunk), the others get `drain_grace_s` to finish and are then
+handed back too: the frontend moves them to another worker, which goes on from the tokens already
+sent (migration). KV hand-offs under way finish before the process exits. Request counts live in one place, the Prometheus counter
 (counters.py), which stats() reads.
 Split requests (stage prefill / decode, see split.py) and the KV broker hooks (kv_link.py) are
 only wired up for real engines; the toy engine runs aggregated requests only.
@@ -40,6 +42,7 @@ from moebus.shared.service import Service
 from .active import Active
 from .config import WorkerConfig
 from .counters import RequestCounters
+from .demand import Demand
 from .engine_loop import AddFailed, EngineLoop, Prefilled
 from .engines import engine_params, make_engine
 from .outputs import chunk_from_output
@@ -77,6 +80,7 @@ class WorkerService(Service):
         self._m_ttft = m.histogram("time_to_first_token_seconds", "Accept to first token")
         self._m_tokens = m.counter("generated_tokens_total", "Tokens generated")
         self._m_queue = m.gauge("queued_requests", "Requests waiting for their first token")
+        self.demand = Demand(cfg.latency_window_s)  # for the planner, in each heartbeat
 
     # ---- state -----------------------------------------------------------------------------
     @property
@@ -102,7 +106,7 @@ class WorkerService(Service):
         s = self._loop.stats if self._loop else {}
         return Load(num_running=int(s.get("num_running", 0)), num_waiting=self.queued(),
                     max_waiting=self.cfg.max_queued, kv_blocks_free=int(s.get("kv_blocks_free", 0)),
-                    kv_blocks_total=int(s.get("kv_blocks_total", 0)))
+                    kv_blocks_total=int(s.get("kv_blocks_total", 0)), **self.demand.fields())
 
     def stats(self) -> dict[str, Any]:
         engine = dict(self._loop.stats) if self._loop else {}
@@ -156,8 +160,9 @@ class WorkerService(Service):
         deadline = time.monotonic() + self.cfg.drain_grace_s
         while self._active and time.monotonic() < deadline and self.healthy:
             await asyncio.sleep(0.05)
-        for rid in list(self._active):
+        for rid in list(self._active):  # the frontend moves them on from the tokens they have
             self.fail(rid, ErrorCode.DRAINING, "worker stopped", retryable=True, counter="handed_back")
+        await self.split.flush(deadline - time.monotonic())
         if self._loop is not None:
             await asyncio.to_thread(self._loop.stop)
         await self._outbox.put(None)
@@ -185,7 +190,7 @@ class WorkerService(Service):
         self.split.check(req)  # stage prefill / decode: ServiceError when it cannot run here
         params = engine_params(req.params, self.toy)  # ValueError -> 400
         a = Active(req, self.tracing.inject(), time.monotonic(), params, seq=[0] * req.params.n,
-                   open=set(range(req.params.n)))
+                   open={c.index for c in req.resume} if req.resume else set(range(req.params.n)))
         self._active[req.request_id] = a
         if req.stage == "decode":
             a.seq[0] = 1  # the prefill worker sent chunk 0 (the first token)
@@ -195,11 +200,14 @@ class WorkerService(Service):
         else:
             self.quarantine.submit(a)
         self.request_counts.inc("accepted")
+        self.demand.accepted(len(req.prompt_token_ids))
         self._m_queue.set(self.queued())
         return accepted
 
     def _add(self, a: Active) -> None:
-        self._loop.add(a.req.request_id, a.req.prompt_token_ids, a.params, prefill_only=a.req.stage == "prefill")
+        resume = {c.index: c.token_ids for c in a.req.resume} if a.req.resume else None
+        self._loop.add(a.req.request_id, a.req.prompt_token_ids, a.params, prefill_only=a.req.stage == "prefill",
+                       resume=resume)
 
     async def _fetch_then_add(self, a: Active) -> None:
         try:
@@ -240,10 +248,17 @@ class WorkerService(Service):
                 if chunk.finished:
                     self.split.finished_at_first_token(a)
             a.seq[i] += 1
+            now = time.monotonic()
             if not a.started:
                 a.started = True
-                self._m_ttft.observe(time.monotonic() - a.accepted_at)
+                self._m_ttft.observe(now - a.accepted_at)
+                if a.req.stage != "decode":  # a decode half's first chunk is its request's second token
+                    self.demand.ttft.add(now - a.accepted_at, now)
+            elif chunk.token_ids:
+                self.demand.itl.add((now - a.last_chunk_at) / len(chunk.token_ids), now)
+            a.last_chunk_at = now
             self._m_tokens.inc(len(chunk.token_ids))
+            self.demand.generated(len(chunk.token_ids))
             if chunk.finished:
                 a.open.discard(i)
                 if not a.open:

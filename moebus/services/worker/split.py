@@ -56,6 +56,7 @@ class SplitStages:
     def __init__(self, host: SplitHost) -> None:
         self.host = host
         self._handoffs: dict[str, asyncio.Future[Handoff]] = {}  # transfer id -> the decode side's wait
+        self._sending: set[asyncio.Task] = set()  # prefill side: KV pushes and hand-offs under way
 
     def check(self, req: GenerateRequest) -> None:
         if req.stage == "aggregated":
@@ -63,8 +64,8 @@ class SplitStages:
         link = self.host.link
         if link is None:
             raise ServiceError(ErrorCode.UNAVAILABLE, "this worker's engine cannot split requests")
-        if req.kv_transfer is None or req.params.n != 1:
-            raise ServiceError(ErrorCode.BAD_REQUEST, "split requests need kv_transfer and n == 1")
+        if req.kv_transfer is None or req.params.n != 1 or req.resume:
+            raise ServiceError(ErrorCode.BAD_REQUEST, "split requests need kv_transfer, n == 1 and no resume")
         if req.stage == "decode" and link.receiver is None:
             raise ServiceError(ErrorCode.UNAVAILABLE, f"{self.host.instance_id} does not receive KV")
 
@@ -75,7 +76,14 @@ class SplitStages:
         if a is None or a.req.stage != "prefill":
             return  # aborted meanwhile (maybe already replaced by a later attempt)
         self.host.release(p.request_id, "handed_off")
-        self.host.spawn(self._hand_over(a, p.payload))
+        task = self.host.spawn(self._hand_over(a, p.payload))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def flush(self, timeout_s: float) -> None:
+        """Drain: let the hand-overs under way finish (a decode worker is waiting for each)."""
+        if self._sending:
+            await asyncio.wait(set(self._sending), timeout=max(timeout_s, 2.0))  # even past the grace
 
     async def _hand_over(self, a: Active, payload: Any) -> None:
         spec = a.req.kv_transfer

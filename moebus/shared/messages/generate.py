@@ -52,6 +52,13 @@ class KVTransferSpec(Message):
     timeout_s: float = 30.0  # how long the decode worker waits for the first token / the KV
 
 
+class ResumedChoice(Message):
+    """A choice of a migrated request and the tokens the client already has of it."""
+
+    index: int
+    token_ids: list[int]
+
+
 class GenerateRequest(Message):
     request_id: str
     model: str
@@ -63,6 +70,9 @@ class GenerateRequest(Message):
     kv_transfer: KVTransferSpec | None = None  # stage prefill / decode
     exclude_workers: list[str] = []  # balancer skips these (e.g. the worker that just died)
     suspect: bool = False  # an earlier attempt was on an engine that broke: run it alone (worker quarantine)
+    # A migrated request: the choices still open, each going on from the tokens already streamed
+    # (empty: every choice from the start). Chunk numbers (seq) restart at 0 with each attempt.
+    resume: list[ResumedChoice] = []
 
 
 class GenerateAccepted(Message):
