@@ -14,7 +14,7 @@ from moebus.services.frontend.chat import _ChatChunks
 from moebus.services.frontend.choice import ChoiceState
 from moebus.services.frontend.completions import _CompletionChunks
 from moebus.services.frontend.errors import APIError
-from moebus.services.frontend.events import Delta, Event, Finish, Restart
+from moebus.services.frontend.events import Delta, Event, Finish
 from moebus.services.frontend.sse_pump import pump_sse
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import TokenLogprob, TopLogprob
@@ -45,7 +45,6 @@ def script(groups: list[list[ChoiceState]], fail: str | None = None) -> Callable
     async def gen() -> AsyncIterator[Event]:
         if fail == "first":
             raise ServiceError(ErrorCode.OVERLOADED, "busy")
-        yield Restart(0)  # ignored by the pump
         for cs in groups:
             for c in cs:
                 c.num_tokens, c.num_cached_tokens, c.finish_reason = 3, 2, "length"
