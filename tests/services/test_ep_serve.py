@@ -2,6 +2,7 @@
 tiny MoE checkpoint answers chat requests through the frontend."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from moebus.services.frontend import FrontendConfig, start_frontend
 from moebus.services.tokenizer import TokenizerConfig, TokenizerService
 
 from .conftest import wait_for
+from .test_failover import migrations
 
 pytest.importorskip("torch")
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -66,3 +68,62 @@ async def test_ep_worker_group_answers_chat(nats_server, moe_dir, tmp_path) -> N
             proc.kill()
         log.close()
         print((tmp_path / "ep.log").read_text()[-3000:])
+
+
+def _worker(nats_url: str, model: str, prefix: str, instance: str, log, *extra: str) -> subprocess.Popen:
+    engine = json.dumps({"num_kv_blocks": 64, "max_num_seqs": 8, "max_model_len": 256})
+    return subprocess.Popen([sys.executable, "-m", "moebus.cli", "serve", "worker", "--nats-url", nats_url,
+                             "--model", model, "--served-model-name", "tiny", "--instance-id", instance,
+                             "--subject-prefix", prefix, "--heartbeat-interval-s", "0.25", "--engine", engine,
+                             "--torch-threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
+
+
+async def test_a_group_losing_a_rank_hands_its_streams_over(nats_server, moe_dir, tmp_path) -> None:
+    """SIGKILL one rank of a 2-rank group while streams run on it and on a plain worker: the dead
+    rank's streams and the stalled survivor's move to the plain worker and finish whole, greedy
+    text equal to the undisturbed run's."""
+    import psutil
+    from openai import AsyncOpenAI
+
+    model, prefix = str(moe_dir), f"t{uuid.uuid4().hex[:8]}.moebus.v1"
+    common = {"nats_url": nats_server.url, "subject_prefix": prefix, "heartbeat_interval_s": 0.25}
+    log = open(tmp_path / "workers.log", "wb")  # noqa: SIM115
+    group = _worker(nats_server.url, model, prefix, "ep", log, "--ep", "2")
+    solo = _worker(nats_server.url, model, prefix, "solo", log)
+    try:
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(TokenizerService(TokenizerConfig(model=model, served_model_name="tiny",
+                                                                             **common)))
+            bal = await stack.enter_async_context(BalancerService(BalancerConfig(**common)))
+            runner, port = await start_frontend(FrontendConfig(host="127.0.0.1", port=0, models=["tiny"], **common))
+            stack.push_async_callback(runner.cleanup)
+            await wait_for(lambda: len(bal.table.candidates("tiny", time.monotonic())) == 3, timeout=120,
+                           interval=0.2)
+            c = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+
+            async def stream(k: int) -> str:
+                s = await c.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": f"<5> <{k + 9}> <13>"}], max_tokens=200,
+                    temperature=0, stream=True, extra_body={"ignore_eos": True, "min_tokens": 200})
+                return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+
+            reference = await asyncio.gather(*(stream(k) for k in range(9)))
+            tasks = [asyncio.create_task(stream(k)) for k in range(9)]
+            await wait_for(lambda: sum(e.beat.load.num_running for e in bal.table.candidates(
+                "tiny", time.monotonic())) >= 6, timeout=30, interval=0.01)
+            ranks = [p for p in psutil.Process(group.pid).children(recursive=True)
+                     if "multiprocessing" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+            assert len(ranks) == 2
+            ranks[1].kill()
+            assert await asyncio.wait_for(asyncio.gather(*tasks), 120) == reference
+            assert await migrations(f"http://127.0.0.1:{port}", "resumed") >= 1
+    finally:
+        for p in (group, solo):
+            p.terminate()
+        for p in (group, solo):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+        print((tmp_path / "workers.log").read_text()[-4000:])

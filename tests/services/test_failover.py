@@ -35,9 +35,11 @@ def client(stack: Stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
 
 
-async def migrations(stack: Stack, kind: str = "") -> float:
-    """Requests the frontend moved to another worker (of this kind: fresh / resumed)."""
-    async with aiohttp.ClientSession() as http, http.get(stack.url + "/metrics") as r:
+async def migrations(stack: Stack | str, kind: str = "") -> float:
+    """Requests the frontend (of this stack, or at this URL) moved to another worker (of this kind:
+    fresh / resumed)."""
+    url = stack if isinstance(stack, str) else stack.url
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
     return sum(float(v) for labels, v in re.findall(r"^moebus_frontend_migrations_total\{(.*)\} (\S+)$", text, re.M)
                if f'kind="{kind}"' in labels or not kind)
