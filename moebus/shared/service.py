@@ -64,6 +64,7 @@ class Service:
         self.draining = False
         self._bus: Bus | None = None
         self._started = time.monotonic()
+        self.incarnation = uuid.uuid4().hex[:12]  # this process's life (see Heartbeat.incarnation)
         self._tasks: set[asyncio.Task] = set()
         self._probes = None
         self._closed = False
@@ -218,7 +219,7 @@ class Service:
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(service=self.name, instance_id=self.instance_id, ts=time.time(),
                          interval_s=self.cfg.heartbeat_interval_s, ready=self.ready and self.healthy,
-                         draining=self.draining, model=self.model(), load=self.load())
+                         draining=self.draining, model=self.model(), load=self.load(), incarnation=self.incarnation)
 
     async def publish_heartbeat(self) -> None:
         await self.bus.publish(self.subjects.heartbeat(self.name, self.instance_id), self.heartbeat())

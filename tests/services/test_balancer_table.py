@@ -61,3 +61,12 @@ def test_expiry_after_missed_heartbeats() -> None:
     assert t.expire(2.9) == []
     assert t.expire(3.1) == ["a"]
     assert "a" not in t and "b" in t
+
+
+def test_a_new_process_under_a_known_id_is_a_restart() -> None:
+    t = WorkerTable()
+    first = beat("a")
+    assert not t.observe(first, 0) and not t.observe(first, 1)
+    again = first.model_copy(update={"incarnation": "new-process"})
+    assert t.observe(again, 2)  # the old process's requests are lost
+    assert not t.observe(again, 3) and len(t) == 1

@@ -103,3 +103,31 @@ async def test_drain_hands_started_streams_over(stack: Stack, how: str) -> None:
     assert [r.text for r in done] == [{0: TOY_REPLY}] * 8
     assert stack.procs["worker-0"].wait(15) == 0  # drained, not crashed
     assert await migrations(stack, "resumed") >= 1  # the grace (0.3 s) is shorter than a reply
+
+
+@pytest.fixture
+def patient_stack(tmp_path):
+    """The balancer waits 20 s (100 missed heartbeats) before it calls a silent worker lost."""
+    cfg = StackConfig(port=free_port(), host="127.0.0.1", model="toy", workers=2, heartbeat_interval_s=0.2,
+                      engine=ENGINE, balancer={"missed_heartbeats": 100}, log_dir=str(tmp_path), ready_timeout_s=60)
+    with Stack(cfg) as s:
+        yield s
+
+
+async def test_a_worker_restarted_under_its_own_id_loses_nothing(patient_stack: Stack) -> None:
+    """A supervisor restarts a killed worker at once, under the same id, long before the balancer
+    would miss its heartbeats: the new process's first heartbeat (a new incarnation) tells the
+    balancer the old one's requests are gone, so its streams move on within seconds."""
+    stack = patient_stack
+    c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+    readers = await asyncio.gather(*(_start(c, k) for k in range(8)))
+    await wait_accepted(stack, {"worker-0": 2, "worker-1": 2})
+    cfg = next(scfg for _, scfg in stack.service_configs() if scfg.instance_id == "worker-0")
+    stack.kill("worker-0", signal.SIGKILL)
+    stack.procs["worker-0"].wait(5)
+    stack.spawn("worker", cfg)
+    started = asyncio.get_running_loop().time()
+    done = await asyncio.wait_for(asyncio.gather(*(r.rest() for r in readers)), 30)
+    assert [r.text for r in done] == [{0: TOY_REPLY}] * 8
+    assert asyncio.get_running_loop().time() - started < 12  # the restart, not the 20 s expiry
+    assert await migrations(stack, "resumed") >= 1

@@ -4,8 +4,9 @@
 all of them receive) forwards the request to the best worker's `generate.<id>` and returns its
 GenerateAccepted. "Best" is the cheapest estimated prefill given the prompt prefix each worker
 caches (KV broker index, kv_rank.py), then the least loaded. Overloaded or vanished workers are
-skipped for the next candidate. A worker that misses heartbeats is dropped and announced on
-`balancer.worker_lost`; frontends rerun the requests it had not started.
+skipped for the next candidate. A worker that misses heartbeats, or whose heartbeat comes from a new
+process under the same id (restarted), is announced on `balancer.worker_lost`; frontends move its
+requests to other workers.
 
 Disaggregated mode: the decode worker is asked first (it starts waiting for the KV), then the
 prefill worker, with one KVTransferSpec naming both; the accept reply names both workers. A
@@ -79,7 +80,10 @@ class BalancerService(Service):
         self.spawn(self._reaper())
 
     async def _on_heartbeat(self, beat: Heartbeat, _: Msg) -> None:
-        self.table.observe(beat, time.monotonic())
+        if self.table.observe(beat, time.monotonic()):
+            self._m_lost.inc()
+            await self.bus.publish(self.subjects.balancer_worker_lost,
+                                   WorkerLost(worker_id=beat.instance_id, reason="restarted"))
         self._m_workers.set(len(self.table))
 
     async def _reaper(self) -> None:

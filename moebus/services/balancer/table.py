@@ -53,12 +53,19 @@ class WorkerTable:
     def get(self, worker_id: str) -> WorkerEntry | None:
         return self._workers.get(worker_id)
 
-    def observe(self, beat: Heartbeat, now: float) -> None:
+    def observe(self, beat: Heartbeat, now: float) -> bool:
+        """Record a heartbeat; True when it comes from a new process under a known id (a restart:
+        what the old one held is lost)."""
         entry = self._workers.get(beat.instance_id)
         if entry is None:
             self._workers[beat.instance_id] = WorkerEntry(beat, now)
-            return
-        entry.beat, entry.last_seen, entry.pending = beat, now, 0
+            return False
+        restarted = entry.beat.incarnation != beat.incarnation
+        if restarted:
+            self._workers[beat.instance_id] = WorkerEntry(beat, now)
+        else:
+            entry.beat, entry.last_seen, entry.pending = beat, now, 0
+        return restarted
 
     def expire(self, now: float) -> list[str]:
         """Drop workers that missed too many heartbeats; returns their ids."""

@@ -41,6 +41,9 @@ class Heartbeat(Message):
     load: Load | None = None
     role: str | None = None  # workers: "both" | "prefill" | "decode"
     kv: KVInfo | None = None  # workers with a real KV cache
+    # Random per process: the same instance id with a new incarnation is a restart, and whatever the
+    # old process held is lost (a supervisor can restart it within the missed-heartbeat window).
+    incarnation: str = ""
 
 
 class HealthReply(Message):
