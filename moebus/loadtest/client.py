@@ -30,6 +30,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
     status: int | None = None  # HTTP status; None: no response (connection error, cancelled)
     error: str | None = None
+    sent_unix: float = 0.0  # sent_s on the wall clock (to line up with server logs and injected faults)
 
     @property
     def ok(self) -> bool:
@@ -54,6 +55,7 @@ async def send(client: openai.AsyncOpenAI, model: str, rec: RequestRecord, *, pr
     opts = {"stream_options": {"include_usage": True}}
     start = time.perf_counter()
     rec.sent_s = start - t0
+    rec.sent_unix = time.time()
     last = None
     chunks = 0
     try:
