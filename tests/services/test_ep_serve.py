@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 import uuid
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 
@@ -18,6 +19,7 @@ from moebus.services.tokenizer import TokenizerConfig, TokenizerService
 
 from .conftest import wait_for
 from .test_failover import migrations
+from .test_migration_stack import Stream
 
 pytest.importorskip("torch")
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -32,24 +34,36 @@ def moe_dir(tmp_path_factory):
     return path
 
 
+@asynccontextmanager
+async def control_plane(nats_url: str, model: str, prefix: str) -> AsyncIterator[tuple[BalancerService, int]]:
+    """Tokenizer, balancer and frontend in this process for the tiny model: (balancer, HTTP port)."""
+    common = {"nats_url": nats_url, "subject_prefix": prefix, "heartbeat_interval_s": 0.25}
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(TokenizerService(TokenizerConfig(model=model, served_model_name="tiny",
+                                                                         **common)))
+        bal = await stack.enter_async_context(BalancerService(BalancerConfig(**common)))
+        runner, port = await start_frontend(FrontendConfig(host="127.0.0.1", port=0, models=["tiny"], **common))
+        stack.push_async_callback(runner.cleanup)
+        yield bal, port
+
+
+def _worker(nats_url: str, model: str, prefix: str, instance: str, log, *extra: str, max_num_seqs: int = 8
+            ) -> subprocess.Popen:
+    engine = json.dumps({"num_kv_blocks": 64, "max_num_seqs": max_num_seqs, "max_model_len": 256})
+    return subprocess.Popen([sys.executable, "-m", "moebus.cli", "serve", "worker", "--nats-url", nats_url,
+                             "--model", model, "--served-model-name", "tiny", "--instance-id", instance,
+                             "--subject-prefix", prefix, "--heartbeat-interval-s", "0.25", "--engine", engine,
+                             "--torch-threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
+
+
 async def test_ep_worker_group_answers_chat(nats_server, moe_dir, tmp_path) -> None:
     from openai import AsyncOpenAI
 
     model, prefix = str(moe_dir), f"t{uuid.uuid4().hex[:8]}.moebus.v1"
-    common = {"nats_url": nats_server.url, "subject_prefix": prefix, "heartbeat_interval_s": 0.25}
-    engine = json.dumps({"num_kv_blocks": 64, "max_num_seqs": 4, "max_model_len": 256})
     log = open(tmp_path / "ep.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "moebus.cli", "serve", "worker", "--nats-url", nats_server.url,
-                             "--model", model, "--served-model-name", "tiny", "--ep", "2", "--instance-id", "ep",
-                             "--subject-prefix", prefix, "--heartbeat-interval-s", "0.25", "--engine", engine,
-                             "--torch-threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+    proc = _worker(nats_server.url, model, prefix, "ep", log, "--ep", "2", max_num_seqs=4)
     try:
-        async with AsyncExitStack() as stack:
-            await stack.enter_async_context(TokenizerService(TokenizerConfig(model=model, served_model_name="tiny",
-                                                                             **common)))
-            bal = await stack.enter_async_context(BalancerService(BalancerConfig(**common)))
-            runner, port = await start_frontend(FrontendConfig(host="127.0.0.1", port=0, models=["tiny"], **common))
-            stack.push_async_callback(runner.cleanup)
+        async with control_plane(nats_server.url, model, prefix) as (bal, port):
             await wait_for(lambda: proc.poll() is None and len(bal.table.candidates("tiny", time.monotonic())) == 2,
                            timeout=120, interval=0.2)
             assert {e.worker_id for e in bal.table.candidates("tiny", time.monotonic())} == {"ep-ep0", "ep-ep1"}
@@ -70,14 +84,6 @@ async def test_ep_worker_group_answers_chat(nats_server, moe_dir, tmp_path) -> N
         print((tmp_path / "ep.log").read_text()[-3000:])
 
 
-def _worker(nats_url: str, model: str, prefix: str, instance: str, log, *extra: str) -> subprocess.Popen:
-    engine = json.dumps({"num_kv_blocks": 64, "max_num_seqs": 8, "max_model_len": 256})
-    return subprocess.Popen([sys.executable, "-m", "moebus.cli", "serve", "worker", "--nats-url", nats_url,
-                             "--model", model, "--served-model-name", "tiny", "--instance-id", instance,
-                             "--subject-prefix", prefix, "--heartbeat-interval-s", "0.25", "--engine", engine,
-                             "--torch-threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT)
-
-
 async def test_a_group_losing_a_rank_hands_its_streams_over(nats_server, moe_dir, tmp_path) -> None:
     """SIGKILL one rank of a 2-rank group while streams run on it and on a plain worker: the dead
     rank's streams and the stalled survivor's move to the plain worker and finish whole, greedy
@@ -86,36 +92,30 @@ async def test_a_group_losing_a_rank_hands_its_streams_over(nats_server, moe_dir
     from openai import AsyncOpenAI
 
     model, prefix = str(moe_dir), f"t{uuid.uuid4().hex[:8]}.moebus.v1"
-    common = {"nats_url": nats_server.url, "subject_prefix": prefix, "heartbeat_interval_s": 0.25}
     log = open(tmp_path / "workers.log", "wb")  # noqa: SIM115
     group = _worker(nats_server.url, model, prefix, "ep", log, "--ep", "2")
     solo = _worker(nats_server.url, model, prefix, "solo", log)
     try:
-        async with AsyncExitStack() as stack:
-            await stack.enter_async_context(TokenizerService(TokenizerConfig(model=model, served_model_name="tiny",
-                                                                             **common)))
-            bal = await stack.enter_async_context(BalancerService(BalancerConfig(**common)))
-            runner, port = await start_frontend(FrontendConfig(host="127.0.0.1", port=0, models=["tiny"], **common))
-            stack.push_async_callback(runner.cleanup)
+        async with control_plane(nats_server.url, model, prefix) as (bal, port):
             await wait_for(lambda: len(bal.table.candidates("tiny", time.monotonic())) == 3, timeout=120,
                            interval=0.2)
             c = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
 
-            async def stream(k: int) -> str:
-                s = await c.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": f"<5> <{k + 9}> <13>"}], max_tokens=200,
-                    temperature=0, stream=True, extra_body={"ignore_eos": True, "min_tokens": 200})
-                return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+            async def stream(k: int) -> Stream:
+                return Stream(await c.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": f"<5> <{k + 9}> <13>"}], max_tokens=240,
+                    temperature=0, stream=True, extra_body={"ignore_eos": True, "min_tokens": 240}))
 
-            reference = await asyncio.gather(*(stream(k) for k in range(9)))
-            tasks = [asyncio.create_task(stream(k)) for k in range(9)]
-            await wait_for(lambda: sum(e.beat.load.num_running for e in bal.table.candidates(
-                "tiny", time.monotonic())) >= 6, timeout=30, interval=0.01)
+            undisturbed = await asyncio.gather(*(stream(k) for k in range(9)))
+            reference = [s.text for s in await asyncio.gather(*(s.rest() for s in undisturbed))]
+            opened = await asyncio.gather(*(stream(k) for k in range(9)))
+            await asyncio.gather(*(s.first() for s in opened))  # all of them mid-stream
             ranks = [p for p in psutil.Process(group.pid).children(recursive=True)
                      if "multiprocessing" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
             assert len(ranks) == 2
             ranks[1].kill()
-            assert await asyncio.wait_for(asyncio.gather(*tasks), 120) == reference
+            done = await asyncio.wait_for(asyncio.gather(*(s.rest() for s in opened)), 120)
+            assert [s.text for s in done] == reference
             assert await migrations(f"http://127.0.0.1:{port}", "resumed") >= 1
     finally:
         for p in (group, solo):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -25,12 +26,15 @@ CHAT = [{"role": "user", "content": "hi"}]
 ENGINE = {"step_delay_s": 0.04, "max_num_seqs": 16}  # ~2.5 s a reply: the cut lands mid-stream
 
 
+def _toy_stack(tmp_path, **cfg) -> Iterator[Stack]:
+    with Stack(StackConfig(port=free_port(), host="127.0.0.1", model="toy", workers=2, heartbeat_interval_s=0.2,
+                           engine=ENGINE, log_dir=str(tmp_path), ready_timeout_s=60, **cfg)) as s:
+        yield s
+
+
 @pytest.fixture
 def stack(tmp_path):
-    cfg = StackConfig(port=free_port(), host="127.0.0.1", model="toy", workers=2, heartbeat_interval_s=0.2,
-                      engine=ENGINE, worker={"drain_grace_s": 0.3}, log_dir=str(tmp_path), ready_timeout_s=60)
-    with Stack(cfg) as s:
-        yield s
+    yield from _toy_stack(tmp_path, worker={"drain_grace_s": 0.3})
 
 
 class Reader:
@@ -108,10 +112,7 @@ async def test_drain_hands_started_streams_over(stack: Stack, how: str) -> None:
 @pytest.fixture
 def patient_stack(tmp_path):
     """The balancer waits 20 s (100 missed heartbeats) before it calls a silent worker lost."""
-    cfg = StackConfig(port=free_port(), host="127.0.0.1", model="toy", workers=2, heartbeat_interval_s=0.2,
-                      engine=ENGINE, balancer={"missed_heartbeats": 100}, log_dir=str(tmp_path), ready_timeout_s=60)
-    with Stack(cfg) as s:
-        yield s
+    yield from _toy_stack(tmp_path, balancer={"missed_heartbeats": 100})
 
 
 async def test_a_worker_restarted_under_its_own_id_loses_nothing(patient_stack: Stack) -> None:
