@@ -93,7 +93,14 @@ async def test_disaggregated_decode_worker_killed_mid_stream(disagg: Stack) -> N
     assert await migrations(disagg, "resumed") >= 1
 
 
-async def test_disaggregated_prefill_worker_killed_before_or_during_hand_off(disagg: Stack) -> None:
+@pytest.fixture
+def disagg_one_each(tmp_path_factory):
+    yield from real_model_stack(tmp_path_factory, mode="disaggregated", prefill_workers=1, decode_workers=1,
+                                worker={"torch_threads": 1}, engine=ENGINE, ready_timeout_s=300)
+
+
+async def test_disaggregated_prefill_worker_killed_before_or_during_hand_off(disagg_one_each: Stack) -> None:
     # Killed as soon as the streams are sent: some wait for their prefill, some are between their
-    # first token and the KV hand-off; they all finish on the decode pool.
-    await _kill_mid_stream(disagg, "prefill-0", first_token_first=False)
+    # first token and the KV hand-off; they all finish on the one decode worker, which reports the
+    # missing hand-off as the prefill worker's fault (excluding itself would leave no worker).
+    await _kill_mid_stream(disagg_one_each, "prefill-0", first_token_first=False)

@@ -108,7 +108,7 @@ class Generation:
                 continue
             else:
                 err, retryable = ServiceError(item.error, item.error_message or item.error), item.retryable
-                failed = item.worker_id
+                failed = item.failed_worker or item.worker_id
             if retryable and err.code is not ErrorCode.DRAINING:
                 self.worker_failures += 1
                 if self.worker_failures >= self.router.cfg.max_worker_failures:  # poison: fail it for good

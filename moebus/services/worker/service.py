@@ -311,8 +311,10 @@ class WorkerService(Service):
             self.request_counts.inc(outcome)
         return a
 
-    def fail(self, rid: str, code: ErrorCode, message: str, *, retryable: bool, counter: str) -> None:
-        """End the request with an error chunk (counted as `counter`); its engine request is aborted."""
+    def fail(self, rid: str, code: ErrorCode, message: str, *, retryable: bool, counter: str,
+             blame: str | None = None) -> None:
+        """End the request with an error chunk (counted as `counter`); its engine request is aborted.
+        blame: another worker at fault (the frontend excludes it rather than this one)."""
         a = self._active.pop(rid, None)
         if a is None:
             return
@@ -323,7 +325,7 @@ class WorkerService(Service):
             self._loop.abort(rid)
         self.request_counts.inc(counter)
         chunk = TokenChunk(request_id=rid, worker_id=self.instance_id, attempt=a.req.attempt, finished=True,
-                           error=code.value, error_message=message, retryable=retryable)
+                           error=code.value, error_message=message, retryable=retryable, failed_worker=blame)
         self.send(a.req.reply_to, chunk, a.trace_headers)
 
     def send(self, subject: str, message: TokenChunk | Handoff, headers: dict[str, str]) -> None:

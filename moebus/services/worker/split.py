@@ -45,7 +45,8 @@ class SplitHost(Protocol):
 
     def release(self, rid: str, outcome: str) -> Active | None: ...
 
-    def fail(self, rid: str, code: ErrorCode, message: str, *, retryable: bool, counter: str) -> None: ...
+    def fail(self, rid: str, code: ErrorCode, message: str, *, retryable: bool, counter: str,
+             blame: str | None = None) -> None: ...
 
     def send(self, subject: str, message: TokenChunk | Handoff, headers: dict[str, str]) -> None: ...
 
@@ -131,8 +132,8 @@ class SplitStages:
         if host.active(rid) is not a:
             return  # aborted while waiting
         if h is None or h.first_token is None:
-            host.fail(rid, ErrorCode.WORKER_LOST, "the prefill stage did not hand over", retryable=True,
-                      counter="failed")
+            host.fail(rid, ErrorCode.WORKER_LOST, f"the prefill stage ({spec.prefill_worker}) did not hand over",
+                      retryable=True, counter="failed", blame=spec.prefill_worker)
             return
         if h.finished:  # the prefill worker's chunk already finished the request
             host.release(rid, "finished")

@@ -116,6 +116,7 @@ class TokenChunk(Message):
     error: str | None = None
     error_message: str | None = None
     retryable: bool = False
+    failed_worker: str | None = None  # the worker at fault when it is not the sender (a split's other half)
 
 
 class Handoff(Message):
