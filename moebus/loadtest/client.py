@@ -31,6 +31,7 @@ class RequestRecord:
     status: int | None = None  # HTTP status; None: no response (connection error, cancelled)
     error: str | None = None
     sent_unix: float = 0.0  # sent_s on the wall clock (to line up with server logs and injected faults)
+    finish_reason: str | None = None  # the stream's last one; None after a 200: cut short (an error)
 
     @property
     def ok(self) -> bool:
@@ -68,6 +69,9 @@ async def send(client: openai.AsyncOpenAI, model: str, rec: RequestRecord, *, pr
         rec.status = 200
         async for chunk in stream:
             now = time.perf_counter()
+            reason = _finish_reason(chunk)
+            if reason is not None:
+                rec.finish_reason = reason
             if _has_content(chunk):
                 chunks += 1
                 if last is None:
@@ -80,6 +84,10 @@ async def send(client: openai.AsyncOpenAI, model: str, rec: RequestRecord, *, pr
         rec.e2e_s = time.perf_counter() - start
         if rec.completion_tokens is None:
             rec.completion_tokens = chunks
+        if rec.finish_reason is None:
+            # e.g. llama-cpp-python's server (interrupt_requests, its default) ends a stream with a
+            # bare [DONE] when the next request arrives: a 200 that is not a finished request.
+            rec.error = f"truncated: the stream ended without a finish_reason after {chunks} chunks"
     except openai.APIStatusError as e:
         rec.status, rec.error = e.status_code, _short(e)
     except openai.APIError as e:  # connection errors, timeouts, a broken stream
@@ -97,6 +105,13 @@ def _has_content(chunk: Any) -> bool:
         if text:
             return True
     return False
+
+
+def _finish_reason(chunk: Any) -> str | None:
+    for c in chunk.choices or []:
+        if getattr(c, "finish_reason", None) is not None:
+            return c.finish_reason
+    return None
 
 
 def _usage(rec: RequestRecord, usage: Any) -> None:
