@@ -31,8 +31,13 @@ for server in "$@"; do
   done
   ready_s=$(( $(date +%s) - t0 ))
   echo "ready after ${ready_s} s; warm-up request"
-  curl -sf "http://127.0.0.1:$port/v1/completions" -H 'content-type: application/json' \
-    -d '{"model":"smollm2","prompt":"Warm-up: the quick brown fox","max_tokens":8}' >/dev/null
+  # /v1/models can answer before the engine is up (moebus: 503 until a worker registers): retry.
+  until curl -sf "http://127.0.0.1:$port/v1/completions" -H 'content-type: application/json' \
+      -d '{"model":"smollm2","prompt":"Warm-up: the quick brown fox","max_tokens":8}' >/dev/null; do
+    if (( $(date +%s) - t0 > 900 )); then echo "$server: no warm-up answer after 900 s"; exit 1; fi
+    sleep 2
+  done
+  echo "warm-up answered after $(( $(date +%s) - t0 )) s"
   load_before=$(uptime)
   echo "load before: $load_before"
   .venv/bin/moebus loadtest run --trace ../shared/traces/azure_code_2023.csv --url "http://127.0.0.1:$port" \

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # llama.cpp through llama-cpp-python's OpenAI-compatible server, on the F32 GGUF of the same
 # SmolLM2 weights (setup_llamacpp.sh), served as "smollm2", 2 threads for decode and prefill.
-# This server runs one request at a time (it serialises requests behind a lock; no batching).
+# This server runs one request at a time (it serialises requests behind a lock; no batching), and
+# by default a new request ends the one streaming with a bare [DONE] (no finish_reason, no error):
+# --interrupt_requests False makes it queue instead.
 # Usage: serve_llamacpp.sh PORT [GGUF]  (runs in the foreground; GGUF defaults to the F32 file)
 set -euo pipefail
 . "$(dirname "$0")/common.sh"
@@ -12,4 +14,4 @@ MODEL=${2:-$F32_GGUF}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 exec "$LLAMACPP_VENV/bin/python" -m llama_cpp.server --model "$MODEL" --model_alias smollm2 \
   --host 127.0.0.1 --port "$PORT" --n_threads "$THREADS" --n_threads_batch "$THREADS" \
-  --n_ctx 8192 --n_batch 512 --verbose False
+  --n_ctx 8192 --n_batch 512 --interrupt_requests False --verbose False
