@@ -63,12 +63,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="which worker dies when")
     ap.add_argument("--name", required=True, help="run folder under loadtest/results")
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--stack", default="{}", help='extra StackConfig fields as JSON, e.g. '
+                    '\'{"frontend": {"max_worker_failures": 3}}\'')
     ap.add_argument("loadtest_args", nargs=argparse.REMAINDER, help="after --: moebus loadtest run options")
     args = ap.parse_args()
     extra = [a for a in args.loadtest_args if a != "--"]
     out = RESULTS / args.name
     cfg = StackConfig(port=free_port(), host="127.0.0.1", model=args.model, workers=args.workers,
-                      worker={"torch_threads": 1}, log_dir=f"/tmp/moebus-chaos-{args.name}", ready_timeout_s=600)
+                      worker={"torch_threads": 1}, log_dir=f"/tmp/moebus-chaos-{args.name}", ready_timeout_s=600,
+                      **json.loads(args.stack))
     with Stack(cfg) as stack:
         workers = [f"worker-{i}" for i in range(args.workers)]
         stop, kills = threading.Event(), []
@@ -93,7 +96,8 @@ def main() -> int:
         (hit if any(r["sent_unix"] <= k["unix"] <= end for k in kills) else calm).append(r)
     ok = [r for r in records if r["status"] == 200 and r["error"] is None]
     report = {
-        "workers": args.workers, "kill_every_s": args.kill_every, "kills": kills, "migrations": migrated,
+        "workers": args.workers, "kill_every_s": args.kill_every, "stack": json.loads(args.stack), "kills": kills,
+        "migrations": migrated,
         "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
         "in_flight_at_a_kill": {"n": len(hit), "e2e_p50_s": _p50([r["e2e_s"] for r in hit]),
                                 "ttft_p50_s": _p50([r["ttft_s"] for r in hit if r["ttft_s"] is not None])},
