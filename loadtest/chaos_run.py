@@ -52,6 +52,10 @@ def _chaos(stack: Stack, workers: list[str], every: float, stop: threading.Event
     return kills
 
 
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "requests.jsonl").read_text().splitlines() if line.strip()]
+
+
 def _p50(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
@@ -65,6 +69,8 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--stack", default="{}", help='extra StackConfig fields as JSON, e.g. '
                     '\'{"frontend": {"max_worker_failures": 3}}\'')
+    ap.add_argument("--baseline", default=None, help="a no-fault run folder of the same trace and --prompt-seed: "
+                    "report each request's added E2E against it")
     ap.add_argument("loadtest_args", nargs=argparse.REMAINDER, help="after --: moebus loadtest run options")
     args = ap.parse_args()
     extra = [a for a in args.loadtest_args if a != "--"]
@@ -87,13 +93,19 @@ def main() -> int:
         if chaos.is_alive():
             chaos.join(30)
         migrated = _migrations(stack.url)
-    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines() if line.strip()]
+    records = _records(out)
     hit, calm = [], []
     for r in records:
         if r["e2e_s"] is None:
             continue
         end = r["sent_unix"] + r["e2e_s"]
         (hit if any(r["sent_unix"] <= k["unix"] <= end for k in kills) else calm).append(r)
+    added = {}
+    if args.baseline:  # the same request (index) in a run without faults
+        base = {b["index"]: b["e2e_s"] for b in _records(Path(args.baseline)) if b["e2e_s"] is not None}
+        for label, group in (("in_flight_at_a_kill", hit), ("others", calm)):
+            d = sorted(r["e2e_s"] - base[r["index"]] for r in group if r["index"] in base)
+            added[label] = {"p50_s": _p50(d), "p90_s": round(d[int(0.9 * (len(d) - 1))], 3) if d else None}
     ok = [r for r in records if r["status"] == 200 and r["error"] is None]
     report = {
         "workers": args.workers, "kill_every_s": args.kill_every, "stack": json.loads(args.stack), "kills": kills,
@@ -104,6 +116,7 @@ def main() -> int:
         "others": {"n": len(calm), "e2e_p50_s": _p50([r["e2e_s"] for r in calm]),
                    "ttft_p50_s": _p50([r["ttft_s"] for r in calm if r["ttft_s"] is not None])},
         "errors": sorted({r["error"] for r in records if r["error"]}),
+        "added_e2e_vs_baseline": added,
     }
     (out / "chaos.json").write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "kills"}, indent=2))
