@@ -35,7 +35,7 @@ from moebus.engine.models import load_model
 from moebus.engine.outputs import EngineStats, RequestOutput
 from moebus.engine.request import Request, RequestStatus
 from moebus.engine.request_table import RequestTable, Tracked, choice_ids
-from moebus.engine.resume import check_resume, prime
+from moebus.engine.resume import ChoiceFinished, check_resume, prime
 from moebus.engine.sampling import SamplingParams
 from moebus.engine.sampling.spec_decode import DraftModelProposer, NgramProposer, SpecDecodeStats
 from moebus.engine.scheduler import Scheduler, SchedulerOutput
@@ -201,7 +201,10 @@ class LLMEngine:
         ValueError, leaving nothing behind, when first_token already ends it."""
         if params.n != 1:
             raise ValueError("a prefilled request has one choice (n == 1)")
-        self.add_request(request_id, prompt_token_ids, params, priority, resume={0: [first_token]})
+        try:
+            self.add_request(request_id, prompt_token_ids, params, priority, resume={0: [first_token]})
+        except ChoiceFinished as e:
+            raise ChoiceFinished(f"{request_id} finished at its first token: nothing to decode ({e})") from None
         req = self.tracked[request_id].req
         if generator_state is not None and req.generator is not None:
             req.generator.set_state(generator_state)

@@ -19,6 +19,10 @@ import torch
 from moebus.engine.request_table import Tracked
 
 
+class ChoiceFinished(ValueError):
+    """The resumed tokens had already ended the choice: nothing is left to generate."""
+
+
 def check_resume(resume: Mapping[int, Sequence[int]] | None, n: int, vocab_size: int) -> dict[int, list[int]]:
     """The choices to run (index -> tokens so far); every one from scratch when resume is None."""
     if resume is None:
@@ -36,25 +40,25 @@ def check_resume(resume: Mapping[int, Sequence[int]] | None, n: int, vocab_size:
 
 
 def prime(tr: Tracked, tokens: list[int], vocab_size: int) -> None:
-    """Bring a new choice to the state it had after producing `tokens`; ValueError when those
-    tokens had already ended it (nothing left to generate)."""
+    """Bring a new choice to the state it had after producing `tokens`; ChoiceFinished when those
+    tokens had already ended it, ValueError when its grammar rejects them."""
     if not tokens:
         return
     req, params = tr.req, tr.req.params
     if len(tokens) >= req.max_tokens:
-        raise ValueError(f"choice {tr.index} already has {len(tokens)} of its {req.max_tokens} tokens")
+        raise ChoiceFinished(f"choice {tr.index} already has {len(tokens)} of its {req.max_tokens} tokens")
     req.output_token_ids = list(tokens)
     for i, t in enumerate(tokens):
         if i + 1 >= params.min_tokens and (t in req.eos_token_ids or t in params.stop_token_ids):
-            raise ValueError(f"choice {tr.index} had already stopped at token {i}")
+            raise ChoiceFinished(f"choice {tr.index} had already stopped at token {i}")
     if req.grammar is not None:
         if req.grammar.accept_tokens(tokens) != len(tokens):
             raise ValueError(f"choice {tr.index}: its grammar rejects the resumed tokens")
         if req.grammar.is_terminated():
-            raise ValueError(f"choice {tr.index} had already completed its grammar")
+            raise ChoiceFinished(f"choice {tr.index} had already completed its grammar")
     tr.stops.feed(tr.detok.push(list(tokens)))
     if tr.stops.stopped:
-        raise ValueError(f"choice {tr.index} had already stopped at a stop string")
+        raise ChoiceFinished(f"choice {tr.index} had already stopped at a stop string")
     if req.generator is not None and not params.greedy:
         noise = torch.empty(vocab_size)
         for _ in tokens:
