@@ -112,16 +112,29 @@ def test_disaggregated_pools_are_decided_separately() -> None:
 
 
 def test_capacity_learns_from_throughput_at_observed_latency() -> None:
-    c = Capacity(prior=100, alpha=0.5, floor=0.1)
-    c.observe(40, slo_violated=True)  # broke the SLO at 40: capacity is at most 40
+    c = Capacity(prior=100, alpha=0.5, floor=0.1, window_s=30)
+    c.observe(40, slo_violated=True, now=0)  # broke the SLO at 40: capacity is at most 40
     assert c.value == pytest.approx(70)
-    c.observe(200, slo_violated=False)  # met it at 200: at least 200
+    c.observe(200, slo_violated=False, now=100)  # met it at 200: at least 200
     assert c.value == pytest.approx(135)
-    c.observe(50, slo_violated=False)  # a quiet tick teaches nothing
+    c.observe(50, slo_violated=False, now=200)  # a quiet tick teaches nothing
     assert c.value == pytest.approx(135)
-    for _ in range(50):
-        c.observe(1, slo_violated=True)
+    for k in range(50):
+        c.observe(1, slo_violated=True, now=300 + 60 * k)
     assert c.value == pytest.approx(10)  # the floor
+
+
+def test_a_breach_bounds_capacity_by_the_most_served_in_the_latency_window() -> None:
+    """Load falls while the workers' 30 s latency window still holds the peak's breach: the
+    falling throughput is no upper bound, the peak is (the estimate must not ratchet down)."""
+    c = Capacity(prior=100, alpha=0.5, floor=0.01, window_s=30)
+    c.observe(60, slo_violated=True, now=0)  # the peak broke the SLO: at most 60
+    assert c.value == pytest.approx(80)
+    for t, x in ((5, 40), (10, 20), (15, 10), (20, 5)):  # the ramp down, breach still reported
+        c.observe(x, slo_violated=True, now=t)
+    assert c.value >= 60
+    c.observe(5, slo_violated=True, now=40)  # the peak has left the window: a real breach at 5
+    assert c.value < 60
 
 
 def test_holt_forecast_follows_a_linear_trend() -> None:

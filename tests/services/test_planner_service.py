@@ -53,6 +53,22 @@ async def test_decisions_are_published_and_exported(nats_server: NatsServer) -> 
         assert planner.stats()["last"]["pools"][0]["pool"] == "both"
 
 
+async def test_the_first_decision_waits_for_the_min_workers_to_show_up(nats_server: NatsServer) -> None:
+    """A real-model worker started with the planner beats only after ~15 s of loading: the planner
+    must not take the empty pool for one below min_replicas and start a duplicate."""
+    prefix = f"t{uuid.uuid4().hex[:8]}.moebus.v1"
+    cfg = PlannerConfig(nats_url=nats_server.url, subject_prefix=prefix, interval_s=0.05, warmup_s=0,
+                        heartbeat_interval_s=0.1, policy={"startup_grace_s": 30, "pools": {"both": {}}})
+    async with PlannerService(cfg) as planner:
+        await asyncio.sleep(0.5)  # the worker is still loading
+        assert planner.decisions == 0
+        beat = Heartbeat(service="worker", instance_id="w-0", ts=time.time(), interval_s=0.1, role="both",
+                         ready=False, load=Load())
+        await planner.bus.publish(planner.subjects.heartbeat("worker", "w-0"), beat)
+        await wait_for(lambda: planner.decisions > 0)
+        assert planner.last.pools[0].action == "hold" and planner.actuator.asked.get("both", 1) == 1
+
+
 @dataclass
 class FakeProc:
     pid: int = 0

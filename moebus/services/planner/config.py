@@ -50,6 +50,8 @@ class PolicyConfig(BaseModel):
     lookahead_s: float = Field(10.0, ge=0)  # forecast this far ahead (about a replica's start time)
     capacity_alpha: float = Field(0.2, ge=0, le=1)  # learning rate of the per-replica capacity
     capacity_floor: float = Field(0.1, gt=0, le=1)  # the learned capacity never drops below prior x this
+    # The workers' latency_window_s: an SLO breach bounds capacity by the most served in that window.
+    latency_window_s: float = Field(30.0, gt=0)
     prefill_token_weight: float = Field(0.25, ge=0)  # aggregated pool: cost of a prompt token vs an output token
     pools: dict[PoolName, PoolConfig] = {"both": PoolConfig()}  # the pools to plan; others are ignored
 

@@ -87,6 +87,8 @@ class Fleet:
                 o.draining += 1
             elif w.beat.ready:
                 o.replicas += 1
+            else:
+                o.starting += 1
             o.num_running += load.num_running
             o.num_waiting += load.num_waiting
             if load.kv_blocks_total > 0:

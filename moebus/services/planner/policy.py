@@ -79,12 +79,13 @@ class ScalingPolicy:
 
     def _state(self, pool: PoolName, pcfg: PoolConfig, obs: PoolObservation) -> PoolState:
         st = self.pools.get(pool)
-        if st is None:  # start from what runs: only min/max resize a fleet the planner finds
+        if st is None:  # start from what runs or boots: only min/max resize a fleet the planner finds
             c = self.cfg
             st = self.pools[pool] = PoolState(
-                desired=obs.replicas,
+                desired=obs.replicas + obs.starting,
                 work=Holt(c.level_alpha, c.trend_beta), inflight=Holt(c.level_alpha, c.trend_beta),
-                capacity=Capacity(pcfg.capacity_tokens_s, c.capacity_alpha, c.capacity_floor))
+                capacity=Capacity(pcfg.capacity_tokens_s, c.capacity_alpha, c.capacity_floor,
+                                  c.latency_window_s))
         return st
 
     def _decide(self, pool: PoolName, pcfg: PoolConfig, obs: PoolObservation, now: float) -> PoolDecision:
@@ -92,7 +93,7 @@ class ScalingPolicy:
         previous, slo = st.desired, self.violation(pool, obs)
         work = self.work_rate(pool, obs)
         if obs.replicas:
-            st.capacity.observe(work / obs.replicas, slo is not None)
+            st.capacity.observe(work / obs.replicas, slo is not None, now)
         st.work.update(work, now)
         st.inflight.update(obs.num_running + obs.num_waiting, now)
         cap = st.capacity.value

@@ -85,12 +85,29 @@ class PlannerService(Service):
 
     async def _loop(self) -> None:
         await asyncio.sleep(self.cfg.warmup_s)  # see the fleet before judging it
+        await self._until_pools_seen()
         while True:
             try:
                 await self.tick()
             except Exception:  # one bad tick must not stop the planner
                 log.exception("planner tick failed")
             await asyncio.sleep(self.cfg.interval_s)
+
+    async def _until_pools_seen(self) -> None:
+        """Each pool's min_replicas workers are normally started with the planner (moebus up, the
+        Deployments) and take a while to send their first heartbeat (a real model loads for ~15 s):
+        wait for them, up to startup_grace_s, so the first tick does not start duplicates."""
+        deadline = time.monotonic() + self.cfg.policy.startup_grace_s
+        while time.monotonic() < deadline:
+            seen: dict[str, int] = {}
+            for w in self.fleet.workers():
+                if not w.draining:
+                    seen[w.pool] = seen.get(w.pool, 0) + 1
+            if all(seen.get(pool, 0) >= p.min_replicas for pool, p in self.cfg.policy.pools.items()):
+                return
+            await asyncio.sleep(0.2)
+        log.warning("planner: pools still below min_replicas after %gs; deciding anyway",
+                    self.cfg.policy.startup_grace_s)
 
     async def tick(self) -> PlannerDecision:
         now = time.monotonic()

@@ -13,6 +13,7 @@ class PoolObservation(Message):
     """One pool as the planner saw it in one tick (rates from the workers' cumulative counters)."""
 
     replicas: int = 0  # ready and not draining
+    starting: int = 0  # heartbeating, not ready yet (loading the model)
     draining: int = 0
     num_running: int = 0
     num_waiting: int = 0
