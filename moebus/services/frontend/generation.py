@@ -28,6 +28,7 @@ from moebus.shared.messages.generate import ResumedChoice
 if TYPE_CHECKING:
     from .router import StreamRouter
 
+
 @dataclass(frozen=True, slots=True)
 class Lost:
     worker_id: str

@@ -7,8 +7,8 @@ engine fans out (sharing the prompt's KV), each output naming its choice (TokenC
 drain (SIGTERM or the `drain` control subject), requests that have not produced a token are
 handed back at once (retryable error chunk), the others get `drain_grace_s` to finish and are then
 handed back too: the frontend moves them to another worker, which goes on from the tokens already
-sent (migration). KV hand-offs under way finish before the process exits. Request counts live in one place, the Prometheus counter
-(counters.py), which stats() reads.
+sent (migration). KV hand-offs under way finish before the process exits. Request counts live in
+one place, the Prometheus counter (counters.py), which stats() reads.
 Split requests (stage prefill / decode, see split.py) and the KV broker hooks (kv_link.py) are
 only wired up for real engines; the toy engine runs aggregated requests only.
 """
@@ -252,7 +252,7 @@ class WorkerService(Service):
             if not a.started:
                 a.started = True
                 self._m_ttft.observe(now - a.accepted_at)
-                if a.req.stage != "decode":  # a decode half's first chunk is its request's second token
+                if a.req.stage != "decode" and not a.req.resume:  # else not its request's first token
                     self.demand.ttft.add(now - a.accepted_at, now)
             elif chunk.token_ids:
                 self.demand.itl.add((now - a.last_chunk_at) / len(chunk.token_ids), now)
