@@ -19,7 +19,7 @@ from moebus.services.tokenizer import TokenizerConfig, TokenizerService
 
 from .conftest import wait_for
 from .test_failover import migrations
-from .test_migration_stack import Stream
+from .test_migration_toy import Reader
 
 pytest.importorskip("torch")
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -101,8 +101,8 @@ async def test_a_group_losing_a_rank_hands_its_streams_over(nats_server, moe_dir
                            interval=0.2)
             c = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
 
-            async def stream(k: int) -> Stream:
-                return Stream(await c.chat.completions.create(
+            async def stream(k: int) -> Reader:
+                return Reader(await c.chat.completions.create(
                     model="tiny", messages=[{"role": "user", "content": f"<5> <{k + 9}> <13>"}], max_tokens=240,
                     temperature=0, stream=True, extra_body={"ignore_eos": True, "min_tokens": 240}))
 

@@ -15,6 +15,7 @@ from moebus.services.launcher import Stack
 
 from .conftest import real_model_stack
 from .test_failover import migrations
+from .test_migration_toy import Reader
 
 pytest.importorskip("torch")
 TOPICS = ["the sea", "a mountain", "the moon", "a city at night", "autumn leaves", "a river", "snow", "the desert",
@@ -27,31 +28,8 @@ def _messages(topic: str) -> list[dict]:
     return [{"role": "user", "content": f"Write a short poem about {topic}."}]
 
 
-class Stream:
-    def __init__(self, stream: openai.AsyncStream) -> None:
-        self.stream, self.text, self.tokens = stream, "", None
-
-    async def first(self) -> Stream:
-        async for ch in self.stream:
-            self._take(ch)
-            if self.text:
-                break
-        return self
-
-    async def rest(self) -> Stream:
-        async for ch in self.stream:
-            self._take(ch)
-        return self
-
-    def _take(self, ch) -> None:
-        if ch.usage is not None:
-            self.tokens = ch.usage.completion_tokens
-        if ch.choices and ch.choices[0].delta.content:
-            self.text += ch.choices[0].delta.content
-
-
-async def _open(c: openai.AsyncOpenAI, topic: str) -> Stream:
-    return Stream(await c.chat.completions.create(
+async def _open(c: openai.AsyncOpenAI, topic: str) -> Reader:
+    return Reader(await c.chat.completions.create(
         model="smollm2", messages=_messages(topic), max_tokens=MAX_TOKENS, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "min_tokens": MAX_TOKENS}))
 
@@ -67,7 +45,7 @@ async def _kill_mid_stream(stack: Stack, victim: str, first_token_first: bool = 
     done = await asyncio.wait_for(asyncio.gather(*(s.rest() for s in opened)), 240)
     for topic, s in zip(TOPICS, done, strict=True):
         assert s.text == reference[topic].text, topic
-        assert s.tokens == reference[topic].tokens == MAX_TOKENS
+        assert s.usage.completion_tokens == reference[topic].usage.completion_tokens == MAX_TOKENS
     assert await migrations(stack) >= 1
 
 
