@@ -33,6 +33,8 @@ from moebus.shared.service import Empty, ServiceConfig, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
 
+from .supervisor import Supervisor
+
 log = logging.getLogger(__name__)
 SERVICES = ("tokenizer", "balancer", "worker", "frontend", "planner")
 # Stopped in reverse: the planner first (no new workers; it stops its own), frontends, the broker last.
@@ -100,6 +102,7 @@ class Stack:
         self.nats: NatsServer | None = None
         self.procs: dict[str, subprocess.Popen] = {}  # instance id -> process
         self.services: dict[str, str] = {}  # instance id -> service name
+        self._launches: dict[str, tuple[str, list[str], dict[str, str] | None]] = {}  # how each was started
         self.nats_url = cfg.nats_url or ""
 
     @property
@@ -180,7 +183,17 @@ class Stack:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                 start_new_session=True)
         self.procs[instance_id], self.services[instance_id] = proc, service
+        self._launches[instance_id] = (service, cmd, env)
         return proc
+
+    def respawn(self, instance_id: str) -> None:
+        """Start an exited process again: same id, same command line (the supervisor's restart)."""
+        service, cmd, env = self._launches[instance_id]
+        self._popen(instance_id, service, cmd, env)
+
+    def forget(self, instance_id: str) -> None:
+        """A process that is gone for good (a drained worker)."""
+        del self.procs[instance_id], self.services[instance_id]
 
     def wait_ready(self, timeout: float | None = None) -> None:
         coro = self.wait_ready_async(timeout)
@@ -261,7 +274,8 @@ class Stack:
 
 
 def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
-    """Run the stack until SIGINT/SIGTERM (or until one of its processes dies)."""
+    """Run the stack until SIGINT/SIGTERM; a process that crashes is restarted (supervisor.py), one
+    that keeps crashing stops the stack."""
     cfg = StackConfig(port=port, model=model, **opts)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -276,13 +290,10 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
             pools = f"{cfg.autoscale[0]}..{cfg.autoscale[1]} worker(s){each} scaled by planner-0"
         print(f"moebus up: {stack.url}/v1 (model {cfg.served_model_name or model}, {pools}, "
               f"{'KV broker, ' if stack.kvbroker_on else ''}NATS {stack.nats_url})", flush=True)
+        supervisor = Supervisor(stack)  # restarts what crashes; drained workers stay down
         while not stop.wait(0.5):
-            if cfg.autoscale is not None:  # the planner drained one of our workers: it exited 0, not died
-                for i in [i for i, p in stack.procs.items() if stack.services[i] == "worker" and p.poll() == 0]:
-                    del stack.procs[i], stack.services[i]
-            dead = [i for i, p in stack.procs.items() if p.poll() is not None]
-            if dead:
-                print(f"moebus: {', '.join(dead)} exited; shutting down", file=sys.stderr, flush=True)
+            if (reason := supervisor.check()) is not None:
+                print(f"moebus: {reason}; shutting down", file=sys.stderr, flush=True)
                 return 1
         return 0
     finally:

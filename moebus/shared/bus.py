@@ -97,18 +97,29 @@ class Bus:
         await self.nc.publish(subject, data, headers=headers)
 
     async def request(self, subject: str, msg: Message | bytes, reply_type: type[M], timeout: float,
-                      headers: dict[str, str] | None = None) -> M:
+                      headers: dict[str, str] | None = None, wait_for_responders_s: float = 0.0,
+                      idempotent: bool = False) -> M:
         """Request/reply; raises NoResponders, RequestTimeout, PAYLOAD_TOO_LARGE (a request over the
-        server's max payload), or the ServiceError the handler raised."""
+        server's max payload), or the ServiceError the handler raised. wait_for_responders_s: while
+        nobody serves the subject (its service is restarting), ask again for this long; nobody got
+        the request, so this is safe for any request. idempotent: a timeout is retried within that
+        time too (a responder killed a moment ago may still be subscribed and swallow the request)."""
         data = msg if isinstance(msg, bytes) else msg.encode()
         headers = self.tracing.inject(headers)
         self.check_size(data, headers, f"{_kind(msg)} on {subject}")
-        try:
-            reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
-        except nats.errors.NoRespondersError:
-            raise NoResponders(subject) from None
-        except nats.errors.TimeoutError:
-            raise RequestTimeout(subject, timeout) from None
+        deadline, pause = time.monotonic() + wait_for_responders_s, 0.05
+        while True:
+            try:
+                reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
+                break
+            except nats.errors.NoRespondersError:
+                if time.monotonic() + pause > deadline:
+                    raise NoResponders(subject) from None
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+            except nats.errors.TimeoutError:
+                if not idempotent or time.monotonic() > deadline:
+                    raise RequestTimeout(subject, timeout) from None
         err = ServiceError.from_headers(reply.headers)
         if err is not None:
             raise err

@@ -55,7 +55,7 @@ class _InProcessBus:
     def __init__(self, svc: TokenizerService) -> None:
         self.svc = svc
 
-    async def request(self, subject: str, req: Any, reply_type: type, timeout: float) -> Any:
+    async def request(self, subject: str, req: Any, reply_type: type, timeout: float, **_: Any) -> Any:
         return await self.svc.detokenize(req, None)
 
 

@@ -22,6 +22,7 @@ class Detok:
     stop: list[str]
     include_stop: bool
     context: list[int] = field(default_factory=list)  # last prompt tokens: the first decode's left context
+    wait_s: float = 0.0  # how long to wait for a tokenizer while none answers (one is restarting)
     window: list[int] = field(default_factory=list)
     read_offset: int = 0
     held: str = ""
@@ -35,7 +36,8 @@ class Detok:
         self.window += token_ids
         req = DetokenizeRequest(model=self.model, token_ids=self.window, read_offset=self.read_offset,
                                 held=self.held, stop=self.stop, include_stop=self.include_stop, finished=finished)
-        reply = await self.bus.request(self.subjects.tokenizer_detokenize, req, DetokenizeReply, self.timeout)
+        reply = await self.bus.request(self.subjects.tokenizer_detokenize, req, DetokenizeReply, self.timeout,
+                                       wait_for_responders_s=self.wait_s, idempotent=True)
         self.window = self.window[reply.prefix_offset:]
         self.read_offset = reply.read_offset - reply.prefix_offset
         self.held = reply.held

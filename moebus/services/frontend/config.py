@@ -39,6 +39,9 @@ class FrontendConfig(ServiceConfig):
     tokenizer_timeout_s: float = 10.0
     route_timeout_s: float = 15.0
     stream_idle_timeout_s: float = 120.0  # no chunk for this long: give up on the request
+    # While no tokenizer or balancer answers (a crashed one is being restarted), requests wait this
+    # long for one instead of failing: nobody got them, so asking again is safe.
+    restart_wait_s: float = 15.0
     # Moves of one request to another worker (its worker died, drained or failed retryably); the
     # open choices go on from the tokens already sent (generation.py).
     max_migrations: int = Field(3, ge=0)

@@ -69,7 +69,7 @@ class Generation:
     async def _route(self) -> None:
         cfg = self.router.cfg
         accepted = await self.router.bus.request(self.router.subjects.balancer_route, self.req, GenerateAccepted,
-                                                 timeout=cfg.route_timeout_s)
+                                                 timeout=cfg.route_timeout_s, wait_for_responders_s=cfg.restart_wait_s)
         self.worker_id, self.decode_worker_id = accepted.worker_id, accepted.decode_worker_id
 
     def watches(self, worker_id: str) -> bool:

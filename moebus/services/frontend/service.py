@@ -47,7 +47,8 @@ class FrontendService(Service):
         req.max_prompt_tokens = self.cfg.limits.max_model_len
         try:
             return await self.bus.request(self.subjects.tokenizer_render, req, RenderReply,
-                                          timeout=self.cfg.tokenizer_timeout_s)
+                                          timeout=self.cfg.tokenizer_timeout_s,
+                                          wait_for_responders_s=self.cfg.restart_wait_s, idempotent=True)
         except ServiceError as e:
             raise APIError.from_service_error(e) from None
 
@@ -63,7 +64,7 @@ class FrontendService(Service):
                 model: str) -> list[ChoiceState]:
         def detok() -> Detok:
             return Detok(self.bus, self.subjects, model, self.cfg.tokenizer_timeout_s, list(params.stop),
-                         params.include_stop_str_in_output, context=prompt_ids)
+                         params.include_stop_str_in_output, context=prompt_ids, wait_s=self.cfg.restart_wait_s)
 
         return [ChoiceState(first_index + i, detok()) for i in range(params.n)]
 
