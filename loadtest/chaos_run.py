@@ -41,14 +41,13 @@ def _migrations(url: str) -> dict[str, float]:
 
 def _chaos(stack: Stack, workers: list[str], every: float, stop: threading.Event, seed: int) -> list[dict]:
     rng, kills = random.Random(seed), []
-    configs = {scfg.instance_id: scfg for svc, scfg in stack.service_configs() if svc == "worker"}
     while not stop.wait(every):
         victim = rng.choice(workers)
         stack.kill(victim, signal.SIGKILL)
         stack.procs[victim].wait(10)
         kills.append({"unix": time.time(), "worker": victim})
         print(f"chaos: killed {victim}, restarting it", flush=True)
-        stack.spawn("worker", configs[victim])
+        stack.respawn(victim)
     return kills
 
 

@@ -123,10 +123,9 @@ async def test_a_worker_restarted_under_its_own_id_loses_nothing(patient_stack: 
     c = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
     readers = await asyncio.gather(*(_start(c, k) for k in range(8)))
     await wait_accepted(stack, {"worker-0": 2, "worker-1": 2})
-    cfg = next(scfg for _, scfg in stack.service_configs() if scfg.instance_id == "worker-0")
     stack.kill("worker-0", signal.SIGKILL)
     stack.procs["worker-0"].wait(5)
-    stack.spawn("worker", cfg)
+    stack.respawn("worker-0")
     started = asyncio.get_running_loop().time()
     done = await asyncio.wait_for(asyncio.gather(*(r.rest() for r in readers)), 30)
     assert [r.text for r in done] == [{0: TOY_REPLY}] * 8

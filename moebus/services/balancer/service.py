@@ -81,17 +81,19 @@ class BalancerService(Service):
 
     async def _on_heartbeat(self, beat: Heartbeat, _: Msg) -> None:
         if self.table.observe(beat, time.monotonic()):
-            self._m_lost.inc()
-            await self.bus.publish(self.subjects.balancer_worker_lost,
-                                   WorkerLost(worker_id=beat.instance_id, reason="restarted"))
+            await self._announce_lost(beat.instance_id, "restarted")
         self._m_workers.set(len(self.table))
+
+    async def _announce_lost(self, worker_id: str, reason: str) -> None:
+        """Frontends move the requests the worker held; split halves waiting on it give up."""
+        self._m_lost.inc()
+        await self.bus.publish(self.subjects.balancer_worker_lost, WorkerLost(worker_id=worker_id, reason=reason))
 
     async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s / 2)
             for worker_id in self.table.expire(time.monotonic()):
-                self._m_lost.inc()
-                await self.bus.publish(self.subjects.balancer_worker_lost, WorkerLost(worker_id=worker_id))
+                await self._announce_lost(worker_id, "missed heartbeats")
             self._m_workers.set(len(self.table))
 
     async def route(self, req: GenerateRequest, _: Msg) -> GenerateAccepted:
