@@ -67,7 +67,7 @@ class BlockManager:
         bs, hashes = self.block_size, req.block_hashes
         if (len(hashes) + 1) * bs > req.num_tokens:
             return hashes  # no new full block (most decode steps): skip building the token list
-        toks = req.all_token_ids
+        toks = req.hash_token_ids
         while (len(hashes) + 1) * bs <= len(toks):
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(toks[i * bs:(i + 1) * bs])))

@@ -32,6 +32,7 @@ from moebus.engine.model_runner import (
     kv_bytes_per_block,
 )
 from moebus.engine.models import load_model
+from moebus.engine.multimodal import ImageSpan, check_spans
 from moebus.engine.outputs import EngineStats, RequestOutput
 from moebus.engine.request import Request, RequestStatus
 from moebus.engine.request_table import RequestTable, Tracked, choice_ids
@@ -100,11 +101,13 @@ class LLMEngine:
 
     # --- public API ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None) -> None:
+                    priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
+                    images: Sequence[ImageSpan] = ()) -> None:
         """Queue a request. params.n > 1 fans out into n choices (choice i seeded params.seed + i);
         the later ones wait for the first one's prefill, so all share the prompt's KV blocks.
         resume: a migrated request (engine/resume.py): for each choice still to run, the tokens it
-        had produced elsewhere; choices left out had finished. Raises ValueError for a request it
+        had produced elsewhere; choices left out had finished. images: encoder rows that replace
+        placeholder tokens of the prompt (engine/multimodal.py). Raises ValueError for a request it
         refuses; a request that raises leaves nothing behind."""
         ids = choice_ids(request_id, params.n)
         if self.tracked.taken(request_id, ids):
@@ -117,9 +120,15 @@ class LLMEngine:
         if max(prompt_token_ids) >= self.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError("prompt token id out of the vocabulary")
         prior = check_resume(resume, params.n, self.vocab_size)
+        images = list(images)
+        if images:
+            if not getattr(self.runner.model, "accepts_image_embeds", False):
+                raise ValueError(f"{self.config.model} cannot take images")
+            check_spans(images, len(prompt_token_ids), self.runner.model.embed_tokens.embedding_dim)
         choices = []
         for k in sorted(prior):
             tr = self._track(ids[k], request_id, k, prompt_token_ids, params.for_choice(k), priority)
+            tr.req.images = images
             prime(tr, prior[k], self.vocab_size)
             choices.append(tr)
         for tr in choices[1:]:
@@ -193,8 +202,8 @@ class LLMEngine:
         return n
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
-                      params: SamplingParams, priority: int = 0, generator_state: torch.Tensor | None = None
-                      ) -> Request:
+                      params: SamplingParams, priority: int = 0, generator_state: torch.Tensor | None = None,
+                      images: Sequence[ImageSpan] = ()) -> Request:
         """Add a request whose first output token was sampled elsewhere (a prefill engine streamed
         it): recorded, not emitted again; the next step decodes the second token. Its prompt's KV is
         attached through the scheduler (reserve_prefilled / admit_prefilled) or recomputed. Raises
@@ -202,7 +211,8 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError("a prefilled request has one choice (n == 1)")
         try:
-            self.add_request(request_id, prompt_token_ids, params, priority, resume={0: [first_token]})
+            self.add_request(request_id, prompt_token_ids, params, priority, resume={0: [first_token]},
+                             images=images)
         except ChoiceFinished as e:
             raise ChoiceFinished(f"{request_id} finished at its first token: nothing to decode ({e})") from None
         req = self.tracked[request_id].req

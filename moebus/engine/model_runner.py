@@ -9,6 +9,7 @@ from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.batch_invariant import make_batch_invariant, tiled
 from moebus.engine.cpu_linear import pack_linears
 from moebus.engine.isolation import isolate
+from moebus.engine.multimodal import ImageSpan, MMEmbeds, step_embeds
 from moebus.engine.request import Request
 from moebus.engine.sampling.batch import takes_raw_argmax
 from moebus.engine.sampling.sampler import Sampler, SamplingBatch
@@ -42,6 +43,7 @@ class ModelInput:
     grammar_masks: torch.Tensor | None
     outputs: list[list[int]]  # output tokens of each sampling request, at launch
     drafts: list[list[int]]  # draft tokens of each sampling request, at launch
+    mm_embeds: MMEmbeds | None = None  # image rows of this step's prefill chunks
 
 
 def allocate_kv_caches(specs: list[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -89,9 +91,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_owner: list[int] = []
         pending: list[tuple[int, str]] = []  # (flat index, request id) of tokens the previous step produces
+        image_chunks: list[tuple[int, int, int, list[ImageSpan]]] = []
         bs = self.block_size
         for j, s in enumerate(sched.scheduled):
             r = s.request
+            if r.images and s.start < r.images[-1].end:
+                image_chunks.append((len(ids), s.start, s.num_tokens, r.images))
             for p in range(s.start, s.start + s.num_tokens):
                 tid = self._token(r, p)
                 if tid == PLACEHOLDER:
@@ -114,7 +119,8 @@ class ModelRunner:
         sampled = sorted(set(sample_owner))
         return ModelInput(sched, ids, pending, torch.tensor(pos, device=dev), meta, sample_rows, sample_owner,
                           grammar_masks, [list(sched.scheduled[j].request.output_token_ids) for j in sampled],
-                          [list(sched.scheduled[j].request.draft_token_ids) for j in sampled])
+                          [list(sched.scheduled[j].request.draft_token_ids) for j in sampled],
+                          step_embeds(image_chunks, dev) if image_chunks else None)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> StepResult:
@@ -123,7 +129,8 @@ class ModelRunner:
         for k, rid in inp.pending:
             # A request finished (and forgotten) while this step was queued reads 0: its output is dropped.
             ids[k] = self.last_sampled.get(rid, 0)
-        hidden = self.model(torch.tensor(ids, device=dev), inp.positions, inp.meta, self.kv_caches)
+        extra = {} if inp.mm_embeds is None else {"mm_embeds": inp.mm_embeds}
+        hidden = self.model(torch.tensor(ids, device=dev), inp.positions, inp.meta, self.kv_caches, **extra)
         n = len(sched.scheduled)
         result = StepResult([[] for _ in range(n)], [None] * n, [0] * n)
         if not inp.sample_rows:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from moebus.engine.multimodal import ImageSpan, hash_view
 from moebus.engine.sampling import SamplingParams
 
 
@@ -45,6 +46,7 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to verify
     wait_for: Request | None = None  # n>1 siblings wait for the first one's prefill to share blocks
     stop_reason: int | str | None = None
+    images: list[ImageSpan] = field(default_factory=list)  # placeholder rows the encoder fills
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -61,6 +63,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def hash_token_ids(self) -> list[int]:
+        """all_token_ids as block hashes see them: image placeholders carry the image's hash."""
+        return hash_view(self.all_token_ids, self.images) if self.images else self.all_token_ids
 
     @property
     def is_prefill(self) -> bool:

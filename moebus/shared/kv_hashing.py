@@ -26,3 +26,15 @@ def stable_block_hashes(token_ids: list[int], block_size: int, namespace: str,
         digest = hashlib.blake2b(prev + toks, digest_size=8, key=key).digest()
         hashes.append(int.from_bytes(digest, "little") & _MASK)
     return hashes
+
+
+def mm_hash_view(token_ids: list[int], images: list[tuple[int, int, int]]) -> list[int]:
+    """`token_ids` with each image's placeholders (offset, length, content hash) replaced by the
+    negated hash, so block hashes over the result tell different images apart (chaining carries it
+    to every later block). Token ids are >= 0, so a negated hash never equals a real token."""
+    if not images:
+        return token_ids
+    out = list(token_ids)
+    for offset, length, content_hash in images:
+        out[offset:offset + length] = [-1 - (content_hash & _MASK)] * length
+    return out

@@ -37,7 +37,7 @@ def load_prefix(engine: LLMEngine, request: str | Request, store: TieredKVStore,
     max_blocks = (req.num_tokens - 1) // bs  # the last token always runs, as in match_prefix
     if n_local >= max_blocks:
         return n_local * bs
-    stable = stable_block_hashes(req.all_token_ids[: max_blocks * bs], bs, namespace or kv_namespace(engine))
+    stable = stable_block_hashes(req.hash_token_ids[: max_blocks * bs], bs, namespace or kv_namespace(engine))
     want = stable[n_local:max_blocks]
     want = want[: store.longest_prefix(want)]
     want = want[: max(0, bm.num_free_blocks - bm.num_free_of(hits))]  # never evict the hit we extend
@@ -83,7 +83,7 @@ class KVOffloader:
             n_full = min(engine.settled_tokens(req) // bs, len(req.block_ids))
             if n_full <= prog.done:
                 continue
-            stable_block_hashes(req.all_token_ids[: n_full * bs], bs, ns, prog.hashes)
+            stable_block_hashes(req.hash_token_ids[: n_full * bs], bs, ns, prog.hashes)
             for i in range(prog.done, n_full):
                 if prog.hashes[i] not in self.store:
                     todo.setdefault(prog.hashes[i], req.block_ids[i])

@@ -35,7 +35,7 @@ class CacheEventTracker:
             n = len(bm.cached_prefix(local))
             if not n or local[n - 1] in self._known:
                 continue  # nothing new: chains are reported prefix first
-            st = stable_block_hashes(req.all_token_ids[: n * bs], bs, ns, self._stable.setdefault(req.request_id, []))
+            st = stable_block_hashes(req.hash_token_ids[: n * bs], bs, ns, self._stable.setdefault(req.request_id, []))
             for h, s in zip(local[:n], st, strict=False):
                 if h not in self._known:
                     self._known[h] = s

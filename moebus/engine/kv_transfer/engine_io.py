@@ -6,6 +6,7 @@ engine's own thread, between steps (LLMEngine.kv, the KV connector, wraps them f
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ import torch
 from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
 from moebus.engine.kv_transfer.payload import KVPayload, LayerKV
 from moebus.engine.model_runner import PLACEHOLDER
+from moebus.engine.multimodal import ImageSpan
 from moebus.engine.outputs import RequestOutput
 from moebus.engine.request import Request
 from moebus.engine.sampling import SamplingParams
@@ -68,7 +70,7 @@ def extract_kv(engine: LLMEngine, request: str | Request, num_tokens: int | None
     ns = kv_namespace(engine)
     outs = req.output_token_ids
     return KVPayload(gather_blocks(engine.kv_caches, req.block_ids[:nb], device), bs, n, tokens,
-                     stable_block_hashes(tokens, bs, ns), ns, req.request_id,
+                     stable_block_hashes(req.hash_token_ids[:n], bs, ns), ns, req.request_id,
                      outs[0] if outs and outs[0] != PLACEHOLDER else None,
                      req.generator.get_state() if req.generator is not None else None)
 
@@ -101,14 +103,15 @@ def _payload_problem(engine: LLMEngine, prompt: list[int], payload: KVPayload | 
 
 
 def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
-                     params: SamplingParams, payload: KVPayload | None, priority: int = 0) -> InjectResult:
+                     params: SamplingParams, payload: KVPayload | None, priority: int = 0,
+                     images: Sequence[ImageSpan] = ()) -> InjectResult:
     """Admit a request whose prompt was prefilled elsewhere: its KV comes from `payload` and its
     first output token is `first_token` (already streamed by the prefill worker, so not emitted
     again). The next step() decodes the second token. Any problem with the payload (missing,
     mismatched, no free blocks) queues the request to recompute prompt + first token instead,
     which gives the same result, only slower."""
     state = payload.generator_state if payload is not None else None
-    req = engine.add_prefilled(request_id, prompt_token_ids, first_token, params, priority, state)
+    req = engine.add_prefilled(request_id, prompt_token_ids, first_token, params, priority, state, images)
     problem = _payload_problem(engine, prompt_token_ids, payload)
     if problem:
         return InjectResult(False, reason=problem)
@@ -133,10 +136,10 @@ class PrefillResult:
 
 
 def prefill(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            priority: int = 0, **extract_kw: Any) -> PrefillResult:
+            priority: int = 0, images: Sequence[ImageSpan] = (), **extract_kw: Any) -> PrefillResult:
     """Run a request on a prefill engine until its first token, extract its prompt KV, drop it.
     Pass the request's real params: the first token is sampled (and may finish it) as usual."""
-    engine.add_request(request_id, prompt_token_ids, params, priority)
+    engine.add_request(request_id, prompt_token_ids, params, priority, images=images)
     others: list[RequestOutput] = []
     while True:
         if not engine.has_unfinished_requests():

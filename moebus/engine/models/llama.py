@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
+from moebus.engine.multimodal import MMEmbeds
 from moebus.kernels import apply_rotary, fused_add_rms_norm, rms_norm, rotary_cos_sin, silu_and_mul
 
 
@@ -104,6 +105,8 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    accepts_image_embeds = True  # forward(mm_embeds=...) overwrites placeholder rows
+
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args
@@ -117,9 +120,12 @@ class LlamaForCausalLM(nn.Module):
         return [KVCacheSpec(a.num_key_value_heads, a.head_dim, a.head_dim) for _ in range(a.num_hidden_layers)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                mm_embeds: MMEmbeds | None = None) -> torch.Tensor:
         cos, sin = rotary_cos_sin(positions, self.args.head_dim, self.args.rope_theta, torch.float32)
         x, residual = self.embed_tokens(input_ids), None
+        if mm_embeds is not None:  # image rows replace their placeholder tokens' embeddings
+            x = mm_embeds.apply(x)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, meta, cache)
         x, _ = self.norm(x, residual)
