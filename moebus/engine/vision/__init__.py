@@ -1,0 +1,1 @@
+"""Image encoders: pixels in, rows of the language model's input embeddings out."""
