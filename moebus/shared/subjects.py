@@ -60,6 +60,11 @@ class Subjects:
     def tokenizer_detokenize(self) -> str:
         return self._s("tokenizer", "detokenize")
 
+    # Encoder: stateless image encoder, load-balanced by queue group.
+    @property
+    def encoder_encode(self) -> str:
+        return self._s("encoder", "encode")
+
     # Balancer: stateless router (each replica keeps its own heartbeat table).
     @property
     def balancer_route(self) -> str:
@@ -131,3 +136,4 @@ class Queues:
 
     TOKENIZER = "tokenizer"
     BALANCER = "balancer"
+    ENCODER = "encoder"
