@@ -32,6 +32,30 @@ def _build(arch: str, cfg: dict) -> nn.Module:
     raise ValueError(f"unsupported architecture {arch!r}")
 
 
+# Vision-language checkpoints whose text model is a Llama under this prefix (the vision side loads
+# through engine.vision.idefics3_load).
+_VLM_TEXT_PREFIX = {"Idefics3ForConditionalGeneration": "model.text_model.",
+                    "SmolVLMForConditionalGeneration": "model.text_model."}
+
+
+def _text_model_of(cfg: dict, state: dict[str, torch.Tensor], prefix: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The text model of a VLM checkpoint: its text_config and its tensors under Llama names."""
+    text = dict(cfg["text_config"])
+    if text.get("model_type", "llama") != "llama":
+        raise ValueError(f"unsupported text model {text.get('model_type')!r} in a vision-language checkpoint")
+    rope = text.get("rope_parameters") or {}
+    if "rope_theta" not in text and rope:  # transformers 5 nests it
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope scaling {rope.get('rope_type')!r}")
+        text["rope_theta"] = rope["rope_theta"]
+    own = {"model." + k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+    if "lm_head.weight" in state:
+        own["lm_head.weight"] = state["lm_head.weight"]
+    text["tie_word_embeddings"] = "lm_head.weight" not in own  # what the file holds decides
+    text["architectures"] = ["LlamaForCausalLM"]
+    return text, own
+
+
 def resolve(model: str | Path) -> Path:
     return embedded_gguf_path() if str(model) == EMBEDDED_MODEL else Path(model)
 
@@ -47,6 +71,9 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: st
     for f in sorted(path.glob("*.safetensors")):
         state.update(load_file(str(f)))
     arch = (cfg.get("architectures") or ["?"])[0]
+    if arch in _VLM_TEXT_PREFIX:
+        cfg, state = _text_model_of(cfg, state, _VLM_TEXT_PREFIX[arch])
+        arch = "LlamaForCausalLM"
     with torch.device("meta"):  # weights come from the checkpoint: skip random init
         net = _build(arch, cfg)
     net = net.to_empty(device=device).to(dtype)
