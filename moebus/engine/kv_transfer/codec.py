@@ -1,22 +1,26 @@
 """Self-describing binary layout for a list of tensors plus a JSON header.
 
-`MAGIC | u16 version | u16 0 | u32 header_len | header JSON | pad | blob 0 | pad | blob 1 ...`
+`MAGIC | u16 version | u16 0 | u32 header_len | u32 header CRC-32 | header JSON | pad | blob 0 | pad | blob 1 ...`
 Blobs start on 64-byte boundaries (relative to the data start) so views of any dtype stay
 aligned. The header lists each blob's dtype, shape and offset; bfloat16 travels as raw bytes.
+The header carries its own CRC-32 (a flipped bit there is never decoded into a wrong shape or
+token id); checksums of the tensor data are the callers' (KVBlock, KVPayload: per block).
 """
 from __future__ import annotations
 
 import json
 import struct
+import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
 MAGIC = b"MBKV"
-VERSION = 1
+VERSION = 2  # 2: the header CRC-32 (version 1 files in a disk tier read as corrupt: recomputed)
 ALIGN = 64
-_PREFIX = struct.Struct("<4sHHI")
+_PREFIX = struct.Struct("<4sHHII")
 
 
 def _align(n: int) -> int:
@@ -28,7 +32,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    """The tensor's bytes as a flat uint8 array: no copy for a contiguous CPU tensor."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.dim() == 0:
+        t = t.detach().cpu().contiguous().reshape(-1)
+    return t.detach().view(torch.uint8).numpy().reshape(-1)
+
+
+def crc32_of(tensors: Iterable[torch.Tensor], crc: int = 0) -> int:
+    """CRC-32 of the tensors' bytes, in order: ~3 GB/s on one core (zlib, GIL released), faster
+    than blake2b here (~0.5-0.8 GB/s), and it catches every burst error up to 32 bits."""
+    for t in tensors:
+        crc = zlib.crc32(_as_bytes(t), crc)
+    return crc
 
 
 class PackedTensors:
@@ -50,7 +65,8 @@ class PackedTensors:
         """Write the whole encoding into buf[:nbytes] (a bytearray or a shared-memory view)."""
         out = np.frombuffer(buf, dtype=np.uint8, count=self.nbytes)
         out[: self.data_start] = 0
-        out[: _PREFIX.size] = np.frombuffer(_PREFIX.pack(MAGIC, VERSION, 0, len(self.header)), np.uint8)
+        prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(self.header), zlib.crc32(self.header))
+        out[: _PREFIX.size] = np.frombuffer(prefix, np.uint8)
         out[_PREFIX.size: _PREFIX.size + len(self.header)] = np.frombuffer(self.header, np.uint8)
         for t, s in zip(self.tensors, self.specs, strict=True):
             start = self.data_start + s["offset"]
@@ -68,14 +84,18 @@ def pack(meta: dict[str, Any], tensors: list[torch.Tensor]) -> bytearray:
 
 
 def unpack(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Decode into freshly allocated tensors (one copy; buf may be read-only or released after)."""
+    """Decode into freshly allocated tensors (one copy; buf may be read-only or released after).
+    ValueError for anything but an intact header with all its blobs present."""
     mv = memoryview(buf).cast("B")
     if len(mv) < _PREFIX.size:
         raise ValueError("truncated KV encoding")
-    magic, version, _, hlen = _PREFIX.unpack_from(mv, 0)
+    magic, version, _, hlen, hcrc = _PREFIX.unpack_from(mv, 0)
     if magic != MAGIC or version != VERSION:
         raise ValueError(f"not a KV encoding (magic {magic!r}, version {version})")
-    meta = json.loads(bytes(mv[_PREFIX.size: _PREFIX.size + hlen]))
+    header = bytes(mv[_PREFIX.size: _PREFIX.size + hlen])
+    if len(header) != hlen or zlib.crc32(header) != hcrc:
+        raise ValueError("KV encoding header is truncated or fails its checksum")
+    meta = json.loads(header)
     data_start = _align(_PREFIX.size + hlen)
     src = np.frombuffer(mv, dtype=np.uint8)
     tensors = []

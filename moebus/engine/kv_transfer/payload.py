@@ -1,5 +1,10 @@
 """KVPayload: the KV blocks of one token prefix, as contiguous per-layer tensors, plus what a
-receiver needs to adopt them (token ids, stable block hashes, namespace, first sampled token)."""
+receiver needs to adopt them (token ids, stable block hashes, namespace, first sampled token).
+
+Every block carries a CRC-32 of its tensor bytes, taken where the block is made (the engine's
+gather) and kept with it through tiers, the broker and transfers; whoever consumes a block checks
+it (tier get, decode), so a flipped bit is dropped and recomputed instead of served.
+"""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -7,31 +12,54 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moebus.engine.kv_transfer.codec import PackedTensors, unpack
+from moebus.engine.kv_transfer.codec import PackedTensors, crc32_of, unpack
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+class KVChecksumError(ValueError):
+    """Block data (or a payload's generator state) does not match the checksum it carries."""
+
+
+def block_checksum(layers: LayerKV) -> int:
+    return crc32_of(t for kv in layers for t in kv)
+
+
 @dataclass(slots=True)
 class KVBlock:
-    """One block: per layer (k [block_size, Hkv, Dk], v [block_size, Hkv, Dv])."""
+    """One block: per layer (k [block_size, Hkv, Dk], v [block_size, Hkv, Dv]). checksum: given
+    when the block comes from somewhere that carried one, else computed from layers now."""
 
     layers: LayerKV
+    checksum: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.checksum is None:
+            self.checksum = block_checksum(self.layers)
+
+    def intact(self) -> bool:
+        return block_checksum(self.layers) == self.checksum
 
     @property
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
 
     def packed(self) -> PackedTensors:
-        return PackedTensors({"kind": "block"}, [t for kv in self.layers for t in kv])
+        return PackedTensors({"kind": "block", "crc": self.checksum}, [t for kv in self.layers for t in kv])
 
     def encode(self) -> bytearray:
         return self.packed().to_bytes()
 
     @classmethod
     def decode(cls, buf: bytes | bytearray | memoryview) -> KVBlock:
-        _, ts = unpack(buf)
-        return cls([(ts[i], ts[i + 1]) for i in range(0, len(ts), 2)])
+        """ValueError (KVChecksumError) unless the encoding is whole and the data matches its checksum."""
+        meta, ts = unpack(buf)
+        if not isinstance(meta.get("crc"), int):
+            raise ValueError("KV block encoding without a checksum")
+        block = cls([(ts[i], ts[i + 1]) for i in range(0, len(ts), 2)], meta["crc"])
+        if not block.intact():
+            raise KVChecksumError("KV block data fails its checksum")
+        return block
 
 
 @dataclass(slots=True)
@@ -48,12 +76,18 @@ class KVPayload:
     request_id: str = ""
     first_token: int | None = None  # the prefill worker's sampled token
     generator_state: torch.Tensor | None = None  # seeded sampling continues the same stream
+    block_checksums: list[int] = field(default_factory=list)  # per block; computed here when not given
+    corrupt_blocks: int = 0  # from_bytes only: blocks that failed their checksum (they and all after are dropped)
 
     def __post_init__(self) -> None:
         if self.num_tokens > self.num_blocks * self.block_size:
             raise ValueError(f"{self.num_tokens} tokens do not fit {self.num_blocks} blocks")
         if self.token_ids and len(self.token_ids) != self.num_tokens:
             raise ValueError("token_ids must cover exactly num_tokens")
+        if not self.block_checksums:
+            self.block_checksums = [block_checksum(self._block_layers(i)) for i in range(self.num_blocks)]
+        elif len(self.block_checksums) != self.num_blocks:
+            raise ValueError(f"{len(self.block_checksums)} checksums for {self.num_blocks} blocks")
 
     @property
     def num_blocks(self) -> int:
@@ -63,8 +97,11 @@ class KVPayload:
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
 
+    def _block_layers(self, i: int) -> LayerKV:
+        return [(k[i], v[i]) for k, v in self.layers]
+
     def block(self, i: int) -> KVBlock:
-        return KVBlock([(k[i], v[i]) for k, v in self.layers])
+        return KVBlock(self._block_layers(i), self.block_checksums[i])
 
     @classmethod
     def from_blocks(cls, blocks: list[KVBlock], block_hashes: list[int], block_size: int,
@@ -73,14 +110,15 @@ class KVPayload:
         layers = [(torch.stack([b.layers[i][0] for b in blocks]), torch.stack([b.layers[i][1] for b in blocks]))
                   for i in range(n_layers)]
         return cls(layers, block_size, len(blocks) * block_size, block_hashes=list(block_hashes),
-                   namespace=namespace)
+                   namespace=namespace, block_checksums=[b.checksum for b in blocks])
 
     # --- wire format -----------------------------------------------------------------------
     def packed(self) -> PackedTensors:
         meta = {"kind": "payload", "block_size": self.block_size, "num_tokens": self.num_tokens,
                 "token_ids": self.token_ids, "block_hashes": self.block_hashes, "namespace": self.namespace,
                 "request_id": self.request_id, "first_token": self.first_token,
-                "has_generator": self.generator_state is not None}
+                "has_generator": self.generator_state is not None, "block_crcs": self.block_checksums,
+                "generator_crc": crc32_of([self.generator_state]) if self.generator_state is not None else None}
         tensors = [t for kv in self.layers for t in kv]
         if self.generator_state is not None:
             tensors.append(self.generator_state)
@@ -99,13 +137,29 @@ class KVPayload:
 
     @classmethod
     def from_bytes(cls, buf: bytes | bytearray | memoryview) -> KVPayload:
+        """Decode and check every block. A block that fails its checksum ends the payload there
+        (a prefix ends at its first hole): the receiver recomputes from that block on, and
+        corrupt_blocks says how many failed. ValueError for a torn encoding or generator state."""
         meta, ts = unpack(buf)
-        if meta.get("kind") != "payload":
+        if meta.get("kind") != "payload" or not isinstance(meta.get("block_crcs"), list):
             raise ValueError("not a KVPayload encoding")
         gen = ts.pop() if meta["has_generator"] else None
-        return cls([(ts[i], ts[i + 1]) for i in range(0, len(ts), 2)], meta["block_size"], meta["num_tokens"],
-                   meta["token_ids"], meta["block_hashes"], meta["namespace"], meta["request_id"],
-                   meta["first_token"], gen)
+        if gen is not None and crc32_of([gen]) != meta["generator_crc"]:
+            raise KVChecksumError("the payload's generator state fails its checksum")
+        layers = [(ts[i], ts[i + 1]) for i in range(0, len(ts), 2)]
+        crcs: list[int] = meta["block_crcs"]
+        num_blocks = int(layers[0][0].shape[0]) if layers else 0
+        if len(crcs) != num_blocks:
+            raise ValueError(f"{len(crcs)} checksums for {num_blocks} blocks")
+        bad = [i for i in range(num_blocks) if block_checksum([(k[i], v[i]) for k, v in layers]) != crcs[i]]
+        keep, num_tokens, token_ids = num_blocks, meta["num_tokens"], meta["token_ids"]
+        if bad:
+            keep = bad[0]
+            layers = [(k[:keep], v[:keep]) for k, v in layers]
+            num_tokens = min(num_tokens, keep * meta["block_size"])
+            token_ids = token_ids[:num_tokens]
+        return cls(layers, meta["block_size"], num_tokens, token_ids, meta["block_hashes"][:keep], meta["namespace"],
+                   meta["request_id"], meta["first_token"], gen, crcs[:keep], len(bad))
 
     @classmethod
     def from_chunks(cls, chunks: list[bytes | memoryview]) -> KVPayload:
