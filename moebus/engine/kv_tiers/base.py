@@ -1,12 +1,20 @@
-"""What every KV tier offers: blocks by stable block hash, LRU by bytes under a size limit."""
+"""What every KV tier offers: blocks by stable block hash, LRU by bytes under a size limit.
+
+A block is checked against the checksum it carries on every get: one that fails (or cannot be
+read back whole) is dropped, counted in `corrupt` (and `on_corrupt(tier name)`, e.g. a metric),
+and reported as a miss, so the engine recomputes it; it is never served.
+"""
 from __future__ import annotations
 
 import abc
+import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 from moebus.engine.kv_transfer.payload import KVBlock
 
+log = logging.getLogger(__name__)
 Evicted = tuple[int, KVBlock | None]  # (hash, the block when the tier still had it in memory)
 
 
@@ -15,14 +23,15 @@ class Tier(abc.ABC):
 
     name: str = "tier"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, on_corrupt: Callable[[str], None] | None = None) -> None:
         if capacity_bytes < 1:
             raise ValueError("capacity_bytes must be >= 1")
         self.capacity_bytes = capacity_bytes
+        self.on_corrupt = on_corrupt
         self._lru: OrderedDict[int, int] = OrderedDict()  # hash -> bytes; front is evicted first
         self._bytes = 0
         self._lock = threading.RLock()
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.corrupt = 0
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._lru
@@ -43,7 +52,13 @@ class Tier(abc.ABC):
             if block_hash not in self._lru:
                 self.misses += 1
                 return None
-            block = self._read(block_hash)
+            try:
+                block = self._read(block_hash)
+            except ValueError as e:  # fails its checksum, truncated, undecodable
+                self._drop(block_hash)
+                self.misses += 1
+                self._count_corrupt(block_hash, e)
+                return None
             if block is None:  # lost underneath us (e.g. a file removed by hand)
                 self._drop(block_hash)
                 self.misses += 1
@@ -67,7 +82,11 @@ class Tier(abc.ABC):
                 old, _ = next(iter(self._lru.items()))
                 evicted.append((old, self._evict_block(old)))
                 self._drop(old)
-            self._write(block_hash, block)
+            try:
+                self._write(block_hash, block)
+            except OSError as e:  # e.g. a full disk: the block is not kept here, like one too large
+                log.warning("%s tier could not store KV block %016x: %s", self.name, block_hash, e)
+                return [*evicted, (block_hash, block)]
             self._lru[block_hash] = size
             self._bytes += size
             return evicted
@@ -81,9 +100,19 @@ class Tier(abc.ABC):
         self._bytes -= self._lru.pop(block_hash)
         self._remove(block_hash)
 
+    def _count_corrupt(self, block_hash: int, error: ValueError) -> None:
+        self.corrupt += 1
+        # The first one per tier is a warning; the rest only count (a failing disk would flood the log).
+        log.log(logging.WARNING if self.corrupt == 1 else logging.DEBUG,
+                "%s tier dropped KV block %016x: %s (recomputed; %d so far)", self.name, block_hash, error,
+                self.corrupt)
+        if self.on_corrupt is not None:
+            self.on_corrupt(self.name)
+
     # --- storage hooks ---------------------------------------------------------------------
     @abc.abstractmethod
-    def _read(self, block_hash: int) -> KVBlock | None: ...
+    def _read(self, block_hash: int) -> KVBlock | None:
+        """The block, checked; None when it is gone; ValueError when it is there but damaged."""
 
     @abc.abstractmethod
     def _write(self, block_hash: int, block: KVBlock) -> None: ...

@@ -1,10 +1,12 @@
-"""CpuTier: KV blocks in host memory, LRU by bytes."""
+"""CpuTier: KV blocks in host memory, LRU by bytes; each checked against its checksum when read."""
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from moebus.engine.kv_tiers.base import Tier
-from moebus.engine.kv_transfer.payload import KVBlock
+from moebus.engine.kv_transfer.payload import KVBlock, KVChecksumError
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -16,15 +18,20 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 class CpuTier(Tier):
     name = "cpu"
 
-    def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(capacity_bytes)
+    def __init__(self, capacity_bytes: int, on_corrupt: Callable[[str], None] | None = None) -> None:
+        super().__init__(capacity_bytes, on_corrupt)
         self._blocks: dict[int, KVBlock] = {}
 
     def _read(self, block_hash: int) -> KVBlock | None:
-        return self._blocks.get(block_hash)
+        block = self._blocks.get(block_hash)
+        if block is not None and not block.intact():  # host memory can flip bits too (no ECC, bugs)
+            raise KVChecksumError("block data fails its checksum")
+        return block
 
     def _write(self, block_hash: int, block: KVBlock) -> None:
-        self._blocks[block_hash] = KVBlock([(_own(k), _own(v)) for k, v in block.layers])
+        # The checksum is the one the block came with, not recomputed from what is stored, so a
+        # block damaged before it got here is still caught on the way out.
+        self._blocks[block_hash] = KVBlock([(_own(k), _own(v)) for k, v in block.layers], block.checksum)
 
     def _remove(self, block_hash: int) -> None:
         self._blocks.pop(block_hash, None)

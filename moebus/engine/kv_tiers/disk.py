@@ -1,14 +1,22 @@
 """DiskTier: one file per block hash in a directory, LRU by bytes, survives restarts.
 
-Writes go to a temporary file that is renamed into place, so a crash never leaves a torn
-block; start-up deletes leftover temporaries and rebuilds the LRU index from the files'
-mtimes (reads touch the mtime, so recency survives a restart too).
+Writes are atomic: the encoding goes to a temporary file in the same directory that is renamed
+over the block's name, so a reader sees the old file, the new one, or none, never a half-written
+one; start-up deletes leftover temporaries and rebuilds the LRU index from the files' mtimes
+(reads touch the mtime, so recency survives a restart too).
+
+fsync policy: off by default. The tier is a cache, and every read checks the encoding's header
+checksum, its length and the block's data checksum, so a file that a power loss left short or
+zeroed reads as corrupt, is deleted and recomputed, never served. fsync=True syncs the file before
+the rename and the directory after it: a block that exists after a crash is then whole, at the
+cost of two syncs per block written.
 """
 from __future__ import annotations
 
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from moebus.engine.kv_tiers.base import Tier
@@ -21,8 +29,9 @@ SUFFIX = ".kvb"
 class DiskTier(Tier):
     name = "disk"
 
-    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False) -> None:
-        super().__init__(capacity_bytes)
+    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fsync: bool = False,
+                 on_corrupt: Callable[[str], None] | None = None) -> None:
+        super().__init__(capacity_bytes, on_corrupt)
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
@@ -51,23 +60,38 @@ class DiskTier(Tier):
     def _read(self, block_hash: int) -> KVBlock | None:
         path = self._path(block_hash)
         try:
-            block = KVBlock.decode(path.read_bytes())
-            os.utime(path)
-            return block
-        except (OSError, ValueError, KeyError):
-            log.warning("unreadable KV block %s; dropping it", path)
+            data = path.read_bytes()
+        except FileNotFoundError:  # removed by hand: a plain miss
             return None
+        except OSError as e:  # an I/O error: the block is there but cannot be trusted
+            raise ValueError(f"unreadable {path.name}: {e}") from e
+        block = KVBlock.decode(data)  # ValueError: torn, truncated or fails a checksum
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+        return block
 
     def _write(self, block_hash: int, block: KVBlock) -> None:
         path = self._path(block_hash)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        data = block.packed().to_bytes()
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        data = block.packed().to_bytes()  # carries the block's own checksum, not one of these bytes
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.fsync:  # make the rename itself durable
+            fd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _size_of(self, block: KVBlock) -> int:
         return block.packed().nbytes  # the file's size: header + aligned blobs

@@ -33,6 +33,7 @@ class TieredKVStore:
         return n
 
     def get(self, block_hash: int) -> KVBlock | None:
+        """The first intact copy, fastest tier first (a tier drops a copy that fails its check)."""
         for i, tier in enumerate(self.tiers):
             block = tier.get(block_hash)
             if block is not None:
@@ -80,4 +81,4 @@ class TieredKVStore:
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {t.name: {"blocks": len(t), "bytes": t.nbytes, "capacity_bytes": t.capacity_bytes,
-                         "hits": t.hits, "misses": t.misses} for t in self.tiers}
+                         "hits": t.hits, "misses": t.misses, "corrupt": t.corrupt} for t in self.tiers}
