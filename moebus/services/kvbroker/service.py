@@ -8,6 +8,8 @@ shared.kv_client.KVBrokerClient):
   get     BlockGet -> BlockGetReply, then the blocks as a KV transfer to the requester
   stats   -> BrokerStats
 A holder that the balancer reports lost, or that stays silent for holder_ttl_s, is forgotten.
+Blocks that fail their checksum (in a tier, or arriving in a put) are dropped and counted in
+`moebus_kvbroker_kv_blocks_corrupt_total{tier=cpu|disk|transfer}`; a get serves only intact ones.
 A `Service` like the others (health, ready, heartbeats, ordered drain); errors are ServiceErrors.
 """
 from __future__ import annotations
@@ -48,9 +50,11 @@ class KVBrokerService(Service):
         super().__init__(cfg, **kw)
         self.cfg: KVBrokerConfig = cfg
         self.index = PrefixIndex()
-        tiers: list[Tier] = [CpuTier(cfg.cpu_bytes)]
+        self._m_corrupt = self.metrics.counter("kv_blocks_corrupt_total", "KV blocks dropped for failing their "
+                                               "checksum, by where they were found", ["tier"])
+        tiers: list[Tier] = [CpuTier(cfg.cpu_bytes, self._corrupt)]
         if cfg.disk_dir:
-            tiers.append(DiskTier(cfg.disk_dir, cfg.disk_bytes, cfg.disk_fsync))
+            tiers.append(DiskTier(cfg.disk_dir, cfg.disk_bytes, cfg.disk_fsync, self._corrupt))
         self.store = TieredKVStore(tiers)
         self.counters = {"puts": 0, "gets": 0, "queries": 0}
         self._tcfg = NatsTransportConfig(chunk_bytes=cfg.chunk_bytes)
@@ -62,6 +66,9 @@ class KVBrokerService(Service):
 
     def stats(self) -> dict[str, Any]:
         return self.broker_stats().model_dump()
+
+    def _corrupt(self, tier: str, n: int = 1) -> None:
+        self._m_corrupt.labels(tier).inc(n)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -122,6 +129,10 @@ class KVBrokerService(Service):
     async def _on_put(self, transfer_id: str, payload: KVPayload) -> None:
         n = min(payload.num_blocks, len(payload.block_hashes))
         self.counters["puts"] += 1
+        if payload.corrupt_blocks:  # decoding kept only the blocks before the first bad one
+            self._corrupt("transfer", payload.corrupt_blocks)
+            log.warning("put %s: %d KV blocks failed their checksum; stored the %d before the first", transfer_id,
+                        payload.corrupt_blocks, n)
 
         def store() -> None:
             for i in range(n):

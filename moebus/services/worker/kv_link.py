@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Self
 
 from nats.aio.client import Client as NATS
@@ -45,7 +46,8 @@ class WorkerKVLink:
         self.index: KVBrokerClient | None = None
         self.broker: KVBlockClient | None = None
         self.counters = {"kv_sent": 0, "kv_send_failed": 0, "kv_received": 0, "kv_receive_failed": 0,
-                         "tier_fetched_blocks": 0, "tier_shared_blocks": 0}
+                         "tier_fetched_blocks": 0, "tier_shared_blocks": 0,
+                         "kv_corrupt_blocks": 0}  # failed their checksum on arrival: dropped, recomputed
 
     async def start(self) -> None:
         if self.cfg.role != "prefill":  # decode workers (and "both", as spare decoders) receive KV
@@ -56,7 +58,8 @@ class WorkerKVLink:
         if self.cfg.kv_events:
             self.index = KVBrokerClient(self.bus, self.instance_id, self.subjects)
         if self.cfg.kv_share and self.kv.store is not None:
-            self.broker = await KVBlockClient(self.bus, self.instance_id, self.subjects).start()
+            self.broker = await KVBlockClient(self.bus, self.instance_id, self.subjects,
+                                              on_corrupt=self._corrupt).start()
 
     async def close(self) -> None:
         for t in (self.receiver, self.broker, *self._senders.values()):
@@ -104,7 +107,14 @@ class WorkerKVLink:
             self.counters["kv_receive_failed"] += 1
             return None
         self.counters["kv_received"] += 1
+        if payload.corrupt_blocks:  # only the blocks before the first bad one remain: the rest is recomputed
+            log.warning("KV transfer %s: %d blocks failed their checksum (recomputing them)", transfer_id,
+                        payload.corrupt_blocks)
+            self._corrupt(payload.corrupt_blocks)
         return payload
+
+    def _corrupt(self, n: int) -> None:
+        self.counters["kv_corrupt_blocks"] += n
 
     # ---- shared tiers and the index ---------------------------------------------------------
     async def fetch(self, prompt: list[int]) -> int:
@@ -163,9 +173,11 @@ class KVBlockClient(KVBrokerClient):
     put_blocks -> False and get_blocks -> [] when the broker is gone: the caller recomputes."""
 
     def __init__(self, bus: Bus, holder: str, subjects: Subjects = Subjects(), timeout_s: float = 2.0,
-                 chunk_bytes: int = 512 * 1024) -> None:
+                 chunk_bytes: int = 512 * 1024, on_corrupt: Callable[[int], None] | None = None) -> None:
+        """on_corrupt(n): n fetched blocks failed their checksum (dropped with all after them)."""
         super().__init__(bus, holder, subjects, timeout_s)
         self._tcfg = NatsTransportConfig(chunk_bytes=chunk_bytes, ack_timeout_s=timeout_s)
+        self.on_corrupt = on_corrupt
 
     async def start(self) -> Self:
         if self.transport is None:
@@ -185,7 +197,14 @@ class KVBlockClient(KVBrokerClient):
     async def get_blocks(self, hashes: list[int], timeout: float | None = None) -> list[KVBlock]:
         """The leading run of `hashes` the broker's tiers hold ([] on any failure)."""
         payload = await self.get(hashes, timeout)
-        return [payload.block(i) for i in range(payload.num_blocks)] if payload is not None else []
+        if payload is None:
+            return []
+        if payload.corrupt_blocks:
+            log.warning("%d KV blocks from the broker failed their checksum; using the %d before the first",
+                        payload.corrupt_blocks, payload.num_blocks)
+            if self.on_corrupt is not None:
+                self.on_corrupt(payload.corrupt_blocks)
+        return [payload.block(i) for i in range(payload.num_blocks)]
 
     async def fetch_into(self, store: TieredKVStore, hashes: list[int], timeout: float | None = None) -> int:
         """Copy the broker's leading run of `hashes` (beyond what `store` has) into a local store;
