@@ -7,12 +7,19 @@ await other services are spawned as tasks (`concurrent=True`) to keep one slow r
 blocking the subject. A message over the server's max payload (headers included) is refused
 here as ServiceError(PAYLOAD_TOO_LARGE), never handed to nats-py (MaxPayloadError, or the server
 closing the connection); a handler whose reply is too large answers with that error instead.
+
+Credentials (shared.bus_auth) come from the file $MOEBUS_NATS_CREDS names, or the server URL;
+$MOEBUS_NATS_TLS_CA is the certificate a TLS server is checked against. The server refuses what a
+user may not publish or subscribe asynchronously, with an error the Bus logs and keeps (`denied`).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import ssl
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 from typing import TypeVar
@@ -22,8 +29,9 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
+from .bus_auth import CREDS_ENV, TLS_CA_ENV, load_credentials
 from .codec import Message
 from .errors import ErrorCode, NoResponders, RequestTimeout, ServiceError
 from .metrics import Metrics
@@ -42,6 +50,10 @@ class BusConfig(BaseModel):
     max_reconnect_attempts: int = -1  # forever: a NATS restart must not kill our services
     ping_interval_s: int = 10
     drain_timeout_s: int = 10
+    # A credentials file (shared.bus_auth): the entry for `name`, else its "*" entry. None: no user
+    # (or the one in the server URL).
+    credentials: str | None = Field(default_factory=lambda: os.environ.get(CREDS_ENV) or None)
+    tls_ca: str | None = Field(default_factory=lambda: os.environ.get(TLS_CA_ENV) or None)
 
 
 class Bus:
@@ -51,12 +63,23 @@ class Bus:
         self.metrics = metrics
         self._tasks: set[asyncio.Task] = set()
         self.closing = False
+        self.denied: deque[str] = deque(maxlen=100)  # the server's recent permission refusals
 
     @classmethod
     async def connect(cls, cfg: BusConfig, tracing: Tracing, metrics: Metrics | None = None) -> Bus:
+        """Raises PermissionError when the server refuses the credentials (no retrying: they stay wrong)."""
         bus: Bus | None = None
+        refused = asyncio.Event()
 
         async def on_error(e: Exception) -> None:
+            text = str(e).lower()
+            if "permissions violation" in text:  # the server dropped that publish or subscription
+                log.error("nats refused %s a subject its bus user may not use (shared.bus_auth): %s", cfg.name, e)
+                if bus is not None:
+                    bus.denied.append(str(e))
+                return
+            if "authorization violation" in text and bus is None:
+                refused.set()
             log.log(logging.INFO if bus and bus.closing else logging.WARNING, "nats error (%s): %s", cfg.name, e)
 
         async def on_disconnect() -> None:
@@ -65,13 +88,26 @@ class Bus:
         async def on_reconnect() -> None:
             log.info("nats reconnected (%s)", cfg.name)
 
-        nc = await nats.connect(
+        auth: dict = {}
+        if cfg.credentials:
+            creds = load_credentials(cfg.credentials, cfg.name)
+            auth = {"user": creds.user, "password": creds.password, "inbox_prefix": creds.inbox}
+        if cfg.tls_ca:
+            auth["tls"] = ssl.create_default_context(cafile=cfg.tls_ca)
+        connecting = asyncio.ensure_future(nats.connect(
             cfg.servers, name=cfg.name, connect_timeout=cfg.connect_timeout_s,
             reconnect_time_wait=cfg.reconnect_time_wait_s, max_reconnect_attempts=cfg.max_reconnect_attempts,
             ping_interval=cfg.ping_interval_s, drain_timeout=cfg.drain_timeout_s,
-            error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-        )
-        bus = cls(nc, tracing, metrics)
+            error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, **auth,
+        ))
+        watch = asyncio.ensure_future(refused.wait())
+        await asyncio.wait((connecting, watch), return_when=asyncio.FIRST_COMPLETED)
+        watch.cancel()
+        if refused.is_set() and not connecting.done():
+            connecting.cancel()
+            raise PermissionError(f"nats refused the credentials of {cfg.name} "
+                                  f"(${CREDS_ENV}: {cfg.credentials or 'not set'})")
+        bus = cls(await connecting, tracing, metrics)
         return bus
 
     async def flush(self, timeout: float = 5.0) -> None:

@@ -1,8 +1,15 @@
-"""Run a real nats-server (JetStream on) as a child process: for the launcher and the tests."""
+"""Run a real nats-server (JetStream on) as a child process: for the launcher and the tests.
+
+`authorization` (shared.bus_auth.BusUsers.authorization()) turns on users and per-user subject
+permissions; `tls_cert`/`tls_key` (PEM files) make clients speak TLS. Both live in the config file,
+private to this user (0600 in a 0700 directory), never on the command line.
+"""
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -41,19 +48,35 @@ class NatsServer:
     store_dir: str | None = None  # default: a temporary directory removed on stop
     log_file: str | None = None
     max_payload: int = DEFAULT_MAX_PAYLOAD  # bytes per message (nats-server's own default: 1 MiB)
+    authorization: dict | None = field(default=None, repr=False)  # None: anyone may connect and do anything
+    tls_cert: str | None = None  # server certificate (PEM); with tls_key, clients must use TLS
+    tls_key: str | None = None
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls_cert else 'nats'}://{self.host}:{self.port}"
+
+    def config(self) -> str:
+        """nats-server's config file (JSON values are valid in its format)."""
+        lines = [f"max_payload: {self.max_payload}"]  # max_payload has no command-line flag
+        if self.authorization is not None:
+            lines.append(f"authorization: {json.dumps(self.authorization)}")
+        if self.tls_cert or self.tls_key:
+            if not (self.tls_cert and self.tls_key):
+                raise ValueError("TLS needs both a certificate and its key")
+            for f in (self.tls_cert, self.tls_key):
+                if not Path(f).is_file():
+                    raise FileNotFoundError(f"TLS file not found: {f}")
+            lines.append(f"tls: {json.dumps({'cert_file': self.tls_cert, 'key_file': self.tls_key})}")
+        return "\n".join(lines) + "\n"
 
     def start(self, timeout: float = 10.0) -> Self:
         if self.port == 0:
             self.port = free_port(self.host)
         self._tmp = tempfile.TemporaryDirectory(prefix="moebus-nats-")
-        conf = Path(self._tmp.name) / "nats.conf"  # max_payload has no command-line flag
-        conf.write_text(f"max_payload: {self.max_payload}\n")
+        conf = self._write_config()
         args = [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port)]
         if self.jetstream:
             if self.store_dir is None:
@@ -73,6 +96,20 @@ class NatsServer:
                 time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout}s")
+
+    def _write_config(self) -> Path:
+        assert self._tmp is not None
+        conf = Path(self._tmp.name) / "nats.conf"
+        with os.fdopen(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(self.config())
+        return conf
+
+    def reload(self) -> None:
+        """Apply a changed `authorization` (a user added) without a restart: clients stay connected."""
+        if self._proc is None or self._proc.poll() is not None:
+            raise RuntimeError("nats-server is not running")
+        self._write_config()
+        self._proc.send_signal(signal.SIGHUP)
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -118,6 +118,11 @@ class Subjects:
     def kvtransfer_push(self, instance_id: str) -> str:
         return self._s("kvtransfer", "push", check_token(instance_id))
 
+    @property
+    def kvtransfer_push_all(self) -> str:
+        """Every worker's KV receive address (a pattern: senders' permissions, not a publish subject)."""
+        return self._s("kvtransfer", "push", "*")
+
     # Planner: replica-count decisions (broadcast; anyone may watch).
     @property
     def planner_decision(self) -> str:
