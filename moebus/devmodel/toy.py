@@ -111,9 +111,11 @@ class ToyEngine:
         self._free = self.cfg.num_blocks
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0,
-                    resume: Mapping[int, Sequence[int]] | None = None) -> None:
+                    resume: Mapping[int, Sequence[int]] | None = None, images: Sequence[Any] = ()) -> None:
         """params: anything with the sampling fields it reads (n, max_tokens, logprobs, structured);
         resume: choice -> tokens it produced elsewhere (its reply goes on from there)."""
+        if images:
+            raise ValueError(f"{TOY_MODEL} cannot take images")
         if request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id}")
         if len(prompt_token_ids) >= self.cfg.max_model_len:  # the same check (and error type) as the engine

@@ -7,6 +7,7 @@ verbs. Satisfies moebus.engine.port.KVConnectorPort; call it on the engine's thr
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from moebus.engine.kv_tiers.engine_io import KVOffloader, load_prefix
@@ -15,6 +16,7 @@ from moebus.engine.kv_tiers.store import TieredKVStore
 from moebus.engine.kv_transfer.engine_io import InjectResult, extract_kv, inject_prefilled
 from moebus.engine.kv_transfer.hashing import kv_namespace
 from moebus.engine.kv_transfer.payload import KVPayload
+from moebus.engine.multimodal import ImageSpan
 from moebus.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -38,9 +40,10 @@ class KVConnector:
         return extract_kv(self._engine, request_id)
 
     def inject(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams,
-               payload: KVPayload | None) -> InjectResult:
+               payload: KVPayload | None, images: Sequence[ImageSpan] = ()) -> InjectResult:
         """Admit a request prefilled elsewhere (payload None or unusable: it recomputes its prompt)."""
-        return inject_prefilled(self._engine, request_id, prompt_token_ids, first_token, params, payload)
+        return inject_prefilled(self._engine, request_id, prompt_token_ids, first_token, params, payload,
+                                images=images)
 
     def load_prefix(self, request_id: str, store: TieredKVStore, namespace: str | None = None) -> int:
         """Fill the prefix cache with the blocks of the request's prompt the store holds."""

@@ -54,7 +54,7 @@ class KVConnectorPort(Protocol):
     def extract(self, request_id: str) -> Any: ...  # KVPayload of the request's computed prompt
 
     def inject(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: Any,
-               payload: Any) -> Any: ...  # admit a request prefilled elsewhere (payload None: recompute)
+               payload: Any, images: Sequence[Any] = ()) -> Any: ...  # admit a request prefilled elsewhere
 
     def load_prefix(self, request_id: str, store: Any, namespace: str | None = None) -> int: ...
 
@@ -73,7 +73,8 @@ class EnginePort(Protocol):
     def kv(self) -> KVConnectorPort | None: ...
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                    priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None) -> None: ...
+                    priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
+                    images: Sequence[Any] = ()) -> None: ...
 
     def abort_request(self, request_id: str) -> bool: ...
 

@@ -22,6 +22,7 @@ from moebus.engine.distributed.eplb import RebalanceReport, rebalance
 from moebus.engine.distributed.group import EPGroup
 from moebus.engine.distributed.placement import imbalance
 from moebus.engine.llm_engine import LLMEngine, RequestOutput
+from moebus.engine.multimodal import ImageSpan
 from moebus.engine.sampling import SamplingParams
 from moebus.engine.tokenizer import Tokenizer
 
@@ -78,8 +79,9 @@ class DPEngine:
 
     # --- per-rank request API (local, no collectives) -------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params, priority, resume)
+                    priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
+                    images: Sequence[ImageSpan] = ()) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params, priority, resume, images)
 
     def abort_request(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)

@@ -118,7 +118,7 @@ class BalancerService(Service):
         if self.static is not None:
             return self.static.order(cands)
         if kv_aware and self.ranker is not None:
-            cands = await self.ranker.order(req.prompt_token_ids, cands)
+            cands = await self.ranker.order(req.hash_token_ids(), cands)
         return cands
 
     async def _dispatch(self, req: GenerateRequest, ordered: list[WorkerEntry], r: _Route) -> GenerateAccepted | None:

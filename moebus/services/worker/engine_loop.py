@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from moebus.engine.port import EngineOutput, EnginePort, LockstepEngine
+from moebus.shared.messages import ImageEmbedding
 
 if TYPE_CHECKING:
     from .kv_engine import EngineKV
@@ -88,15 +89,15 @@ class EngineLoop:
         return self._thread.is_alive() or not self._thread.ident
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: Any, prefill_only: bool = False,
-            resume: dict[int, list[int]] | None = None) -> None:
+            resume: dict[int, list[int]] | None = None, images: Sequence[ImageEmbedding] = ()) -> None:
         """params: the request's engine parameters, all n choices (the engine fans out); resume: a
-        migrated request's open choices and their tokens so far."""
-        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only, resume))
+        migrated request's open choices and their tokens so far; images: encoder rows of the prompt."""
+        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only, resume, images))
 
     def inject(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: Any,
-               payload: Any) -> None:
+               payload: Any, images: Sequence[ImageEmbedding] = ()) -> None:
         """Admit a request prefilled elsewhere (payload None: recompute its prompt here)."""
-        self._cmds.put(("inject", request_id, prompt_token_ids, first_token, params, payload))
+        self._cmds.put(("inject", request_id, prompt_token_ids, first_token, params, payload, images))
 
     def call(self, fn: Callable[[EnginePort], Any]) -> asyncio.Future:
         """Run fn(engine) on the engine thread between steps; the future gets its result."""
@@ -208,12 +209,13 @@ class EngineLoop:
                 result, exc = None, e
             self._loop.call_soon_threadsafe(_settle, fut, result, exc)
         elif kind == "add":
-            _, rid, prompt, params, prefill_only, resume = cmd
+            _, rid, prompt, params, prefill_only, resume, images = cmd
             try:
+                extra = {"images": image_spans(images)} if images else {}
                 if resume is None:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, **extra)
                 else:
-                    self.engine.add_request(rid, prompt, params, resume=resume)
+                    self.engine.add_request(rid, prompt, params, resume=resume, **extra)
             except Exception as e:  # rejected (ValueError) or raised on its parameters: this request alone
                 failed.append(AddFailed(rid, _reason(e)))
                 return
@@ -222,14 +224,25 @@ class EngineLoop:
             if self.kv is not None:
                 self.kv.after_add(self.engine, rid)
         elif kind == "inject":
-            _, rid, prompt, first_token, params, payload = cmd
+            _, rid, prompt, first_token, params, payload, images = cmd
             try:
-                self.kv.inject(self.engine, rid, prompt, first_token, params, payload)
+                self.kv.inject(self.engine, rid, prompt, first_token, params, payload, image_spans(images))
             except Exception as e:
                 failed.append(AddFailed(rid, _reason(e)))
         else:
             self._prefill_only.discard(cmd[1])
             self.engine.abort_request(cmd[1])
+
+
+def image_spans(images: Sequence[ImageEmbedding]) -> list[Any]:
+    """Wire rows -> the engine's ImageSpans (torch is imported only when a request has images)."""
+    if not images:
+        return []
+    from moebus.engine.multimodal import ImageSpan
+    from moebus.engine.vision.wire import rows_from_bytes
+
+    return [ImageSpan(i.offset, rows_from_bytes(i.raw(), i.dtype, i.num_tokens, i.hidden_size), i.content_hash)
+            for i in images]
 
 
 def _reason(e: Exception) -> str:

@@ -7,6 +7,7 @@ rank's is its own cache's (moved between the group's steps, so no collective is 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from moebus.engine.kv_tiers import CacheEventTracker, CpuTier, KVOffloader, TieredKVStore
@@ -70,8 +71,8 @@ class EngineKV:
         return _kv(engine).extract(request_id)
 
     def inject(self, engine: EnginePort, request_id: str, prompt: list[int], first_token: int, params: Any,
-               payload: KVPayload | None) -> None:
-        _kv(engine).inject(request_id, prompt, first_token, params, payload)
+               payload: KVPayload | None, images: Sequence[Any] = ()) -> None:
+        _kv(engine).inject(request_id, prompt, first_token, params, payload, images)
 
     # ---- called through EngineLoop.call ----------------------------------------------------
     def poll(self, engine: EnginePort) -> dict[str, tuple[list[int], list[int]]]:

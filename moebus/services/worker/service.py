@@ -207,11 +207,11 @@ class WorkerService(Service):
     def _add(self, a: Active) -> None:
         resume = {c.index: c.token_ids for c in a.req.resume} if a.req.resume else None
         self._loop.add(a.req.request_id, a.req.prompt_token_ids, a.params, prefill_only=a.req.stage == "prefill",
-                       resume=resume)
+                       resume=resume, images=a.req.images)
 
     async def _fetch_then_add(self, a: Active) -> None:
         try:
-            await self.link.fetch(a.req.prompt_token_ids)
+            await self.link.fetch(a.req.hash_token_ids())
         except Exception:  # the tiers are an optimisation: recompute instead
             log.warning("KV tier fetch for %s failed", a.req.request_id, exc_info=True)
         if self._active.get(a.req.request_id) is a:  # not aborted meanwhile
@@ -334,7 +334,7 @@ class WorkerService(Service):
 
     def inject(self, a: Active, first_token: int, payload: Any) -> None:
         """A decode half: admit the request prefilled elsewhere (payload None: recompute its prompt)."""
-        self._loop.inject(a.req.request_id, a.req.prompt_token_ids, first_token, a.params, payload)
+        self._loop.inject(a.req.request_id, a.req.prompt_token_ids, first_token, a.params, payload, a.req.images)
 
     async def _publisher(self) -> None:
         # One consumer keeps each request's chunks in order.

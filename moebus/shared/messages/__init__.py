@@ -1,5 +1,6 @@
 """Bus message schemas, grouped by the service that receives them (round-trip tested)."""
 from .control import HealthReply, Heartbeat, KVInfo, Load, WorkerLost
+from .encoder import EncodeReply, EncodeRequest, ImageEmbedding, ImageInput, ImagePromptForm
 from .generate import (
     AbortRequest,
     GenerateAccepted,
@@ -36,4 +37,6 @@ __all__ = [
     # kvbroker
     "BROKER_HOLDER", "BlockGet", "BlockGetReply", "BrokerStats", "KVEvent", "PrefixMatch", "PrefixQuery",
     "PrefixQueryReply", "TierName",
+    # encoder
+    "EncodeReply", "EncodeRequest", "ImageEmbedding", "ImageInput", "ImagePromptForm",
 ]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Literal
 
 from ..codec import Message
+from ..kv_hashing import mm_hash_view
+from .encoder import ImageEmbedding
 
 
 class StructuredOptions(Message):
@@ -73,6 +75,11 @@ class GenerateRequest(Message):
     # A migrated request: the choices still open, each going on from the tokens already streamed
     # (empty: every choice from the start). Chunk numbers (seq) restart at 0 with each attempt.
     resume: list[ResumedChoice] = []
+    images: list[ImageEmbedding] = []  # encoder rows for the prompt's image placeholders (offsets set)
+
+    def hash_token_ids(self) -> list[int]:
+        """The prompt as KV block hashes see it: image placeholders carry their image's hash."""
+        return mm_hash_view(self.prompt_token_ids, [(i.offset, i.num_tokens, i.content_hash) for i in self.images])
 
 
 class GenerateAccepted(Message):
