@@ -38,11 +38,17 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().view(torch.uint8).numpy().reshape(-1)
 
 
+_NUMPY_DTYPES = {torch.float32, torch.float16, torch.float64, torch.uint8, torch.int8, torch.int32, torch.int64}
+
+
 def crc32_of(tensors: Iterable[torch.Tensor], crc: int = 0) -> int:
-    """CRC-32 of the tensors' bytes, in order: ~3 GB/s on one core (zlib, GIL released), faster
-    than blake2b here (~0.5-0.8 GB/s), and it catches every burst error up to 32 bits."""
+    """CRC-32 of the tensors' bytes, in order. zlib's CRC-32 runs at ~3 GB/s on one core (GIL
+    released), blake2b at ~0.5-0.8 GB/s, and CRC-32 catches every burst error up to 32 bits."""
     for t in tensors:
-        crc = zlib.crc32(_as_bytes(t), crc)
+        if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.is_contiguous() and not t.requires_grad:
+            crc = zlib.crc32(t.numpy(), crc)  # any C-contiguous buffer: no per-tensor byte view to build
+        else:
+            crc = zlib.crc32(_as_bytes(t), crc)
     return crc
 
 
