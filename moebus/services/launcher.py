@@ -36,7 +36,7 @@ from moebus.shared.tracing import Tracing
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
-SERVICES = ("tokenizer", "balancer", "worker", "frontend", "planner")
+SERVICES = ("tokenizer", "encoder", "balancer", "worker", "frontend", "planner")
 # Stopped in reverse: the planner first (no new workers; it stops its own), frontends, the broker last.
 STOP_ORDER = ("kvbroker", *SERVICES)
 
@@ -53,6 +53,8 @@ class StackConfig(BaseModel):
     prefill_workers: int = Field(1, ge=1)  # disaggregated mode: the two pools
     decode_workers: int = Field(1, ge=1)
     kvbroker: bool | None = None  # None: on for real models (the toy engine has no KV cache)
+    encoders: int | None = Field(None, ge=0)  # vision encoders; None: 1 for real models, 0 for the toy
+    encoder: dict[str, Any] = {}  # extra EncoderConfig fields (e.g. {"encoder": "<SmolVLM dir>"})
     kvbroker_args: list[str] = []  # extra KVBrokerConfig flags, e.g. ["--cpu-bytes", "1G"]
     worker: dict[str, Any] = {}  # extra WorkerConfig fields for every worker (e.g. torch_threads)
     balancer: dict[str, Any] = {}  # extra BalancerConfig fields
@@ -78,13 +80,14 @@ class StackConfig(BaseModel):
 
 def _config_classes() -> dict[str, type[ServiceConfig]]:
     from .balancer.config import BalancerConfig
+    from .encoder.config import EncoderConfig
     from .frontend.config import FrontendConfig
     from .kvbroker.config import KVBrokerConfig
     from .planner.config import PlannerConfig
     from .tokenizer.config import TokenizerConfig
     from .worker.config import WorkerConfig
 
-    return {"tokenizer": TokenizerConfig, "balancer": BalancerConfig, "worker": WorkerConfig,
+    return {"tokenizer": TokenizerConfig, "encoder": EncoderConfig, "balancer": BalancerConfig, "worker": WorkerConfig,
             "frontend": FrontendConfig, "kvbroker": KVBrokerConfig, "planner": PlannerConfig}
 
 
@@ -119,6 +122,9 @@ class Stack:
                                                **common)),
             ("balancer", classes["balancer"](instance_id="balancer-0", mode=c.mode, **c.balancer, **common)),
         ]
+        for i in range(self.num_encoders):
+            out.append(("encoder", classes["encoder"](instance_id=f"encoder-{i}", model=c.model, served_model_name=name,
+                                                      **c.encoder, **common)))
         pools = [("worker", "both", c.workers)] if c.mode == "aggregated" else [
             ("prefill", "prefill", c.prefill_workers), ("decode", "decode", c.decode_workers)]
         if c.autoscale is not None:  # every pool starts at MIN
@@ -129,7 +135,7 @@ class Stack:
             for i in range(n):
                 wcfg = {"role": role, **template}
                 out.append(("worker", classes["worker"](instance_id=f"{prefix}-{i}", **wcfg, **common)))
-        fcfg = dict(c.frontend)
+        fcfg = {"accept_images": self.num_encoders > 0, **c.frontend}
         if "max_model_len" in c.engine:  # the frontend's context check matches the workers' engines
             fcfg["limits"] = {"max_model_len": c.engine["max_model_len"], **fcfg.get("limits", {})}
         out.append(("frontend", classes["frontend"](instance_id="frontend-0", host=c.host, port=c.port,
@@ -159,6 +165,10 @@ class Stack:
         for service, scfg in self.service_configs():
             self.spawn(service, scfg, env)
         return self
+
+    @property
+    def num_encoders(self) -> int:
+        return self.cfg.encoders if self.cfg.encoders is not None else int(self.cfg.model != "toy")
 
     @property
     def kvbroker_on(self) -> bool:
