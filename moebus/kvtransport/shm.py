@@ -26,7 +26,7 @@ _MAGIC = 0x4D42534B
 class ShmTransportConfig:
     address: str = "moebus-kv"  # this endpoint's segment name prefix (unique per receiver)
     poll_s: float = 0.002
-    verify: bool = True  # CRC-32 the body (about 1 GB/s; off for trusted co-located peers)
+    verify: bool = True  # CRC-32 the whole body; off, the payload's own header and per-block checks still run
     ttl_s: float = 60.0  # the sender unlinks segments nobody claimed after this
 
 
