@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from moebus.engine.config import EngineConfig
 from moebus.engine.llm_engine import LLMEngine
+from moebus.engine.multimodal import ImageSpan
 from moebus.engine.sampling import SamplingParams
 
 
@@ -35,7 +36,8 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | None = None,
-                 use_tqdm: bool = False) -> list[GenerationResult]:
+                 use_tqdm: bool = False, images: list[list[ImageSpan]] | None = None) -> list[GenerationResult]:
+        """images: per prompt, encoder rows for its image placeholder tokens (engine/multimodal.py)."""
         params = params or SamplingParams()
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -46,7 +48,7 @@ class LLM:
             results.append(GenerationResult(p if isinstance(p, str) else None, ids))
             rid = f"offline-{next(self._ids)}"
             # n > 1: the engine fans out n choices sharing the prompt's KV blocks
-            self.engine.add_request(rid, ids, params)
+            self.engine.add_request(rid, ids, params, images=images[i] if images else ())
             owners[rid] = i
             results[-1].outputs = [Completion(k, "", [], None) for k in range(params.n)]
         bar = tqdm(total=len(owners) * params.n, desc="generate", unit="seq", disable=not use_tqdm)
