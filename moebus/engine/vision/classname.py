@@ -20,6 +20,7 @@ from moebus.engine.vision.efficientnet_lite import IMAGE_SIZE, EfficientNetLite0
 
 MEAN = (0.485, 0.456, 0.406)  # the weights were trained on ImageNet-normalised pixels
 STD = (0.229, 0.224, 0.225)
+MIN_RATIO = 0.2  # see ClassNameEncoder.encode
 RESIZE = 256  # shorter side, then a centre crop of IMAGE_SIZE (the usual ImageNet evaluation)
 
 
@@ -74,7 +75,11 @@ class ClassNameEncoder:
         return self.net(torch.stack(pixels)).softmax(-1)
 
     def encode(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
-        top = self.probabilities(pixels).topk(self.top_k, dim=-1).indices
+        probs, top = self.probabilities(pixels).topk(self.top_k, dim=-1)
+        # A weak runner-up misleads a small language model more than it informs it: classes under
+        # MIN_RATIO of the best one's probability repeat the best class instead (the count stays fixed).
+        weak = probs < MIN_RATIO * probs[:, :1]
+        top = torch.where(weak, top[:, :1], top)
         return [self.class_embeds[row] for row in top]
 
     def prompt_form(self) -> PromptForm:

@@ -44,6 +44,7 @@ class EncoderService(Service):
         self.fetcher = ImageFetcher(cfg)
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._inflight: dict[int, asyncio.Future] = {}
+        self.n_encoded = self.n_cache_hits = 0  # images run through the encoder / served from its cache
         m = self.metrics
         self._images = m.counter("images_total", "Images asked for, by outcome", ["outcome"])
         self._cache_hits = m.counter("cache_hits_total", "Images served from the encoder cache")
@@ -60,7 +61,8 @@ class EncoderService(Service):
         return self.served_model
 
     def stats(self) -> dict[str, Any]:
-        return {"cache_entries": len(self.cache), "cache_bytes": self.cache.size, "queued": self._queue.qsize()}
+        return {"cache_entries": len(self.cache), "cache_bytes": self.cache.size, "queued": self._queue.qsize(),
+                "encoded": self.n_encoded, "cache_hits": self.n_cache_hits}
 
     async def setup(self) -> None:
         if self.cfg.torch_threads:
@@ -96,6 +98,7 @@ class EncoderService(Service):
         cached = self.cache.get(key)
         if cached is not None:
             self._cache_hits.inc()
+            self.n_cache_hits += 1
             self._images.labels("cache_hit").inc()
             return cached, True
         pending = self._inflight.get(key)
@@ -147,6 +150,7 @@ class EncoderService(Service):
                     j.done.set_exception(ServiceError(ErrorCode.INTERNAL, f"encoder failed: {e}"))
             return
         self._batch.observe(len(jobs))
+        self.n_encoded += len(jobs)
         self._encode_s.observe(time.perf_counter() - started)
         for j, r in zip(jobs, rows, strict=True):
             data = rows_to_bytes(r, self.cfg.wire_dtype)

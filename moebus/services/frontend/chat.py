@@ -15,6 +15,7 @@ from .choice import ChoiceState
 from .errors import APIError, bad_request
 from .events import Delta, Event, events
 from .formats import chat_logprobs, usage
+from .images import place
 from .keys import FRONTEND
 from .protocol import ChatCompletionRequest
 from .sse_pump import pump_sse
@@ -24,16 +25,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND]
     body = await parse_body(request, ChatCompletionRequest, fe.cfg.limits)
     fe.check_model(body.model)
+    urls: list[str] = []
     try:
-        messages = [t.to_message() for t in body.messages]
+        messages = [t.to_message(urls) for t in body.messages]
     except ValueError as e:
         raise bad_request(str(e), param="messages") from None
-    rendered = await fe.render(RenderRequest(model=body.model, messages=messages))
+    render = RenderRequest(model=body.model, messages=messages)
+    encoded = None
+    if urls:  # images first: the tokenizer needs each one's token count
+        encoded = await fe.encode_images(body.model, urls)
+        render.images, render.image_form = [im.num_tokens for im in encoded.images], encoded.form
+    rendered = await fe.render(render)
     params = body.to_sampling()
     prompt = rendered.prompt_token_ids
     fe.check_context(len(prompt), params.max_tokens, "messages")
+    images = place(encoded.images, rendered.image_offsets) if encoded else []
     started = time.monotonic()
-    async with fe.generation(body.model, prompt, params) as gen:
+    async with fe.generation(body.model, prompt, params, images) as gen:
         choices = fe.choices(0, params, prompt, body.model)
         base = {"id": "chatcmpl-" + gen.request_id[4:], "created": int(time.time()), "model": body.model}
         stream = events([(gen, choices)])

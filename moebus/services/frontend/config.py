@@ -21,6 +21,7 @@ class RequestLimits(BaseModel):
     max_n: int = Field(16, ge=1)  # choices per prompt
     max_prompts: int = Field(64, ge=1)  # /v1/completions: prompts in one request
     max_messages: int = Field(2048, ge=1)  # /v1/chat/completions: messages in one request
+    max_images: int = Field(8, ge=0)  # image parts in one chat request
     max_stop_sequences: int = Field(4, ge=0)
     max_stop_chars: int = Field(1024, ge=1)  # each stop string
     max_stop_token_ids: int = Field(128, ge=0)
@@ -42,6 +43,10 @@ class FrontendConfig(ServiceConfig):
     # While no tokenizer or balancer answers (a crashed one is being restarted), requests wait this
     # long for one instead of failing: nobody got them, so asking again is safe.
     restart_wait_s: float = 15.0
+    # Chat image parts go to the vision encoder service; off: they are refused with a 400 (no
+    # encoder runs, or the model cannot take images).
+    accept_images: bool = False
+    encoder_timeout_s: float = 30.0
     # Moves of one request to another worker (its worker died, drained or failed retryably); the
     # open choices go on from the tokens already sent (generation.py).
     max_migrations: int = Field(3, ge=0)

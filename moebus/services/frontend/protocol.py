@@ -13,6 +13,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from moebus.shared.messages import ChatMessage, SamplingOptions, StructuredOptions
+from moebus.shared.messages import ContentPart as WireContentPart
 
 from .config import RequestLimits
 
@@ -69,9 +70,15 @@ class ResponseFormat(_Req):
         return self
 
 
+class ImageURL(_Req):
+    url: str = Field(max_length=64 << 20)  # a data URL carries the whole image
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; one view per image either way
+
+
 class ContentPart(_Req):
     type: str = "text"
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatTurn(_Req):
@@ -79,13 +86,25 @@ class ChatTurn(_Req):
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
 
-    def to_message(self) -> ChatMessage:
+    def to_message(self, image_urls: list[str]) -> ChatMessage:
+        """The wire message; the URLs of its image parts are appended to image_urls, in order."""
         content = self.content
-        if isinstance(content, list):
-            if any(p.type != "text" for p in content):
-                raise ValueError("only text content parts are supported")
-            content = "".join(p.text or "" for p in content)
-        return ChatMessage(role=self.role, content=content, name=self.name)
+        if not isinstance(content, list):
+            return ChatMessage(role=self.role, content=content, name=self.name)
+        parts = []
+        for p in content:
+            if p.type == "text":
+                parts.append(WireContentPart(text=p.text or ""))
+            elif p.type == "image_url":
+                if p.image_url is None:
+                    raise ValueError("an image_url content part needs image_url.url")
+                image_urls.append(p.image_url.url)
+                parts.append(WireContentPart(type="image"))
+            else:
+                raise ValueError(f"content part type {p.type!r} is not supported (text, image_url)")
+        if not any(p.type == "image" for p in parts):  # text only: one string, as templates expect
+            return ChatMessage(role=self.role, content="".join(p.text or "" for p in parts), name=self.name)
+        return ChatMessage(role=self.role, content=parts, name=self.name)
 
 
 class _Sampling(_Req):

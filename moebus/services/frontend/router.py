@@ -8,7 +8,7 @@ from __future__ import annotations
 from nats.aio.msg import Msg
 
 from moebus.shared.bus import Bus
-from moebus.shared.messages import GenerateRequest, SamplingOptions, TokenChunk, WorkerLost
+from moebus.shared.messages import GenerateRequest, ImageEmbedding, SamplingOptions, TokenChunk, WorkerLost
 from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
 
@@ -35,9 +35,11 @@ class StreamRouter:
         await self.bus.subscribe(self.subjects.balancer_worker_lost, WorkerLost, self._on_lost, concurrent=False,
                                  endpoint="worker_lost")
 
-    def new(self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingOptions) -> Generation:
+    def new(self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingOptions,
+            images: list[ImageEmbedding] | None = None) -> Generation:
         req = GenerateRequest(request_id=request_id, model=model, prompt_token_ids=prompt_token_ids, params=params,
-                              reply_to=self.subjects.frontend_stream(self.instance_id, request_id))
+                              reply_to=self.subjects.frontend_stream(self.instance_id, request_id),
+                              images=images or [])
         return Generation(self, req)
 
     def register(self, gen: Generation) -> None:

@@ -7,13 +7,21 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from moebus.shared.errors import ServiceError, context_length_exceeded
-from moebus.shared.messages import RenderReply, RenderRequest, SamplingOptions
+from moebus.shared.messages import (
+    EncodeReply,
+    EncodeRequest,
+    ImageEmbedding,
+    RenderReply,
+    RenderRequest,
+    SamplingOptions,
+)
 from moebus.shared.service import Service
 
 from .choice import ChoiceState, Detok
 from .config import FrontendConfig
 from .errors import APIError
 from .generation import Generation
+from .images import image_input
 from .router import StreamRouter
 
 
@@ -52,6 +60,22 @@ class FrontendService(Service):
         except ServiceError as e:
             raise APIError.from_service_error(e) from None
 
+    async def encode_images(self, model: str, urls: list[str]) -> EncodeReply:
+        """The encoder's rows for each image (in order); 400 when this server takes no images."""
+        if not self.cfg.accept_images:
+            raise APIError(400, f"the model '{model}' does not accept image inputs on this server",
+                           param="messages", code="images_not_supported")
+        if len(urls) > self.cfg.limits.max_images:
+            raise APIError(400, f"{len(urls)} images in one request; the limit is {self.cfg.limits.max_images}",
+                           param="messages")
+        req = EncodeRequest(model=model, images=[image_input(u) for u in urls])
+        try:
+            return await self.bus.request(self.subjects.encoder_encode, req, EncodeReply,
+                                          timeout=self.cfg.encoder_timeout_s,
+                                          wait_for_responders_s=self.cfg.restart_wait_s, idempotent=True)
+        except ServiceError as e:
+            raise APIError.from_service_error(e) from None
+
     def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> None:
         """400 unless the prompt, plus max_tokens when given, fits in the context (None: up to the rest)."""
         most = self.cfg.limits.max_model_len
@@ -69,15 +93,15 @@ class FrontendService(Service):
         return [ChoiceState(first_index + i, detok()) for i in range(params.n)]
 
     @asynccontextmanager
-    async def generation(self, model: str, prompt_ids: list[int], params: SamplingOptions
-                         ) -> AsyncIterator[Generation]:
+    async def generation(self, model: str, prompt_ids: list[int], params: SamplingOptions,
+                         images: list[ImageEmbedding] = ()) -> AsyncIterator[Generation]:
         """A routed generation, aborted on its worker if we leave early (client gone, error)."""
         if len(self.router) >= self.cfg.max_inflight:
             raise APIError(503, "too many requests in flight", type="service_unavailable", code="overloaded",
                            retry_after=1)
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
-        gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params)
+        gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params, list(images))
         try:
             await gen.start()
         except ServiceError as e:

@@ -15,6 +15,7 @@ from moebus.shared.subjects import Queues
 
 from .config import TokenizerConfig
 from .detok import decode_step
+from .images import encode_with_images, flatten, new_marker
 
 _INLINE_CHARS = 8192  # longer prompts are encoded off the event loop
 
@@ -67,21 +68,32 @@ class TokenizerService(Service):
         self._check_model(req.model)
         if req.prompt_token_ids is not None:
             return self._check_ids(req.prompt_token_ids, req.max_prompt_tokens)
+        marker, offsets = new_marker(), []
         if req.messages is not None:
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            messages, n_images = flatten(req.messages, marker)
+            if n_images != len(req.images) or (n_images and req.image_form is None):
+                raise ServiceError(ErrorCode.BAD_REQUEST, f"{n_images} image parts but {len(req.images)} "
+                                   "encoded images", param="messages")
             try:
                 text = self.tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
             except Exception as e:  # template errors (e.g. bad role order) are the client's
                 raise ServiceError(ErrorCode.BAD_REQUEST, f"chat template: {e}", param="messages") from e
         else:
             text = req.prompt or ""
-        ids = await asyncio.to_thread(self.tok.encode, text) if len(text) > _INLINE_CHARS else self.tok.encode(text)
+        if req.images:
+            ids, offsets = encode_with_images(self.tok, text, marker, req.images, req.image_form)
+            text = text.replace(marker, "<image>")
+        elif len(text) > _INLINE_CHARS:
+            ids = await asyncio.to_thread(self.tok.encode, text)
+        else:
+            ids = self.tok.encode(text)
         if req.max_prompt_tokens is not None and len(ids) >= req.max_prompt_tokens:
             param = "messages" if req.messages is not None else "prompt"
             raise context_length_exceeded(req.max_prompt_tokens, len(ids), param)
         self._renders.inc()
         self._prompt_tokens.inc(len(ids))
-        return RenderReply(prompt_token_ids=ids, prompt_text=text, eos_token_ids=list(self.tok.eos_token_ids))
+        return RenderReply(prompt_token_ids=ids, prompt_text=text, eos_token_ids=list(self.tok.eos_token_ids),
+                           image_offsets=offsets)
 
     def _check_ids(self, ids: list[int], max_prompt_tokens: int | None) -> RenderReply:
         """A prompt given as token ids: every id must be in the vocabulary (the engine indexes with it)."""

@@ -25,10 +25,17 @@ from .kvbroker import (
     TierName,
 )
 from .planner import PlannerDecision, PoolDecision, PoolObservation
-from .tokenizer import ChatMessage, DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
+from .tokenizer import (
+    ChatMessage,
+    ContentPart,
+    DetokenizeReply,
+    DetokenizeRequest,
+    RenderReply,
+    RenderRequest,
+)
 
 __all__ = [
-    "AbortRequest", "ChatMessage", "DetokenizeReply", "DetokenizeRequest", "GenerateAccepted",
+    "AbortRequest", "ChatMessage", "ContentPart", "DetokenizeReply", "DetokenizeRequest", "GenerateAccepted",
     "GenerateRequest", "Handoff", "HealthReply", "Heartbeat", "KVInfo", "KVTransferSpec", "Load", "RenderReply", "RenderRequest",
     "SamplingOptions", "StructuredOptions", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WorkerLost",

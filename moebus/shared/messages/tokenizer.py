@@ -1,14 +1,24 @@
 """Tokenizer service messages: prompt rendering and stateless incremental detokenization."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from ..codec import Message
+from .encoder import ImagePromptForm
+
+
+class ContentPart(Message):
+    """A piece of a message: text, or the next image of the request (RenderRequest.images)."""
+
+    type: Literal["text", "image"] = "text"
+    text: str | None = None
 
 
 class ChatMessage(Message):
     role: str
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
@@ -26,6 +36,10 @@ class RenderRequest(Message):
     prompt_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
     max_prompt_tokens: int | None = Field(None, ge=1)
+    # Chat with images: each image part becomes image_form's prefix, placeholder x n, suffix, where
+    # n is its entry here (the encoder's token count for that image), in order of appearance.
+    images: list[int] = []
+    image_form: ImagePromptForm | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> RenderRequest:
@@ -38,6 +52,7 @@ class RenderReply(Message):
     prompt_token_ids: list[int]
     prompt_text: str | None = None
     eos_token_ids: list[int] = []
+    image_offsets: list[int] = []  # prompt position of each image's first placeholder
 
 
 class DetokenizeRequest(Message):
