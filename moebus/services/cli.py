@@ -20,7 +20,9 @@ def _up(args: argparse.Namespace) -> int:
               max_queued=args.max_queued, engine=json.loads(args.engine), log_dir=args.log_dir,
               mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
               kvbroker=False if args.no_kvbroker else None, worker=worker,
-              balancer={"policy": args.balancer_policy}, autoscale=args.autoscale, planner=json.loads(args.planner))
+              balancer={"policy": args.balancer_policy}, autoscale=args.autoscale, planner=json.loads(args.planner),
+              nats_auth=not args.no_nats_auth, nats_tls_cert=args.nats_tls_cert, nats_tls_key=args.nats_tls_key,
+              nats_tls_ca=args.nats_tls_ca)
 
 
 def autoscale_bounds(text: str) -> tuple[int, int]:
@@ -73,6 +75,11 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                         "within MIN..MAX against its SLO, starting and draining workers (docs/planner.md)")
     u.add_argument("--planner", default="{}",
                    help='extra PlannerConfig fields as JSON, e.g. \'{"policy": {"ttft_target_s": 1}}\'')
+    u.add_argument("--no-nats-auth", action="store_true",
+                   help="an open bus: no NATS users or subject permissions (any local process may use it)")
+    u.add_argument("--nats-tls-cert", default=None, help="PEM certificate: the bus speaks TLS (with --nats-tls-key)")
+    u.add_argument("--nats-tls-key", default=None, help="the certificate's PEM private key")
+    u.add_argument("--nats-tls-ca", default=None, help="PEM CA the services check it against (default: the cert)")
     u.set_defaults(func=_up)
 
     s = subparsers.add_parser("serve", help="run one service in this process",

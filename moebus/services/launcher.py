@@ -6,6 +6,8 @@ Real models also get a KV broker process (prefix index for KV-aware routing, sha
 `mode="disaggregated"` starts a prefill pool and a decode pool instead of `workers`.
 `autoscale=(MIN, MAX)` starts MIN workers per pool plus a planner (local actuator) that keeps every
 pool within MIN..MAX: it starts more workers itself and drains them again (docs/planner.md).
+The bus is locked (`nats_auth`, shared.bus_auth): every process gets its own NATS user, allowed only
+the subjects it needs, by a credentials file named in its environment; this process is the admin.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +29,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moebus.shared.bus import Bus, BusConfig
+from moebus.shared.bus_auth import ADMIN, ANY, CREDS_ENV, TLS_CA_ENV, BusUsers, write_credentials
 from moebus.shared.config_cli import to_cli_args
 from moebus.shared.messages import HealthReply
 from moebus.shared.nats_server import NatsServer
@@ -70,11 +74,19 @@ class StackConfig(BaseModel):
     # (MIN, MAX): MIN workers per pool at start, a planner process scales each pool within MIN..MAX.
     autoscale: tuple[int, int] | None = None
     planner: dict[str, Any] = {}  # extra PlannerConfig fields, merged over the launcher's (e.g. {"policy": {...}})
+    # The NATS we start: a user per process with only its subjects (off: anyone local may do anything);
+    # TLS with this certificate and key (PEM), checked by clients against nats_tls_ca (default: the cert).
+    nats_auth: bool = True
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
+    nats_tls_ca: str | None = None
 
     @model_validator(mode="after")
     def _autoscale_bounds(self) -> Self:
         if self.autoscale is not None and not 1 <= self.autoscale[0] <= self.autoscale[1]:
             raise ValueError(f"autoscale MIN:MAX needs 1 <= MIN <= MAX, got {self.autoscale}")
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise ValueError("TLS needs both nats_tls_cert and nats_tls_key")
         return self
 
 
@@ -106,7 +118,10 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}  # instance id -> process
         self.services: dict[str, str] = {}  # instance id -> service name
         self._launches: dict[str, tuple[str, list[str], dict[str, str] | None]] = {}  # how each was started
-        self.nats_url = cfg.nats_url or ""
+        self.nats_url = cfg.nats_url or ""  # for clients in this process: the admin's credentials in it
+        self.services_url = cfg.nats_url or ""  # what services are given (their credentials: by file)
+        self.users: BusUsers | None = None  # our NATS's users when auth is on
+        self._creds: tempfile.TemporaryDirectory | None = None
 
     @property
     def url(self) -> str:
@@ -116,7 +131,7 @@ class Stack:
     def service_configs(self) -> list[tuple[str, ServiceConfig]]:
         c, classes = self.cfg, _config_classes()
         name = c.served_model_name or c.model
-        common = {"nats_url": self.nats_url, "heartbeat_interval_s": c.heartbeat_interval_s}
+        common = {"nats_url": self.services_url, "heartbeat_interval_s": c.heartbeat_interval_s}
         out: list[tuple[str, ServiceConfig]] = [
             ("tokenizer", classes["tokenizer"](instance_id="tokenizer-0", model=c.model, served_model_name=name,
                                                **common)),
@@ -154,9 +169,7 @@ class Stack:
         if self.cfg.log_dir:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
         if not self.cfg.nats_url:
-            log_file = str(Path(self.cfg.log_dir) / "nats.log") if self.cfg.log_dir else None
-            self.nats = NatsServer(port=self.cfg.nats_port, log_file=log_file).start()
-            self.nats_url = self.nats.url
+            self._start_nats()
         env = dict(os.environ)
         if self.cfg.api_keys:  # through the environment: keys stay out of `ps`
             env["MOEBUS_API_KEYS"] = ",".join(self.cfg.api_keys)
@@ -170,12 +183,51 @@ class Stack:
     def num_encoders(self) -> int:
         return self.cfg.encoders if self.cfg.encoders is not None else int(self.cfg.model != "toy")
 
+    def _start_nats(self) -> None:
+        c = self.cfg
+        log_file = str(Path(c.log_dir) / "nats.log") if c.log_dir else None
+        admin = None
+        if c.nats_auth:
+            self.users, self._creds = BusUsers(), tempfile.TemporaryDirectory(prefix="moebus-bus-")  # 0700
+            admin = self.users.add(ADMIN)
+            for service, scfg in self.service_configs():  # users of every process up front: no reload races
+                self._credentials_file(service, scfg.instance_id)
+            if self.kvbroker_on:
+                self._credentials_file("kvbroker", "kvbroker-0")
+        self.nats = NatsServer(port=c.nats_port, log_file=log_file, tls_cert=c.nats_tls_cert, tls_key=c.nats_tls_key,
+                               authorization=self.users.authorization() if self.users else None).start()
+        self.services_url = self.nats_url = self.nats.url
+        if admin is not None:
+            scheme, rest = self.nats.url.split("://")
+            self.nats_url = f"{scheme}://{admin.user}:{admin.password}@{rest}"
+
+    def _credentials_file(self, service: str, instance_id: str) -> Path:
+        """The credentials file of one process (made with its user on first use); a planner's also
+        holds the user of the workers it starts (any id: they take its "*" entry)."""
+        assert self.users is not None and self._creds is not None
+        path = Path(self._creds.name) / f"{instance_id}.json"
+        if not path.exists():
+            entries = {instance_id: self.users.add(service, instance_id)}
+            if service == "planner":
+                entries[ANY] = self.users.add("worker")
+            write_credentials(path, entries)
+            if self.nats is not None:  # a process the server has no user for yet
+                self.nats.reload()
+        return path
+
+    def bus_config(self, name: str) -> BusConfig:
+        """A client of this stack in this process (the admin user when auth is on)."""
+        if self.nats is None:  # not ours: credentials as the environment has them
+            return BusConfig(servers=[self.nats_url], name=name)
+        tls_ca = self.cfg.nats_tls_ca or self.cfg.nats_tls_cert
+        return BusConfig(servers=[self.nats_url], name=name, credentials=None, tls_ca=tls_ca)
+
     @property
     def kvbroker_on(self) -> bool:
         return self.cfg.kvbroker if self.cfg.kvbroker is not None else self.cfg.model != "toy"
 
     def spawn_kvbroker(self, env: dict[str, str] | None = None, instance_id: str = "kvbroker-0") -> subprocess.Popen:
-        scfg = _config_classes()["kvbroker"](instance_id=instance_id, nats_url=self.nats_url,
+        scfg = _config_classes()["kvbroker"](instance_id=instance_id, nats_url=self.services_url,
                                              heartbeat_interval_s=self.cfg.heartbeat_interval_s)
         return self.spawn("kvbroker", scfg, env, self.cfg.kvbroker_args)
 
@@ -186,6 +238,14 @@ class Stack:
         return self._popen(scfg.instance_id, service, cmd, env)
 
     def _popen(self, instance_id: str, service: str, cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+        if self.nats is not None:  # its credentials by file, its TLS trust by path: never on the command line
+            env = dict(os.environ if env is None else env)
+            if self.users is not None:
+                if any(p in arg for arg in cmd for p in self.users.passwords()):
+                    raise ValueError(f"a NATS password would be on the command line of {instance_id}")
+                env[CREDS_ENV] = str(self._credentials_file(service, instance_id))
+            if self.cfg.nats_tls_cert:
+                env[TLS_CA_ENV] = self.cfg.nats_tls_ca or self.cfg.nats_tls_cert
         out = None
         if self.cfg.log_dir:
             out = open(Path(self.cfg.log_dir) / f"{instance_id}.log", "ab")  # noqa: SIM115
@@ -217,7 +277,7 @@ class Stack:
     async def wait_ready_async(self, timeout: float | None = None) -> None:
         """Until every instance answers `ready` and each balancer sees every worker."""
         timeout = timeout or self.cfg.ready_timeout_s
-        bus = await Bus.connect(BusConfig(servers=[self.nats_url], name="launcher"), Tracing("launcher"))
+        bus = await Bus.connect(self.bus_config("launcher"), Tracing("launcher"))
         subjects, pending = Subjects(), dict(self.services)
         deadline = time.monotonic() + timeout
         try:
@@ -269,6 +329,9 @@ class Stack:
                 proc.wait()
         if self.nats is not None:
             self.nats.stop()
+        if self._creds is not None:
+            self._creds.cleanup()
+            self._creds = None
 
     def __enter__(self) -> Self:
         try:
@@ -299,7 +362,8 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
             each = "" if cfg.mode == "aggregated" else " per pool (prefill, decode)"
             pools = f"{cfg.autoscale[0]}..{cfg.autoscale[1]} worker(s){each} scaled by planner-0"
         print(f"moebus up: {stack.url}/v1 (model {cfg.served_model_name or model}, {pools}, "
-              f"{'KV broker, ' if stack.kvbroker_on else ''}NATS {stack.nats_url})", flush=True)
+              f"{'KV broker, ' if stack.kvbroker_on else ''}NATS {stack.services_url}"
+              f"{'' if stack.users is None else ', bus auth on'})", flush=True)
         supervisor = Supervisor(stack)  # restarts what crashes; drained workers stay down
         while not stop.wait(0.5):
             if (reason := supervisor.check()) is not None:

@@ -67,9 +67,11 @@ class Bus:
 
     @classmethod
     async def connect(cls, cfg: BusConfig, tracing: Tracing, metrics: Metrics | None = None) -> Bus:
-        """Raises PermissionError when the server refuses the credentials (no retrying: they stay wrong)."""
+        """Raises PermissionError when the server refuses the credentials, ssl.SSLCertVerificationError
+        when its certificate is not trusted (no retrying: neither heals by itself)."""
         bus: Bus | None = None
-        refused = asyncio.Event()
+        refused: list[Exception] = []
+        refusal = asyncio.Event()
 
         async def on_error(e: Exception) -> None:
             text = str(e).lower()
@@ -78,8 +80,9 @@ class Bus:
                 if bus is not None:
                     bus.denied.append(str(e))
                 return
-            if "authorization violation" in text and bus is None:
-                refused.set()
+            if bus is None and ("authorization violation" in text or isinstance(e, ssl.SSLCertVerificationError)):
+                refused.append(e)
+                refusal.set()
             log.log(logging.INFO if bus and bus.closing else logging.WARNING, "nats error (%s): %s", cfg.name, e)
 
         async def on_disconnect() -> None:
@@ -100,13 +103,15 @@ class Bus:
             ping_interval=cfg.ping_interval_s, drain_timeout=cfg.drain_timeout_s,
             error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, **auth,
         ))
-        watch = asyncio.ensure_future(refused.wait())
+        watch = asyncio.ensure_future(refusal.wait())
         await asyncio.wait((connecting, watch), return_when=asyncio.FIRST_COMPLETED)
         watch.cancel()
-        if refused.is_set() and not connecting.done():
+        if refused and not connecting.done():
             connecting.cancel()
+            if isinstance(refused[0], ssl.SSLError):
+                raise refused[0]
             raise PermissionError(f"nats refused the credentials of {cfg.name} "
-                                  f"(${CREDS_ENV}: {cfg.credentials or 'not set'})")
+                                  f"(${CREDS_ENV}: {cfg.credentials or 'not set'})") from refused[0]
         bus = cls(await connecting, tracing, metrics)
         return bus
 
