@@ -99,7 +99,8 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
     backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
     cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
     model_cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
-    eos = model_cfg.get("eos_token_id", [])
+    # A VLM (Idefics3, SmolVLM) keeps its language model's ids in text_config.
+    eos = model_cfg.get("eos_token_id", model_cfg.get("text_config", {}).get("eos_token_id", []))
     eos_ids = list(eos) if isinstance(eos, list) else [eos]
     specials = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     return Tokenizer(backend, [int(e) for e in eos_ids if e is not None], model_cfg.get("bos_token_id"),

@@ -46,12 +46,16 @@ def client(stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-async def encoder_stats(stack) -> dict:
+async def service_stats(stack, service: str, instance: str) -> dict:
     bus = await Bus.connect(BusConfig(servers=[stack.nats_url], name="test"), Tracing("test"))
     try:
-        return (await bus.request(Subjects().stats("encoder", "encoder-0"), Empty(), Stats, 5)).stats
+        return (await bus.request(Subjects().stats(service, instance), Empty(), Stats, 5)).stats
     finally:
         await bus.drain()
+
+
+async def encoder_stats(stack) -> dict:
+    return await service_stats(stack, "encoder", "encoder-0")
 
 
 async def test_photo_question_names_the_object(stack) -> None:
@@ -126,3 +130,21 @@ async def test_too_many_images_is_a_400_and_the_stack_still_serves(stack) -> Non
     r = await c.chat.completions.create(model="smollm2", messages=ask([photo("cat.jpg"), photo("coffee.jpg")]),
                                         max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def split_stack(tmp_path_factory):
+    yield from real_model_stack(tmp_path_factory, mode="disaggregated", prefill_workers=1, decode_workers=1,
+                                worker={"torch_threads": 1}, encoder={"torch_threads": 1})
+
+
+async def test_disaggregated_answers_as_aggregated(stack, split_stack) -> None:
+    """encoder -> prefill -> KV transfer -> decode gives the aggregated worker's tokens."""
+    received = (await service_stats(split_stack, "worker", "decode-0"))["kv"]["kv_received"]
+    for name in ("cat.jpg", "coffee.jpg"):
+        want = await client(stack).chat.completions.create(model="smollm2", messages=ask(photo(name)),
+                                                           max_tokens=16, temperature=0)
+        got = await client(split_stack).chat.completions.create(model="smollm2", messages=ask(photo(name)),
+                                                                max_tokens=16, temperature=0)
+        assert got.choices[0].message.content == want.choices[0].message.content
+    assert (await service_stats(split_stack, "worker", "decode-0"))["kv"]["kv_received"] == received + 2

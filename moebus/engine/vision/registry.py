@@ -39,8 +39,11 @@ def load_encoder(encoder: str, model: str, top_k: int = 3) -> ImageEncoder:
                                 placeholder_token_id=0, top_k=top_k)
     path = Path(encoder)
     if path.is_dir() or path.suffix == ".gguf":
+        from moebus.engine.tokenizer import load_tokenizer
         from moebus.engine.vision import idefics3_load
 
-        return idefics3_load.load_encoder(path)
+        # An mmproj GGUF holds no vocabulary: the <image> token id comes from the language model's.
+        image_token_id = load_tokenizer(model).backend.token_to_id("<image>") if path.suffix == ".gguf" else None
+        return idefics3_load.load_encoder(path, image_token_id=image_token_id)
     raise ValueError(f"unknown image encoder {encoder!r}: use {DEFAULT_ENCODER!r}, a SmolVLM/Idefics3 "
                      "checkpoint folder or an mmproj .gguf")
