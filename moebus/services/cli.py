@@ -22,7 +22,8 @@ def _up(args: argparse.Namespace) -> int:
               kvbroker=False if args.no_kvbroker else None, worker=worker,
               balancer={"policy": args.balancer_policy}, autoscale=args.autoscale, planner=json.loads(args.planner),
               nats_auth=not args.no_nats_auth, nats_tls_cert=args.nats_tls_cert, nats_tls_key=args.nats_tls_key,
-              nats_tls_ca=args.nats_tls_ca)
+              nats_tls_ca=args.nats_tls_ca, encoders=args.encoders,
+              encoder={"encoder": args.image_encoder} if args.image_encoder else {})
 
 
 def autoscale_bounds(text: str) -> tuple[int, int]:
@@ -66,6 +67,10 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--prefill-workers", type=int, default=1)
     u.add_argument("--decode-workers", type=int, default=1)
     u.add_argument("--no-kvbroker", action="store_true", help="no KV broker (no KV-aware routing, no shared tiers)")
+    u.add_argument("--encoders", type=int, default=None,
+                   help="vision encoder processes (default: 1 for a real model, 0 for toy; 0: images are refused)")
+    u.add_argument("--image-encoder", default=None,
+                   help="efficientnet-lite0 (default), a SmolVLM/Idefics3 checkpoint dir or an mmproj .gguf")
     u.add_argument("--balancer-policy", choices=("kv", "round_robin", "random"), default="kv",
                    help="routing: KV overlap + load (default), or a baseline to compare against")
     u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
