@@ -18,7 +18,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from moebus.shared.bus import Bus, BusConfig
-from moebus.shared.bus_auth import ADMIN, BusUsers, Credentials, write_credentials
+from moebus.shared.bus_auth import ADMIN, CREDS_ENV, BusUsers, Credentials, write_credentials
 from moebus.shared.nats_server import NatsServer
 from moebus.shared.service import Empty
 from moebus.shared.subjects import Subjects
@@ -140,6 +140,35 @@ async def test_request_reply_between_roles(buses: dict[str, Bus]) -> None:
     await buses["tokenizer-0"].flush()
     assert await buses["frontend-0"].request(S.tokenizer_render, Empty(), Empty, timeout=5) == Empty()
     assert not buses["frontend-0"].denied and not buses["tokenizer-0"].denied
+
+
+async def test_kv_broker_put_and_get_with_role_users(server: NatsServer, tmp_path: Path, monkeypatch) -> None:
+    """Chunked KV transfers both ways: a worker puts blocks (the broker acks by allow_responses) and
+    gets them back (the broker sends to the worker's own inbox)."""
+    torch = pytest.importorskip("torch")
+    from moebus.engine.kv_transfer import KVBlock
+    from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService
+    from moebus.services.worker.kv_link import KVBlockClient
+
+    users = BusUsers(S)
+    broker_file = write_credentials(tmp_path / "kvbroker-0.json", {"kvbroker-0": users.add("kvbroker", "kvbroker-0")})
+    worker = users.add("worker", "worker-0")
+    g = torch.Generator().manual_seed(0)
+    blocks = [KVBlock([(torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)) for _ in range(2)])
+              for _ in range(3)]
+    with NatsServer(jetstream=False, authorization=users.authorization()) as srv:
+        monkeypatch.setenv(CREDS_ENV, str(broker_file))  # as the launcher passes it to the broker process
+        async with KVBrokerService(KVBrokerConfig(nats_url=srv.url, instance_id="kvbroker-0", chunk_bytes=1024)) as kb:
+            bus = await connect(srv.url, worker, tmp_path, name="worker-0")
+            try:
+                async with KVBlockClient(bus, "worker-0", chunk_bytes=1024) as w0:
+                    assert await w0.put_blocks([1, 2, 3], blocks)
+                    got = await w0.get_blocks([1, 2, 3])
+                    assert len(got) == 3 and all(torch.equal(a.layers[0][0], b.layers[0][0])
+                                                 for a, b in zip(got, blocks, strict=True))
+                assert not bus.denied and not kb.bus.denied
+            finally:
+                await bus.drain()
 
 
 def make_cert(tmp: Path) -> tuple[str, str]:
