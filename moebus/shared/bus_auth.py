@@ -178,3 +178,25 @@ def load_credentials(path: str | Path, name: str) -> Credentials:
     if entry is None:
         raise ValueError(f"{path} has no bus credentials for {name!r} and no {ANY!r} entry")
     return Credentials(entry["user"], entry["password"], entry.get("inbox", "_INBOX"))
+
+
+def kube_secrets(subjects: Subjects = Subjects()) -> dict:
+    """Kubernetes Secrets of a fresh set of users, one per role for any instance (pods of a
+    Deployment share theirs): `nats-auth` (auth.conf, included by deploy/nats.yaml's config) and
+    `moebus-bus-<role>` (creds.json, mounted into that role's pods; `admin` for operators)."""
+    users = BusUsers(subjects)
+    creds = {role: users.add(role) for role in ROLES}
+
+    def secret(name: str, data: dict[str, str]) -> dict:
+        return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": name},
+                "stringData": data}
+
+    return {"apiVersion": "v1", "kind": "List", "items": [
+        secret("nats-auth", {"auth.conf": f"authorization: {json.dumps(users.authorization())}\n"}),
+        *(secret(f"moebus-bus-{role}", {"creds.json": json.dumps({ANY: c.to_json()})}) for role, c in creds.items())]}
+
+
+if __name__ == "__main__":  # python -m moebus.shared.bus_auth [PREFIX] | kubectl apply -n moebus -f -
+    import sys
+
+    print(json.dumps(kube_secrets(Subjects(*sys.argv[1:2])), indent=1))
