@@ -7,7 +7,7 @@ rank's is its own cache's (moved between the group's steps, so no collective is 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from moebus.engine.kv_tiers import CacheEventTracker, CpuTier, KVOffloader, TieredKVStore
@@ -22,12 +22,14 @@ def _kv(engine: EnginePort) -> KVConnectorPort:
 
 
 class EngineKV:
-    def __init__(self, cpu_bytes: int = 0, share_limit: int = 64) -> None:
+    def __init__(self, cpu_bytes: int = 0, share_limit: int = 64,
+                 on_corrupt: Callable[[str], None] | None = None) -> None:
         """cpu_bytes: size of the local host-memory tier (0: none); share_limit: most blocks
-        handed to the broker's tiers per call of take_fresh (the rest wait for the next)."""
+        handed to the broker's tiers per call of take_fresh (the rest wait for the next);
+        on_corrupt(tier): a block of the local tier failed its checksum (dropped, recomputed)."""
         self.store: TieredKVStore | None = None
         if cpu_bytes > 0:
-            self.store = TieredKVStore([CpuTier(cpu_bytes)], on_evict=self._evicted)
+            self.store = TieredKVStore([CpuTier(cpu_bytes, on_corrupt)], on_evict=self._evicted)
         self.offloader = KVOffloader(self.store) if self.store is not None else None
         self.tracker = CacheEventTracker()
         self.share_limit = share_limit

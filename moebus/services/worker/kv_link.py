@@ -37,8 +37,11 @@ log = logging.getLogger(__name__)
 
 
 class WorkerKVLink:
-    def __init__(self, cfg: WorkerConfig, nc: NATS, instance_id: str, loop: EngineLoop, kv: EngineKV) -> None:
+    def __init__(self, cfg: WorkerConfig, nc: NATS, instance_id: str, loop: EngineLoop, kv: EngineKV,
+                 on_corrupt: Callable[[int], None] | None = None) -> None:
+        """on_corrupt(n): n blocks that arrived (transfer or broker) failed their checksum."""
         self.cfg, self.nc, self.instance_id, self.loop, self.kv = cfg, nc, instance_id, loop, kv
+        self.on_corrupt = on_corrupt
         self.subjects = Subjects(cfg.subject_prefix)
         self.bus = Bus(nc, Tracing("worker"))  # typed requests and trace headers on the service's connection
         self.receiver: KVTransport | None = None
@@ -115,6 +118,8 @@ class WorkerKVLink:
 
     def _corrupt(self, n: int) -> None:
         self.counters["kv_corrupt_blocks"] += n
+        if self.on_corrupt is not None:
+            self.on_corrupt(n)
 
     # ---- shared tiers and the index ---------------------------------------------------------
     async def fetch(self, prompt: list[int]) -> int:

@@ -124,10 +124,12 @@ class WorkerService(Service):
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def setup(self) -> None:
+        corrupt = self.metrics.counter("kv_blocks_corrupt_total", "KV blocks that failed their checksum "
+                                       "(dropped and recomputed, never used)", ["tier"])
         if not self.toy:
             from .kv_engine import EngineKV  # torch lives behind this import
 
-            self.kv = EngineKV(self.cfg.kv_cpu_bytes)
+            self.kv = EngineKV(self.cfg.kv_cpu_bytes, on_corrupt=lambda tier: corrupt.labels(tier).inc())
         self._loop = EngineLoop(self._factory, asyncio.get_running_loop(), self._on_outputs, self._on_fatal,
                                 on_ready=lambda: self.spawn(self.publish_heartbeat()),  # be routable at once
                                 kv=self.kv, max_restarts=self.cfg.engine_restarts,
@@ -138,7 +140,8 @@ class WorkerService(Service):
         if self.kv is not None:
             from .kv_link import WorkerKVLink
 
-            self.link = WorkerKVLink(self.cfg, self.bus.nc, i, self._loop, self.kv)
+            self.link = WorkerKVLink(self.cfg, self.bus.nc, i, self._loop, self.kv,
+                                     on_corrupt=lambda n: corrupt.labels("transfer").inc(n))
             await self.link.start()
             self.spawn(self.link.run(self.cfg.heartbeat_interval_s))
             await self.bus.subscribe(s.worker_handoff(i), Handoff, self.split.on_handoff, concurrent=False,
