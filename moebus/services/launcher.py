@@ -212,7 +212,7 @@ class Stack:
                 entries[ANY] = self.users.add("worker")
             write_credentials(path, entries)
             if self.nats is not None:  # a process the server has no user for yet
-                self.nats.reload()
+                self.nats.reload(self.users.authorization())
         return path
 
     def bus_config(self, name: str) -> BusConfig:

@@ -104,10 +104,11 @@ class NatsServer:
             f.write(self.config())
         return conf
 
-    def reload(self) -> None:
-        """Apply a changed `authorization` (a user added) without a restart: clients stay connected."""
+    def reload(self, authorization: dict | None) -> None:
+        """Change the users (one added) without a restart: connected clients stay."""
         if self._proc is None or self._proc.poll() is not None:
             raise RuntimeError("nats-server is not running")
+        self.authorization = authorization
         self._write_config()
         self._proc.send_signal(signal.SIGHUP)
 

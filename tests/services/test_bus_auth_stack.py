@@ -64,6 +64,11 @@ async def test_stack_serves_with_auth_and_keeps_passwords_off_argv_and_logs(tmp_
             await refused(w0, Subjects().worker_generate("worker-1"))
         finally:
             await w0.drain()
+        # A process started later gets its user too (the server reloads its config)
+        template = next(c for s, c in stack.service_configs() if c.instance_id == "worker-0")
+        stack.spawn("worker", template.model_copy(update={"instance_id": "worker-9"}))
+        await stack.wait_ready_async(60)
+        assert "worker-9" in stack.users.users and await chat(stack) == TOY_REPLY
     assert not creds.exists(), "the credentials files outlive the stack"
     for log in (tmp_path / "logs").iterdir():
         text = log.read_text(errors="replace")
