@@ -104,10 +104,15 @@ class Bus:
             error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, **auth,
         ))
         watch = asyncio.ensure_future(refusal.wait())
-        await asyncio.wait((connecting, watch), return_when=asyncio.FIRST_COMPLETED)
-        watch.cancel()
-        if refused and not connecting.done():
-            connecting.cancel()
+        try:
+            await asyncio.wait((connecting, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if refused or not connecting.done():  # refused, or we were cancelled: stop trying
+                connecting.cancel()
+        if refused:
+            if connecting.done() and not connecting.cancelled() and connecting.exception() is None:
+                await connecting.result().close()
             if isinstance(refused[0], ssl.SSLError):
                 raise refused[0]
             raise PermissionError(f"nats refused the credentials of {cfg.name} "
