@@ -4,13 +4,16 @@ images with the same text never share KV, and bad images are 400s."""
 from __future__ import annotations
 
 import base64
+import signal
 import struct
+import threading
 import zlib
 from pathlib import Path
 
 import openai
 import pytest
 
+from moebus.services.supervisor import RestartPolicy, Supervisor
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.service import Empty, Stats
 from moebus.shared.subjects import Subjects
@@ -148,3 +151,27 @@ async def test_disaggregated_answers_as_aggregated(stack, split_stack) -> None:
                                                                 max_tokens=16, temperature=0)
         assert got.choices[0].message.content == want.choices[0].message.content
     assert (await service_stats(split_stack, "worker", "decode-0"))["kv"]["kv_received"] == received + 2
+
+
+async def test_a_killed_encoder_is_restarted_and_no_image_request_fails(stack) -> None:
+    """SIGKILL the encoder; the supervisor restarts it under its id while a photo request waits for
+    an encoder to answer again (restart_wait_s) instead of failing."""
+    sup = Supervisor(stack, RestartPolicy(backoff_s=0.2))
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.1):
+            assert sup.check() is None
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        old = stack.procs["encoder-0"].pid
+        stack.kill("encoder-0", signal.SIGKILL)
+        r = await client(stack).chat.completions.create(model="smollm2", messages=ask(photo("cat.jpg")),
+                                                        max_tokens=16, temperature=0)
+        assert "cat" in r.choices[0].message.content.lower()
+        assert stack.procs["encoder-0"].pid != old
+    finally:
+        stop.set()
+        watcher.join(5)
