@@ -46,7 +46,7 @@ class FrontendConfig(ServiceConfig):
     # Chat image parts go to the vision encoder service; off: they are refused with a 400 (no
     # encoder runs, or the model cannot take images).
     accept_images: bool = False
-    encoder_timeout_s: float = 30.0
+    encoder_timeout_s: float = 10.0  # a request to a killed encoder is asked again after this
     # Moves of one request to another worker (its worker died, drained or failed retryably); the
     # open choices go on from the tokens already sent (generation.py).
     max_migrations: int = Field(3, ge=0)
