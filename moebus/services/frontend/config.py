@@ -30,12 +30,40 @@ class RequestLimits(BaseModel):
     max_schema_depth: int = Field(64, ge=1)  # its nesting (the bus encoder stops at 255)
 
 
+class TenantLimits(BaseModel):
+    """One tenant's share and limits: a keys file's `tenants` entry (docs/tenants.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    weight: float = Field(1.0, gt=0)  # its share of the frontend's capacity while requests wait for it
+    priority: int = 0  # order in the engines' queues: lower runs first (as in vLLM)
+    rate: float | None = Field(None, gt=0)  # requests per second, sustained; None: unlimited
+    burst: int | None = Field(None, ge=1)  # requests at once above the rate; None: max(1, ceil(rate))
+    # Prompt + max output tokens of its requests in flight (waiting or running); None: unlimited.
+    max_tokens_in_flight: int | None = Field(None, ge=1)
+
+
+class AdmissionConfig(BaseModel):
+    """When generations start (docs/tenants.md). With no capacity set every request starts at once
+    and the engines' queues order them; with one, requests beyond it wait at the frontend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_running: int | None = Field(None, ge=1)  # generations started at once (~ the fleet's batch slots)
+    max_running_tokens: int | None = Field(None, ge=1)  # their prompt + max output tokens
+    fair_share: bool = True  # waiting requests start by weighted fair share of tokens; off: first come
+    max_wait_s: float = Field(30.0, gt=0)  # a request still waiting after this gets a 429
+    default_tenant: TenantLimits = TenantLimits()  # requests with an `api_keys` key, or all when auth is off
+
+
 class FrontendConfig(ServiceConfig):
     host: str = "0.0.0.0"
     port: int = 8000
     models: list[str] = ["smollm2"]  # model names served (what the workers advertise)
     api_keys: list[str] = Field(default_factory=list, validate_default=True)  # empty: no auth; also $MOEBUS_API_KEYS
     max_inflight: int = Field(1024, ge=1)  # concurrent generations; beyond: 503 + Retry-After
+    keys_file: str | None = None  # JSON: hashed API keys -> tenants and their limits (docs/tenants.md)
+    admission: AdmissionConfig = AdmissionConfig()
     limits: RequestLimits = RequestLimits()
     tokenizer_timeout_s: float = 10.0
     route_timeout_s: float = 15.0
