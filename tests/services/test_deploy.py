@@ -14,7 +14,7 @@ from moebus.shared.config_cli import add_model_args, model_from_args
 yaml = pytest.importorskip("yaml")
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CONFIGS = {"frontend": "FrontendConfig", "tokenizer": "TokenizerConfig", "worker": "WorkerConfig",
-           "balancer": "BalancerConfig", "planner": "PlannerConfig"}
+           "balancer": "BalancerConfig", "planner": "PlannerConfig", "encoder": "EncoderConfig"}
 
 
 def docs() -> list[dict]:
