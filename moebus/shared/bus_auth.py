@@ -35,13 +35,13 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
     """(publish, subscribe) of a service role beyond its control plane; i: its instance id or ANY."""
     match role:
         case "frontend":  # chat requests in; token streams of its own requests back
-            return ([s.tokenizer_render, s.tokenizer_detokenize, s.encoder_encode, s.balancer_route,
-                     s.worker_abort(ANY), s.worker_abort_all],
-                    [s.frontend_stream_all(i), s.balancer_worker_lost])
+            return ([s.tokenizer_render, s.tokenizer_detokenize, s.encoder_encode, s.encoder_encode_on(ANY),
+                     s.balancer_route, s.worker_abort(ANY), s.worker_abort_all],
+                    [s.frontend_stream_all(i), s.balancer_worker_lost, s.heartbeat_all("encoder")])
         case "tokenizer":
             return [], [s.tokenizer_render, s.tokenizer_detokenize]
         case "encoder":
-            return [], [s.encoder_encode]
+            return [], [s.encoder_encode, s.encoder_encode_on(i)]
         case "balancer":  # routes to workers by their heartbeats; never streams or moves KV
             return ([s.worker_generate(ANY), s.worker_abort(ANY), s.balancer_worker_lost, s.kvbroker_query],
                     [s.balancer_route, s.heartbeat_all("worker")])

@@ -65,6 +65,10 @@ class Subjects:
     def encoder_encode(self) -> str:
         return self._s("encoder", "encode")
 
+    def encoder_encode_on(self, instance_id: str) -> str:
+        """One encoder: the frontend sends an image to the instance whose cache is likely to hold it."""
+        return self._s("encoder", "encode", instance_id)
+
     # Balancer: stateless router (each replica keeps its own heartbeat table).
     @property
     def balancer_route(self) -> str:

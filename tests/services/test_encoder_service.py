@@ -163,3 +163,37 @@ async def test_a_stack_without_an_encoder_refuses_images_with_a_400(nats_server)
         r = await s.client().chat.completions.create(model="toy", max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
         assert r.choices[0].message.content
+
+
+async def test_the_same_image_goes_to_the_same_encoder(nats_server) -> None:
+    """Two encoders: the frontend's picker sends each image to the encoder it hashes to, so a
+    repeated image is encoded once in the fleet, and different images spread over both."""
+    from moebus.services.frontend.encoders import EncoderPicker
+
+    prefix = f"t{uuid.uuid4().hex[:8]}.moebus.v1"
+    encs = [RecordingEncoder(), RecordingEncoder()]
+    svcs = [EncoderService(EncoderConfig(nats_url=nats_server.url, subject_prefix=prefix, model="m",
+                                         instance_id=f"encoder-{k}", heartbeat_interval_s=0.1), encoder=e)
+            for k, e in enumerate(encs)]
+    for s in svcs:
+        await s.__aenter__()
+    bus = await Bus.connect(BusConfig(servers=[nats_server.url], name="client"), Tracing("client"))
+    try:
+        picker = EncoderPicker(bus, svcs[0].subjects)
+        await picker.start()
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(picker.live()) < 2:
+            assert asyncio.get_running_loop().time() < deadline, "no heartbeats from both encoders"
+            await asyncio.sleep(0.05)
+        images = [ImageInput.of_bytes(png((k * 20, 0, 0))) for k in range(12)]
+        for _ in range(3):
+            for im in images:
+                target = picker.pick(im.data)
+                await bus.request(svcs[0].subjects.encoder_encode_on(target),
+                                  EncodeRequest(model="m", images=[im]), EncodeReply, 10)
+        assert sum(s.n_encoded for s in svcs) == 12  # each image once, in the whole fleet
+        assert all(s.n_encoded > 0 for s in svcs)  # and the images spread over both
+    finally:
+        await bus.drain()
+        for s in svcs:
+            await s.__aexit__(None, None, None)

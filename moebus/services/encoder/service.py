@@ -72,6 +72,9 @@ class EncoderService(Service):
         self.spawn(self._batch_loop())
         await self.bus.subscribe(self.subjects.encoder_encode, EncodeRequest, self.encode,
                                  queue=Queues.ENCODER, endpoint="encode")
+        # Frontends send an image to the encoder it hashes to (cache affinity); any encoder can take it.
+        await self.bus.subscribe(self.subjects.encoder_encode_on(self.instance_id), EncodeRequest, self.encode,
+                                 endpoint="encode")
 
     async def teardown(self) -> None:
         await self.fetcher.close()

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from moebus.shared.errors import ServiceError, context_length_exceeded
+from moebus.shared.errors import NoResponders, ServiceError, context_length_exceeded
 from moebus.shared.messages import (
     EncodeReply,
     EncodeRequest,
@@ -19,6 +19,7 @@ from moebus.shared.service import Service
 
 from .choice import ChoiceState, Detok
 from .config import FrontendConfig
+from .encoders import EncoderPicker
 from .errors import APIError
 from .generation import Generation
 from .images import image_input
@@ -32,6 +33,7 @@ class FrontendService(Service):
         super().__init__(cfg, **kw)
         self.cfg: FrontendConfig = cfg
         self.router: StreamRouter | None = None
+        self.encoders: EncoderPicker | None = None  # when images are accepted
         m = self.metrics
         self.m_http = m.counter("http_requests_total", "HTTP requests", ["route", "status"])
         self.m_latency = m.histogram("http_request_seconds", "HTTP request latency", ["route"])
@@ -42,6 +44,9 @@ class FrontendService(Service):
     async def setup(self) -> None:
         self.router = StreamRouter(self.bus, self.subjects, self.instance_id, self.cfg, self.metrics)
         await self.router.start()
+        if self.cfg.accept_images:
+            self.encoders = EncoderPicker(self.bus, self.subjects)
+            await self.encoders.start()
 
     def stats(self) -> dict[str, Any]:
         return {"inflight": len(self.router) if self.router else 0}
@@ -69,7 +74,14 @@ class FrontendService(Service):
             raise APIError(400, f"{len(urls)} images in one request; the limit is {self.cfg.limits.max_images}",
                            param="messages")
         req = EncodeRequest(model=model, images=[image_input(u) for u in urls])
+        target = self.encoders.pick(req.images[0].data or req.images[0].url or "") if self.encoders else None
         try:
+            if target is not None:
+                try:
+                    return await self.bus.request(self.subjects.encoder_encode_on(target), req, EncodeReply,
+                                                  timeout=self.cfg.encoder_timeout_s, idempotent=True)
+                except NoResponders:  # gone since its last beat: any encoder will do
+                    self.encoders.forget(target)
             return await self.bus.request(self.subjects.encoder_encode, req, EncodeReply,
                                           timeout=self.cfg.encoder_timeout_s,
                                           wait_for_responders_s=self.cfg.restart_wait_s, idempotent=True)
