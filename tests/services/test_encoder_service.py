@@ -107,6 +107,7 @@ async def test_concurrent_images_share_one_batch(nats_server) -> None:
     (ImageInput.of_bytes(png((1, 2, 3), (300, 300))), {"max_image_bytes": 200}, "bytes"),
     (ImageInput(url="https://example.invalid/a.png"), {}, "not enabled"),
     (ImageInput(url="ftp://example.invalid/a.png"), {}, "scheme"),
+    (ImageInput(url="http://127.0.0.1:9/a.png"), {"allow_http": True, "fetch_timeout_s": 2}, "could not be fetched"),
     (ImageInput(url=str(IMAGES / "cat.jpg")), {}, "not enabled"),
     (ImageInput(url="/etc/hostname"), {"allowed_local_dir": str(IMAGES)}, "outside"),
 ])
