@@ -198,3 +198,29 @@ async def test_the_same_image_goes_to_the_same_encoder(nats_server) -> None:
         await bus.drain()
         for s in svcs:
             await s.__aexit__(None, None, None)
+
+
+async def test_http_images_when_enabled_with_a_size_cap(nats_server) -> None:
+    from aiohttp import web
+
+    from moebus.shared.nats_server import free_port
+
+    app = web.Application()
+    app.router.add_get("/cat.jpg", lambda _: web.Response(body=(IMAGES / "cat.jpg").read_bytes()))
+    app.router.add_get("/big.png", lambda _: web.Response(body=b"\0" * 50_000))
+    app.router.add_get("/missing.png", lambda _: web.Response(status=404))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    svc, bus, _ = await started(nats_server.url, RecordingEncoder(), allow_http=True, max_image_bytes=40_000)
+    try:
+        r = await encode(svc, bus, [ImageInput(url=f"http://127.0.0.1:{port}/cat.jpg")])
+        assert r.images[0].num_tokens == 2
+        for path, message in (("big.png", "larger than"), ("missing.png", "HTTP 404")):
+            with pytest.raises(ServiceError, match=message):
+                await encode(svc, bus, [ImageInput(url=f"http://127.0.0.1:{port}/{path}")])
+    finally:
+        await bus.drain()
+        await svc.__aexit__(None, None, None)
+        await runner.cleanup()
