@@ -1,4 +1,4 @@
-"""`moebus up` and `moebus serve <service>`: registered on the main CLI by add_cli_commands()."""
+"""`moebus up`, `moebus serve <service>` and `moebus keys`: registered on the main CLI by add_cli_commands()."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +23,8 @@ def _up(args: argparse.Namespace) -> int:
               balancer={"policy": args.balancer_policy}, autoscale=args.autoscale, planner=json.loads(args.planner),
               nats_auth=not args.no_nats_auth, nats_tls_cert=args.nats_tls_cert, nats_tls_key=args.nats_tls_key,
               nats_tls_ca=args.nats_tls_ca, encoders=args.encoders,
-              encoder={"encoder": args.image_encoder} if args.image_encoder else {})
+              encoder={"encoder": args.image_encoder} if args.image_encoder else {},
+              frontend={**json.loads(args.frontend), **({"keys_file": args.keys_file} if args.keys_file else {})})
 
 
 def autoscale_bounds(text: str) -> tuple[int, int]:
@@ -48,6 +49,20 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from .frontend.config import TenantLimits
+    from .frontend.tenants import KeysFile, add_key, describe
+
+    if args.action == "list":
+        print(describe(KeysFile.load(args.file)))
+        return 0
+    given = {k: getattr(args, k) for k in ("weight", "priority", "rate", "burst", "max_tokens_in_flight")}
+    limits = TenantLimits(**{k: v for k, v in given.items() if v is not None}) if any(
+        v is not None for v in given.values()) else None
+    print(add_key(args.file, args.tenant, limits, args.label))  # the only time the key is shown
+    return 0
+
+
 def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u = subparsers.add_parser("up", help="run nats-server and every service (one process each) on this machine")
     u.add_argument("--port", type=int, default=8000)
@@ -58,6 +73,9 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     u.add_argument("--nats-port", type=int, default=0)
     u.add_argument("--api-key", action="append", help="require this bearer key; repeat for several")
+    u.add_argument("--keys-file", default=None, help="API keys -> tenants, with limits (docs/tenants.md)")
+    u.add_argument("--frontend", default="{}",
+                   help='extra FrontendConfig fields as JSON, e.g. \'{"admission": {"max_running": 32}}\'')
     u.add_argument("--heartbeat-interval", type=float, default=1.0)
     u.add_argument("--max-queued", type=int, default=128, help="per worker, before answering 429")
     u.add_argument("--engine", default="{}", help='extra EngineConfig fields as JSON, e.g. \'{"max_num_seqs": 8}\'')
@@ -94,3 +112,16 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--nats-url", default=None)
     s.add_argument("options", nargs=argparse.REMAINDER)
     s.set_defaults(func=_serve)
+
+    k = subparsers.add_parser("keys", help="API keys and tenants in a keys file (docs/tenants.md)")
+    k.add_argument("action", choices=("add", "list"), help="add: a new key, printed once (only its hash is "
+                   "stored); list: the tenants and their keys' hash prefixes")
+    k.add_argument("--file", required=True, help="the keys file (JSON; add creates it)")
+    k.add_argument("--tenant", default="default", help="add: the key's tenant")
+    k.add_argument("--label", default="", help="add: who holds the key (a note)")
+    k.add_argument("--weight", type=float, default=None, help="add: set the tenant's fair share weight")
+    k.add_argument("--priority", type=int, default=None, help="add: its engine priority (lower runs first)")
+    k.add_argument("--rate", type=float, default=None, help="add: its requests per second")
+    k.add_argument("--burst", type=int, default=None, help="add: requests at once above the rate")
+    k.add_argument("--max-tokens-in-flight", type=int, default=None, help="add: its token budget")
+    k.set_defaults(func=_keys)

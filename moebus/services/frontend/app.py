@@ -1,7 +1,6 @@
 """aiohttp app factory: routes, JSON error + auth + tracing middlewares, the bus service as cleanup_ctx."""
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,9 +14,10 @@ from .chat import chat_completions
 from .completions import completions
 from .config import FrontendConfig
 from .errors import APIError
-from .keys import CONFIG, FRONTEND
+from .keys import CONFIG, FRONTEND, TENANT
 from .openapi import openapi_document
 from .service import FrontendService
+from .tenants import bearer
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -57,12 +57,16 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    keys = request.app[CONFIG].api_keys
-    if keys and request.path not in _PUBLIC:
-        auth = request.headers.get("Authorization", "")
-        given = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
-        if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
-            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+    """The bearer key's tenant (tenants.py; with no keys configured, `default`), charged one
+    request of its rate: 401 for an unknown key, 429 over the rate."""
+    if request.path in _PUBLIC:
+        return await handler(request)
+    fe = request.app[FRONTEND]
+    tenant = fe.keyring.tenant(bearer(request.headers.get("Authorization", "")))
+    if tenant is None:
+        raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+    fe.admission.check_rate(tenant)
+    request[TENANT] = tenant
     return await handler(request)
 
 

@@ -16,7 +16,7 @@ from .errors import APIError, bad_request
 from .events import Delta, Event, events
 from .formats import chat_logprobs, usage
 from .images import place
-from .keys import FRONTEND
+from .keys import FRONTEND, TENANT
 from .protocol import ChatCompletionRequest
 from .sse_pump import pump_sse
 
@@ -41,7 +41,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe.check_context(len(prompt), params.max_tokens, "messages")
     images = place(encoded.images, rendered.image_offsets) if encoded else []
     started = time.monotonic()
-    async with fe.generation(body.model, prompt, params, images) as gen:
+    async with fe.generation(body.model, prompt, params, images, request.get(TENANT)) as gen:
         choices = fe.choices(0, params, prompt, body.model)
         base = {"id": "chatcmpl-" + gen.request_id[4:], "created": int(time.time()), "model": body.model}
         stream = events([(gen, choices)])

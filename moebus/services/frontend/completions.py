@@ -15,7 +15,7 @@ from .choice import ChoiceState
 from .errors import APIError, bad_request
 from .events import Delta, events
 from .formats import completion_logprobs, usage
-from .keys import FRONTEND
+from .keys import FRONTEND, TENANT
 from .protocol import CompletionRequest
 from .sse_pump import pump_sse
 
@@ -43,7 +43,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with AsyncExitStack() as stack:
         pairs = []
         for k, (ids, _) in enumerate(prompts):
-            gen = await stack.enter_async_context(fe.generation(body.model, ids, params))
+            gen = await stack.enter_async_context(fe.generation(body.model, ids, params, tenant=request.get(TENANT)))
             pairs.append((gen, fe.choices(k * params.n, params, ids, body.model)))
         base = {"id": "cmpl-" + pairs[0][0].request_id[4:], "object": "text_completion", "created": int(time.time()),
                 "model": body.model, "system_fingerprint": None}

@@ -1,4 +1,4 @@
-"""Typed application state keys."""
+"""Typed application and request state keys."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -6,9 +6,11 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from .config import FrontendConfig
+from .tenants import Tenant
 
 if TYPE_CHECKING:
     from .service import FrontendService
 
 CONFIG: web.AppKey[FrontendConfig] = web.AppKey("config", FrontendConfig)
 FRONTEND: web.AppKey[FrontendService] = web.AppKey("frontend")
+TENANT: web.RequestKey[Tenant] = web.RequestKey("tenant", Tenant)  # set by the auth middleware

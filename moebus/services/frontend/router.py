@@ -36,10 +36,10 @@ class StreamRouter:
                                  endpoint="worker_lost")
 
     def new(self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingOptions,
-            images: list[ImageEmbedding] | None = None) -> Generation:
+            images: list[ImageEmbedding] | None = None, priority: int = 0) -> Generation:
         req = GenerateRequest(request_id=request_id, model=model, prompt_token_ids=prompt_token_ids, params=params,
                               reply_to=self.subjects.frontend_stream(self.instance_id, request_id),
-                              images=images or [])
+                              images=images or [], priority=priority)
         return Generation(self, req)
 
     def register(self, gen: Generation) -> None:

@@ -17,6 +17,7 @@ from moebus.shared.messages import (
 )
 from moebus.shared.service import Service
 
+from .admission import Admission
 from .choice import ChoiceState, Detok
 from .config import FrontendConfig
 from .encoders import EncoderPicker
@@ -24,6 +25,7 @@ from .errors import APIError
 from .generation import Generation
 from .images import image_input
 from .router import StreamRouter
+from .tenants import KeyRing, Tenant
 
 
 class FrontendService(Service):
@@ -40,6 +42,8 @@ class FrontendService(Service):
         self.m_ttft = m.histogram("time_to_first_token_seconds", "Request start to first token")
         self.m_tokens = m.counter("completion_tokens_total", "Completion tokens returned")
         self.m_inflight = m.gauge("inflight_generations", "Generations in flight")
+        self.keyring = KeyRing.from_config(cfg)  # a bad keys file fails the start
+        self.admission = Admission(cfg.admission, m)
 
     async def setup(self) -> None:
         self.router = StreamRouter(self.bus, self.subjects, self.instance_id, self.cfg, self.metrics)
@@ -104,23 +108,32 @@ class FrontendService(Service):
 
         return [ChoiceState(first_index + i, detok()) for i in range(params.n)]
 
+    def tokens_of(self, prompt_ids: list[int], params: SamplingOptions) -> int:
+        """What a request may hold at most: its prompt and every choice's longest output."""
+        most = params.max_tokens if params.max_tokens is not None else self.cfg.limits.max_model_len - len(prompt_ids)
+        return len(prompt_ids) + params.n * most
+
     @asynccontextmanager
     async def generation(self, model: str, prompt_ids: list[int], params: SamplingOptions,
-                         images: list[ImageEmbedding] = ()) -> AsyncIterator[Generation]:
-        """A routed generation, aborted on its worker if we leave early (client gone, error)."""
-        if len(self.router) >= self.cfg.max_inflight:
-            raise APIError(503, "too many requests in flight", type="service_unavailable", code="overloaded",
-                           retry_after=1)
+                         images: list[ImageEmbedding] = (), tenant: Tenant | None = None) -> AsyncIterator[Generation]:
+        """A routed generation, aborted on its worker if we leave early (client gone, error); it
+        holds its tenant's tokens and a place in the capacity until it ends (admission.py)."""
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
-        gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params, list(images))
-        try:
-            await gen.start()
-        except ServiceError as e:
-            raise APIError.from_service_error(e) from None
-        self.m_inflight.set(len(self.router))
-        try:
-            yield gen
-        finally:
-            await gen.close()
+        tenant = tenant or self.keyring.default
+        async with self.admission.admit(tenant, self.tokens_of(prompt_ids, params)):
+            if len(self.router) >= self.cfg.max_inflight:
+                raise APIError(503, "too many requests in flight", type="service_unavailable", code="overloaded",
+                               retry_after=1)
+            gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params, list(images),
+                                  priority=tenant.limits.priority)
+            try:
+                await gen.start()
+            except ServiceError as e:
+                raise APIError.from_service_error(e) from None
             self.m_inflight.set(len(self.router))
+            try:
+                yield gen
+            finally:
+                await gen.close()
+                self.m_inflight.set(len(self.router))

@@ -89,10 +89,12 @@ class EngineLoop:
         return self._thread.is_alive() or not self._thread.ident
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: Any, prefill_only: bool = False,
-            resume: dict[int, list[int]] | None = None, images: Sequence[ImageEmbedding] = ()) -> None:
+            resume: dict[int, list[int]] | None = None, images: Sequence[ImageEmbedding] = (),
+            priority: int = 0) -> None:
         """params: the request's engine parameters, all n choices (the engine fans out); resume: a
-        migrated request's open choices and their tokens so far; images: encoder rows of the prompt."""
-        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only, resume, images))
+        migrated request's open choices and their tokens so far; images: encoder rows of the prompt;
+        priority: the engine queue's order (lower first)."""
+        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only, resume, images, priority))
 
     def inject(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: Any,
                payload: Any, images: Sequence[ImageEmbedding] = ()) -> None:
@@ -209,9 +211,11 @@ class EngineLoop:
                 result, exc = None, e
             self._loop.call_soon_threadsafe(_settle, fut, result, exc)
         elif kind == "add":
-            _, rid, prompt, params, prefill_only, resume, images = cmd
+            _, rid, prompt, params, prefill_only, resume, images, priority = cmd
             try:
                 extra = {"images": image_spans(images)} if images else {}
+                if priority:
+                    extra["priority"] = priority
                 if resume is None:
                     self.engine.add_request(rid, prompt, params, **extra)
                 else:

@@ -210,7 +210,7 @@ class WorkerService(Service):
     def _add(self, a: Active) -> None:
         resume = {c.index: c.token_ids for c in a.req.resume} if a.req.resume else None
         self._loop.add(a.req.request_id, a.req.prompt_token_ids, a.params, prefill_only=a.req.stage == "prefill",
-                       resume=resume, images=a.req.images)
+                       resume=resume, images=a.req.images, priority=a.req.priority)
 
     async def _fetch_then_add(self, a: Active) -> None:
         try:

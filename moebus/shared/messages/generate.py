@@ -76,6 +76,7 @@ class GenerateRequest(Message):
     # (empty: every choice from the start). Chunk numbers (seq) restart at 0 with each attempt.
     resume: list[ResumedChoice] = []
     images: list[ImageEmbedding] = []  # encoder rows for the prompt's image placeholders (offsets set)
+    priority: int = 0  # its tenant's: the engine queue runs lower first (frontend/tenants.py)
 
     def hash_token_ids(self) -> list[int]:
         """The prompt as KV block hashes see it: image placeholders carry their image's hash."""
