@@ -71,8 +71,9 @@ def _deep(depth: int) -> dict:
     return schema
 
 
-SAMPLING += [("response_format", {"type": "json_schema", "json_schema": {"schema": _deep(d)}},
-              "response_format.json_schema.schema") for d in (40, 150)]  # 40: 81 levels; 150: past orjson's 255
+SAMPLING += [("response_format", {"type": "json_schema", "json_schema": {"schema": _deep(d)}}, param)
+             for d, param in ((40, "response_format.json_schema.schema"),  # 81 levels: over max_schema_depth
+                              (150, "response_format"))]  # a body 304 deep: over max_json_depth (128)
 SAMPLING += [("response_format", {"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * 70_000]}}},
               "response_format.json_schema.schema")]
 

@@ -22,6 +22,7 @@ from .tenants import bearer
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PUBLIC = ("/health", "/metrics", "/openapi.json")
+_GENERATE = ("/v1/chat/completions", "/v1/completions")
 
 
 @web.middleware
@@ -70,6 +71,29 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
+def per_client_middleware(most: int) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """At most `most` generation requests open at once from one client address (0: no limit),
+    counted from the headers to the stream's end: 429 + Retry-After beyond."""
+    open_: dict[str, int] = {}
+
+    @web.middleware
+    async def per_client(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not most or request.path not in _GENERATE:
+            return await handler(request)
+        client = request.remote or ""
+        if open_.get(client, 0) >= most:
+            raise APIError(429, f"more than {most} requests at once from one client", type="rate_limit_error",
+                           code="too_many_concurrent_requests", retry_after=1)
+        open_[client] = open_.get(client, 0) + 1
+        try:
+            return await handler(request)
+        finally:
+            if (left := open_.pop(client) - 1) > 0:
+                open_[client] = left
+
+    return per_client
+
+
 @web.middleware
 async def tracing_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     fe = request.app.get(FRONTEND)
@@ -111,7 +135,8 @@ async def openapi(_: web.Request) -> web.Response:
 
 
 def create_app(cfg: FrontendConfig, tracer_provider: TracerProvider | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware, tracing_middleware],
+    app = web.Application(middlewares=[errors_middleware, per_client_middleware(cfg.max_concurrent_per_client),
+                                       auth_middleware, tracing_middleware],
                           client_max_size=cfg.limits.max_body_bytes)
     app[CONFIG] = cfg
 

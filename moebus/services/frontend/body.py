@@ -1,10 +1,13 @@
 """Request body parsing: malformed JSON and schema violations become 400s naming the field.
 
+The body must arrive within `body_timeout_s` (408, connection closed: a slow-loris body),
+be at most `max_body_bytes` (413) and nest at most `max_json_depth` levels (400).
 JSON that orjson refuses only for its numbers (1e400, NaN, integers past 64 bits) is read again
 with the standard library, so the value reaches validation and the 400 names its field.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, TypeVar
 
@@ -22,13 +25,21 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", 
 
 async def parse_body(request: web.Request, model: type[B], limits: RequestLimits) -> B:
     try:
-        raw = await request.read()
+        async with asyncio.timeout(limits.body_timeout_s):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"The request body is larger than {limits.max_body_bytes} bytes, the most this "
-                            "server accepts", code="request_too_large") from None
+                            "server accepts", code="request_too_large", close=True) from None
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {limits.body_timeout_s:g} s",
+                       code="request_timeout", close=True) from None
     data = _loads(raw)
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object", code="invalid_json")
+    if raw.count(b"[") + raw.count(b"{") > limits.max_json_depth:  # a cheap bound first
+        if field := next((k for k, v in data.items() if _deeper(v, limits.max_json_depth - 1)), None):
+            raise bad_request(f"{field}: the JSON body nests deeper than {limits.max_json_depth} levels",
+                              param=field, code="invalid_json")
     try:
         return model.model_validate(data, context=limits)
     except ValidationError as e:
@@ -49,6 +60,17 @@ def _loads(raw: bytes) -> Any:
         return json.loads(raw, parse_int=_int)
     except (ValueError, RecursionError):
         raise bad_request(f"We could not parse the JSON body of your request: {first}", code="invalid_json") from None
+
+
+def _deeper(data: Any, most: int) -> bool:
+    """Whether the value nests more than `most` containers deep: level by level, containers only."""
+    level = [data] if isinstance(data, dict | list) else []
+    for _ in range(most):
+        if not level:
+            return False
+        level = [x for node in level for x in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(x, dict | list)]
+    return bool(level)
 
 
 def _int(text: str) -> int | float:

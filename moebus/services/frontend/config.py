@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from moebus.shared.service import ServiceConfig
 
@@ -10,8 +10,9 @@ from moebus.shared.service import ServiceConfig
 class RequestLimits(BaseModel):
     """Bounds on one request, checked at the edge before anything of it goes on the bus.
 
-    Violations are 400s naming the field (a body over `max_body_bytes`: 413). `max_model_len`
-    must match the workers' engine (EngineConfig.max_model_len; `moebus up` copies it over).
+    Violations are 400s naming the field (a body over `max_body_bytes`: 413; a body slower than
+    `body_timeout_s`: 408 and the connection closed). `max_model_len` must match the workers'
+    engine (EngineConfig.max_model_len; `moebus up` copies it over).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -28,6 +29,20 @@ class RequestLimits(BaseModel):
     max_logprobs: int = Field(20, ge=0)  # chat top_logprobs, completions logprobs
     max_schema_bytes: int = Field(64 * 1024, ge=16)  # response_format's JSON schema, as JSON
     max_schema_depth: int = Field(64, ge=1)  # its nesting (the bus encoder stops at 255)
+    max_json_depth: int = Field(128, ge=8, le=1024)  # nesting of the whole body (orjson stops at 1024)
+    # Slow clients (slow-loris): a connection must deliver a request's headers within
+    # header_timeout_s of opening or of its previous response, else it is closed without a reply
+    # (aiohttp's keepalive_timeout, which is also how long an idle keep-alive connection stays:
+    # behind a proxy keep it above the proxy's upstream keep-alive). The body must then arrive
+    # within body_timeout_s: 408.
+    header_timeout_s: float = Field(60.0, gt=0)
+    body_timeout_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _schema_fits(self) -> RequestLimits:
+        if self.max_json_depth < self.max_schema_depth + 3:  # {"response_format": {"json_schema": {"schema"
+            raise ValueError(f"max_json_depth must be >= max_schema_depth + 3 ({self.max_schema_depth + 3})")
+        return self
 
 
 class TenantLimits(BaseModel):
@@ -62,6 +77,10 @@ class FrontendConfig(ServiceConfig):
     models: list[str] = ["smollm2"]  # model names served (what the workers advertise)
     api_keys: list[str] = Field(default_factory=list, validate_default=True)  # empty: no auth; also $MOEBUS_API_KEYS
     max_inflight: int = Field(1024, ge=1)  # concurrent generations; beyond: 503 + Retry-After
+    # Generation requests (streamed or not, body still arriving included) open at once from one
+    # client address; beyond: 429 + Retry-After. 0: no limit (behind a proxy every client shares
+    # its address). HTTP/1.1 carries one request at a time per connection.
+    max_concurrent_per_client: int = Field(256, ge=0)
     keys_file: str | None = None  # JSON: hashed API keys -> tenants and their limits (docs/tenants.md)
     admission: AdmissionConfig = AdmissionConfig()
     limits: RequestLimits = RequestLimits()

@@ -28,10 +28,12 @@ _CODE = {ErrorCode.PROMPT_TOO_LONG: "context_length_exceeded"}  # OpenAI's name 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry_after: float | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry_after: float | None = None,
+                 close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.retry_after = param, code, retry_after
+        self.close = close  # close the connection after the reply (a body left unread)
 
     @classmethod
     def from_service_error(cls, e: ServiceError) -> APIError:
@@ -45,7 +47,10 @@ class APIError(Exception):
 
     def response(self) -> web.Response:
         headers = {"Retry-After": str(max(1, math.ceil(self.retry_after)))} if self.retry_after else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        resp = web.json_response(self.body(), status=self.status, headers=headers)
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
