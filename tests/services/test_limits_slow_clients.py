@@ -14,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from moebus.services.frontend.config import RequestLimits
+from moebus.services.frontend.openapi import openapi_document
 
 from .conftest import ToyStack, toy_stack, wait_for
 
@@ -168,3 +169,18 @@ async def test_prompt_over_the_context_streamed_completion_is_a_400(nats_server)
             status, body = await _post(stack, {"model": "toy", "prompt": prompt, "stream": True}, "/v1/completions")
             assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
         await _still_serves(stack)
+
+
+def test_openapi_states_the_limits() -> None:
+    """/openapi.json carries the deployment's bounds (what the fuzz test generates from)."""
+    lim = RequestLimits(max_n=3, max_model_len=100, max_logprobs=5, max_stop_sequences=2, max_prompts=7)
+    s = openapi_document(limits=lim)["components"]["schemas"]
+    chat, comp = s["ChatCompletionRequest"]["properties"], s["CompletionRequest"]["properties"]
+    assert chat["n"]["maximum"] == comp["n"]["maximum"] == 3
+    assert chat["top_logprobs"]["anyOf"][0]["maximum"] == comp["logprobs"]["anyOf"][0]["maximum"] == 5
+    assert comp["max_tokens"]["anyOf"][0]["maximum"] == chat["max_completion_tokens"]["anyOf"][0]["maximum"] == 100
+    assert chat["stop"]["anyOf"][1]["maxItems"] == 2 and chat["stop"]["anyOf"][1]["items"]["maxLength"] == 1024
+    strings, ids, lists = comp["prompt"]["anyOf"][1:]
+    assert (strings["maxItems"], ids["maxItems"], lists["maxItems"], lists["items"]["maxItems"]) == (7, 99, 7, 99)
+    assert min(strings["minItems"], ids["minItems"], lists["minItems"], lists["items"]["minItems"]) == 1
+    assert "408" in openapi_document()["paths"]["/v1/chat/completions"]["post"]["responses"]

@@ -1,6 +1,7 @@
-"""aiohttp app factory: routes, JSON error + auth + tracing middlewares, the bus service as cleanup_ctx."""
+"""aiohttp app factory: routes, JSON error + per-client + auth + tracing middlewares, the bus service as cleanup_ctx."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,6 +48,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
         return APIError(e.status, e.reason if e.status != 404 else f"Unknown route {request.path}",
                         type=kind, code=code).response()
+    except (asyncio.CancelledError, ConnectionResetError) as e:  # the client went away: nginx's 499, not a 500
+        status = 499
+        if isinstance(e, asyncio.CancelledError):  # handler cancellation
+            raise
+        return web.Response(status=499)  # a write found the connection closed; aiohttp drops this one too
     except Exception:
         log.exception("unhandled error on %s", request.path)
         return APIError(500, "internal server error", type="server_error", code="internal").response()
@@ -130,8 +136,8 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=fe.metrics.render(), headers={"Content-Type": fe.metrics.content_type})
 
 
-async def openapi(_: web.Request) -> web.Response:
-    return web.json_response(openapi_document())
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(limits=request.app[CONFIG].limits))
 
 
 def create_app(cfg: FrontendConfig, tracer_provider: TracerProvider | None = None) -> web.Application:
