@@ -11,11 +11,18 @@ closing the connection); a handler whose reply is too large answers with that er
 Credentials (shared.bus_auth) come from the file $MOEBUS_NATS_CREDS names, or the server URL;
 $MOEBUS_NATS_TLS_CA is the certificate a TLS server is checked against. The server refuses what a
 user may not publish or subscribe asynchronously, with an error the Bus logs and keeps (`denied`).
+
+Blips: nats-py reconnects by itself (forever, by default) and re-subscribes. The Bus keeps when it
+lost and regained the server and tells watchers (`watch`); `evidence_since` says from when the
+silence of a peer counts against it, so a service that was cut off itself does not declare others
+dead for the beats it could not hear (they were cut off too, and reconnect within about
+`reconnect_time_wait_s` of it).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import ssl
 import time
@@ -50,6 +57,9 @@ class BusConfig(BaseModel):
     max_reconnect_attempts: int = -1  # forever: a NATS restart must not kill our services
     ping_interval_s: int = 10
     drain_timeout_s: int = 10
+    # After a reconnect, how long before the silence of peers counts against them again: peers cut
+    # off with us come back within about one reconnect_time_wait_s of us (see Bus.evidence_since).
+    settle_s: float = Field(2.0, ge=0)
     # A credentials file (shared.bus_auth): the entry for `name`, else its "*" entry. None: no user
     # (or the one in the server URL).
     credentials: str | None = Field(default_factory=lambda: os.environ.get(CREDS_ENV) or None)
@@ -57,13 +67,18 @@ class BusConfig(BaseModel):
 
 
 class Bus:
-    def __init__(self, nc: NATS, tracing: Tracing, metrics: Metrics | None = None) -> None:
+    def __init__(self, nc: NATS, tracing: Tracing, metrics: Metrics | None = None, settle_s: float = 2.0) -> None:
         self.nc = nc
         self.tracing = tracing
         self.metrics = metrics
         self._tasks: set[asyncio.Task] = set()
         self.closing = False
         self.denied: deque[str] = deque(maxlen=100)  # the server's recent permission refusals
+        self.settle_s = settle_s
+        self.disconnected_at: float | None = None  # monotonic; None while connected
+        self.reconnected_at: float | None = None  # the latest reconnect (monotonic)
+        self.outages = 0  # disconnects so far
+        self._watchers: list[Callable[[bool], None]] = []
 
     @classmethod
     async def connect(cls, cfg: BusConfig, tracing: Tracing, metrics: Metrics | None = None) -> Bus:
@@ -87,9 +102,18 @@ class Bus:
 
         async def on_disconnect() -> None:
             log.log(logging.INFO if bus and bus.closing else logging.WARNING, "nats disconnected (%s)", cfg.name)
+            if bus is not None:
+                bus._changed(False)
 
         async def on_reconnect() -> None:
             log.info("nats reconnected (%s)", cfg.name)
+            if bus is not None:
+                bus._changed(True)
+
+        async def on_closed() -> None:
+            if bus is not None and not bus.closing:
+                log.error("nats connection closed for good (%s): reconnect attempts exhausted", cfg.name)
+                bus._changed(False)
 
         auth: dict = {}
         if cfg.credentials:
@@ -101,7 +125,8 @@ class Bus:
             cfg.servers, name=cfg.name, connect_timeout=cfg.connect_timeout_s,
             reconnect_time_wait=cfg.reconnect_time_wait_s, max_reconnect_attempts=cfg.max_reconnect_attempts,
             ping_interval=cfg.ping_interval_s, drain_timeout=cfg.drain_timeout_s,
-            error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, **auth,
+            error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect, closed_cb=on_closed,
+            **auth,
         ))
         watch = asyncio.ensure_future(refusal.wait())
         try:
@@ -117,8 +142,41 @@ class Bus:
                 raise refused[0]
             raise PermissionError(f"nats refused the credentials of {cfg.name} "
                                   f"(${CREDS_ENV}: {cfg.credentials or 'not set'})") from refused[0]
-        bus = cls(await connecting, tracing, metrics)
+        bus = cls(await connecting, tracing, metrics, cfg.settle_s)
         return bus
+
+    # ---- connection state ------------------------------------------------------------------
+    def watch(self, callback: Callable[[bool], None]) -> None:
+        """callback(connected) on every disconnect (False), reconnect (True) and final close (False)."""
+        self._watchers.append(callback)
+
+    def _changed(self, connected: bool) -> None:
+        now = time.monotonic()
+        if connected:
+            self.disconnected_at, self.reconnected_at = None, now
+        elif self.disconnected_at is None:
+            self.disconnected_at, self.outages = now, self.outages + 1
+        for callback in list(self._watchers):
+            try:
+                callback(connected)
+            except Exception:
+                log.exception("bus watcher failed")
+
+    @property
+    def evidence_since(self) -> float:
+        """Monotonic time from which a peer's silence is evidence that it is gone: never while we
+        are cut off ourselves (+inf), else not before `settle_s` after our latest reconnect."""
+        if not self.nc.is_connected or self.disconnected_at is not None:  # (reconnected: not yet told)
+            return math.inf
+        return -math.inf if self.reconnected_at is None else self.reconnected_at + self.settle_s
+
+    def down_for(self, now: float | None = None) -> float:
+        """Seconds since the connection was lost (0 while connected; inf once closed for good)."""
+        if self.nc.is_closed and not self.closing:
+            return math.inf
+        if self.disconnected_at is None:
+            return 0.0
+        return (time.monotonic() if now is None else now) - self.disconnected_at
 
     async def flush(self, timeout: float = 5.0) -> None:
         """Round trip to the server: every subscription made so far is live when this returns."""

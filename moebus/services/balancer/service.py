@@ -6,7 +6,8 @@ GenerateAccepted. "Best" is the cheapest estimated prefill given the prompt pref
 caches (KV broker index, kv_rank.py), then the least loaded. Overloaded or vanished workers are
 skipped for the next candidate. A worker that misses heartbeats, or whose heartbeat comes from a new
 process under the same id (restarted), is announced on `balancer.worker_lost`; frontends move its
-requests to other workers.
+requests to other workers. Only beats missed while the balancer itself could hear them count: after
+its own reconnect, a worker has the bus's settle time plus its full allowance to beat again.
 
 Disaggregated mode: the decode worker is asked first (it starts waiting for the KV), then the
 prefill worker, with one KVTransferSpec naming both; the accept reply names both workers. A
@@ -92,7 +93,7 @@ class BalancerService(Service):
     async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s / 2)
-            for worker_id in self.table.expire(time.monotonic()):
+            for worker_id in self.table.expire(time.monotonic(), self.bus.evidence_since):
                 await self._announce_lost(worker_id, "missed heartbeats")
             self._m_workers.set(len(self.table))
 

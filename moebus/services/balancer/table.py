@@ -6,6 +6,7 @@ worker looked idlest a moment ago.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moebus.shared.messages import Heartbeat
@@ -67,9 +68,11 @@ class WorkerTable:
             entry.beat, entry.last_seen, entry.pending = beat, now, 0
         return restarted
 
-    def expire(self, now: float) -> list[str]:
-        """Drop workers that missed too many heartbeats; returns their ids."""
-        dead = [w for w, e in self._workers.items() if now - e.last_seen > self.missed * e.beat.interval_s]
+    def expire(self, now: float, since: float = -math.inf) -> list[str]:
+        """Drop workers that missed too many heartbeats; returns their ids. since: silence before
+        this does not count (we could not hear them: Bus.evidence_since; +inf expires nobody)."""
+        dead = [w for w, e in self._workers.items()
+                if now - max(e.last_seen, since) > self.missed * e.beat.interval_s]
         for w in dead:
             del self._workers[w]
         return dead

@@ -6,6 +6,7 @@ Pure: the service feeds beats and the time in.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -64,10 +65,11 @@ class Fleet:
         while len(w.counters) > 2 and sample[0] - w.counters[1][0] >= self.rate_window_s:
             w.counters.popleft()
 
-    def expire(self, now: float) -> list[str]:
-        """Forget workers that missed their heartbeats; returns their ids."""
+    def expire(self, now: float, since: float = -math.inf) -> list[str]:
+        """Forget workers that missed their heartbeats; returns their ids. since: silence before this
+        does not count (the planner could not hear them: Bus.evidence_since; +inf forgets nobody)."""
         gone = [i for i, w in self._workers.items()
-                if now - w.seen > self.missed_heartbeats * max(w.beat.interval_s, 1e-3)]
+                if now - max(w.seen, since) > self.missed_heartbeats * max(w.beat.interval_s, 1e-3)]
         for i in gone:
             del self._workers[i]
         return gone

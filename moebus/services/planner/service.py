@@ -111,7 +111,7 @@ class PlannerService(Service):
 
     async def tick(self) -> PlannerDecision:
         now = time.monotonic()
-        self.fleet.expire(now)
+        self.fleet.expire(now, self.bus.evidence_since)  # a planner cut off itself forgets nobody
         pools = self.policy.decide(self.fleet.observations(), now)
         decision = PlannerDecision(planner_id=self.instance_id, ts=time.time(),
                                    ttft_target_s=self.cfg.policy.ttft_target_s,
