@@ -8,6 +8,7 @@ embedded SmolLM2 name what a photo shows. Class names: WordNet lemmas of the Ima
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -38,9 +39,9 @@ def classifier_weights() -> Path:
 
 class ClassNameEncoder:
     """ImageEncoder: image -> its top_k ImageNet classes -> each class's name embedding (the mean of
-    the token embeddings of its lemmas), most likely first."""
+    the token embeddings of its lemmas), most likely first; weak classes repeat the best (encode)."""
 
-    def __init__(self, embed_tokens: torch.Tensor, tokenize: callable, placeholder_token_id: int,
+    def __init__(self, embed_tokens: torch.Tensor, tokenize: Callable[[str], list[int]], placeholder_token_id: int,
                  top_k: int = 3) -> None:
         if not 1 <= top_k <= 16:
             raise ValueError("top_k must be in 1..16")
