@@ -34,9 +34,9 @@ TLS_CA_ENV = "MOEBUS_NATS_TLS_CA"  # PEM file the server's certificate is checke
 def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list[str]]:
     """(publish, subscribe) of a service role beyond its control plane; i: its instance id or ANY."""
     match role:
-        case "frontend":  # chat requests in; token streams of its own requests back
+        case "frontend":  # chat requests in; token streams of its own requests back (replayed on request)
             return ([s.tokenizer_render, s.tokenizer_detokenize, s.encoder_encode, s.encoder_encode_on(ANY),
-                     s.balancer_route, s.worker_abort(ANY), s.worker_abort_all],
+                     s.balancer_route, s.worker_abort(ANY), s.worker_abort_all, s.worker_replay(ANY)],
                     [s.frontend_stream_all(i), s.balancer_worker_lost, s.heartbeat_all("encoder")])
         case "tokenizer":
             return [], [s.tokenizer_render, s.tokenizer_detokenize]
@@ -49,7 +49,8 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
             return ([s.frontend_stream(ANY, ANY), s.worker_handoff(ANY), s.kvtransfer_push_all, s.kvbroker_events,
                      s.kvbroker_query, s.kvbroker_get, s.kvbroker_put],
                     [s.worker_generate(i), s.worker_abort(i), s.worker_handoff(i), s.worker_abort_all,
-                     s.kvtransfer_push_all if i == ANY else s.kvtransfer_push(i), s.balancer_worker_lost])
+                     s.worker_replay(i), s.kvtransfer_push_all if i == ANY else s.kvtransfer_push(i),
+                     s.balancer_worker_lost])
         case "kvbroker":  # a get's blocks go to the reply address the worker named (a worker inbox)
             return ([inbox("worker", ">"), s.kvtransfer_push_all],
                     [s.kvbroker_events, s.kvbroker_query, s.kvbroker_get, s.kvbroker_put, s.kvbroker_stats,

@@ -29,3 +29,7 @@ class WorkerConfig(ServiceConfig):
     kv_snapshot_s: float = Field(10.0, gt=0)  # full index snapshot this often (< the broker's holder_ttl_s)
     torch_threads: int | None = None  # torch intra-op threads of this process (None: torch's default)
     ep: int = Field(1, ge=1)  # expert-parallel group size: this many ranks, one WorkerService each
+    # Chunks already sent, kept for a frontend that lost some in a bus blip (replay.py): all
+    # requests' together (0: none kept), and how long after a request ends.
+    replay_max_bytes: int = Field(64 * 1024 * 1024, ge=0)
+    replay_grace_s: float = Field(30.0, ge=0)

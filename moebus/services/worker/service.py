@@ -8,7 +8,8 @@ drain (SIGTERM or the `drain` control subject), requests that have not produced 
 handed back at once (retryable error chunk), the others get `drain_grace_s` to finish and are then
 handed back too: the frontend moves them to another worker, which goes on from the tokens already
 sent (migration). KV hand-offs under way finish before the process exits. Request counts live in
-one place, the Prometheus counter (counters.py), which stats() reads.
+one place, the Prometheus counter (counters.py), which stats() reads. Every chunk sent is kept a
+while (replay.py): a frontend that lost some in a bus blip asks for them again on `replay.<id>`.
 Split requests (stage prefill / decode, see split.py) and the KV broker hooks (kv_link.py) are
 only wired up for real engines; the toy engine runs aggregated requests only.
 """
@@ -37,6 +38,7 @@ from moebus.shared.messages import (
     TokenChunk,
     WorkerLost,
 )
+from moebus.shared.messages.generate import ReplayReply, ReplayRequest
 from moebus.shared.service import Service
 
 from .active import Active
@@ -47,6 +49,7 @@ from .engine_loop import AddFailed, EngineLoop, Prefilled
 from .engines import engine_params, make_engine
 from .outputs import chunk_from_output
 from .quarantine import Quarantine
+from .replay import ReplayBuffer
 from .split import SplitStages
 
 if TYPE_CHECKING:
@@ -72,7 +75,8 @@ class WorkerService(Service):
         self.quarantine = Quarantine(self._add)  # suspects (their engine broke before) run alone
         self._beat_pending = False
         self._active: dict[str, Active] = {}
-        self._outbox: asyncio.Queue[tuple[str, TokenChunk | Handoff, dict[str, str]] | None] = asyncio.Queue()
+        self._outbox: asyncio.Queue[tuple[str, TokenChunk | Handoff, bytes, dict[str, str]] | None] = asyncio.Queue()
+        self.replay = ReplayBuffer(cfg.replay_max_bytes, cfg.replay_grace_s)
         self._loop: EngineLoop | None = None
         self._generate_sub: Subscription | None = None
         m = self.metrics
@@ -153,6 +157,8 @@ class WorkerService(Service):
         await self.bus.subscribe(s.worker_abort(i), AbortRequest, self.abort, concurrent=False, endpoint="abort")
         await self.bus.subscribe(s.worker_abort_all, AbortRequest, self.abort, concurrent=False,
                                  endpoint="abort_all")
+        await self.bus.subscribe(s.worker_replay(i), ReplayRequest, self.on_replay, concurrent=False,
+                                 endpoint="replay")
 
     async def teardown(self) -> None:
         if self._generate_sub is not None:
@@ -195,6 +201,7 @@ class WorkerService(Service):
         a = Active(req, self.tracing.inject(), time.monotonic(), params, seq=[0] * req.params.n,
                    open={c.index for c in req.resume} if req.resume else set(range(req.params.n)))
         self._active[req.request_id] = a
+        self.replay.open(req.request_id, req.attempt)
         if req.stage == "decode":
             a.seq[0] = 1  # the prefill worker sent chunk 0 (the first token)
             self.spawn(self.split.start_decode(a))
@@ -221,6 +228,7 @@ class WorkerService(Service):
             self.quarantine.submit(a)
 
     async def abort(self, req: AbortRequest, _: Msg) -> None:
+        self.replay.drop(req.request_id)  # its frontend gave up on it or moved it
         a = self._active.pop(req.request_id, None)
         if a is None:
             return
@@ -312,6 +320,7 @@ class WorkerService(Service):
         if a is not None:
             self.quarantine.done(rid)
             self.request_counts.inc(outcome)
+            self.replay.finish(rid)
         return a
 
     def fail(self, rid: str, code: ErrorCode, message: str, *, retryable: bool, counter: str,
@@ -330,10 +339,18 @@ class WorkerService(Service):
         chunk = TokenChunk(request_id=rid, worker_id=self.instance_id, attempt=a.req.attempt, finished=True,
                            error=code.value, error_message=message, retryable=retryable, failed_worker=blame)
         self.send(a.req.reply_to, chunk, a.trace_headers)
+        self.replay.finish(rid)
 
     def send(self, subject: str, message: TokenChunk | Handoff, headers: dict[str, str]) -> None:
-        """Publish in order after everything sent before (one publisher drains the outbox)."""
-        self._outbox.put_nowait((subject, message, headers))
+        """Publish in order after everything sent before (one publisher drains the outbox); a
+        chunk is kept for replay from now on."""
+        data = message.encode()
+        if isinstance(message, TokenChunk):
+            self.replay.record(message, data)
+        self._outbox.put_nowait((subject, message, data, headers))
+
+    async def on_replay(self, req: ReplayRequest, _: Msg) -> ReplayReply:
+        return self.replay.replay(req)
 
     def inject(self, a: Active, first_token: int, payload: Any) -> None:
         """A decode half: admit the request prefilled elsewhere (payload None: recompute its prompt)."""
@@ -342,8 +359,8 @@ class WorkerService(Service):
     async def _publisher(self) -> None:
         # One consumer keeps each request's chunks in order.
         while (item := await self._outbox.get()) is not None:
-            subject, chunk, headers = item
+            subject, chunk, data, headers = item
             try:
-                await self.bus.publish(subject, chunk, headers=headers)
+                await self.bus.publish(subject, data, headers=headers)
             except Exception:
                 log.warning("could not publish a chunk of %s", chunk.request_id, exc_info=True)

@@ -140,3 +140,21 @@ class Handoff(Message):
 class AbortRequest(Message):
     request_id: str
     reason: str = "client"
+
+
+class ReplayRequest(Message):
+    """Frontend -> the worker of a request: the chunks it already sent again, from `from_seq` on
+    (a bus blip lost some: a gap in the sequence numbers, or the tail after a reconnect)."""
+
+    request_id: str
+    attempt: int = 0
+    from_seq: dict[int, int] = {}  # choice index -> the first chunk number wanted
+
+
+class ReplayReply(Message):
+    request_id: str
+    # The worker no longer has what was asked (it restarted, or its replay buffer let it go):
+    # the frontend moves the request on from the tokens it has (migration).
+    gone: bool = False
+    chunks: list[TokenChunk] = []  # per choice in order; a terminal error chunk last
+    more: bool = False  # cut short to fit one message: ask again from after the last ones

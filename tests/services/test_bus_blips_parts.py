@@ -1,0 +1,123 @@
+"""The parts behind surviving bus blips: the worker's replay buffer, liveness judged only on what a
+service could hear (balancer table, planner fleet), and the Bus's view of its own outages."""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+
+from moebus.services.balancer.table import WorkerTable
+from moebus.services.planner.fleet import Fleet
+from moebus.services.worker.replay import ReplayBuffer
+from moebus.shared.bus import Bus, BusConfig
+from moebus.shared.messages import Heartbeat, TokenChunk
+from moebus.shared.messages.generate import ReplayReply, ReplayRequest
+from moebus.shared.nats_server import NatsServer
+from moebus.shared.tracing import Tracing
+
+from .conftest import wait_for
+
+
+def chunk(seq: int, index: int = 0, rid: str = "r", attempt: int = 0, **kw) -> TokenChunk:
+    return TokenChunk(request_id=rid, worker_id="w", attempt=attempt, index=index, seq=seq, token_ids=[seq + 3], **kw)
+
+
+def fill(buf: ReplayBuffer, rid: str = "r", n: int = 5, choices: int = 1, attempt: int = 0) -> None:
+    buf.open(rid, attempt)
+    for seq in range(n):
+        for i in range(choices):
+            c = chunk(seq, i, rid, attempt)
+            buf.record(c, c.encode())
+
+
+def seqs(reply: ReplayReply) -> list[tuple[int, int]]:
+    return [(c.index, c.seq) for c in reply.chunks]
+
+
+def test_replay_from_a_seq_per_choice_with_the_error_last() -> None:
+    buf = ReplayBuffer()
+    fill(buf, n=4, choices=2)
+    err = TokenChunk(request_id="r", worker_id="w", finished=True, error="draining", retryable=True)
+    buf.record(err, err.encode())
+    reply = buf.replay(ReplayRequest(request_id="r", from_seq={0: 2, 1: 3}))
+    assert not reply.gone and seqs(reply)[:3] == [(0, 2), (0, 3), (1, 3)] and reply.chunks[-1].error == "draining"
+    assert ReplayReply.decode(reply.encode()) == reply  # round trip, int keys included
+    assert ReplayRequest.decode(ReplayRequest(request_id="r", from_seq={1: 3}).encode()).from_seq == {1: 3}
+
+
+def test_unknown_other_attempt_aborted_or_let_go_is_gone() -> None:
+    buf = ReplayBuffer(max_chunks=3)
+    assert buf.replay(ReplayRequest(request_id="r")).gone  # a restarted worker knows nothing
+    fill(buf, n=5, attempt=1)
+    assert buf.replay(ReplayRequest(request_id="r", attempt=0)).gone
+    assert buf.replay(ReplayRequest(request_id="r", attempt=1, from_seq={0: 1})).gone  # seqs 0, 1 let go
+    assert seqs(buf.replay(ReplayRequest(request_id="r", attempt=1, from_seq={0: 2}))) == [(0, 2), (0, 3), (0, 4)]
+    buf.drop("r")  # aborted
+    assert buf.replay(ReplayRequest(request_id="r", attempt=1, from_seq={0: 2})).gone and buf.size == 0
+    buf.open("q", 0)  # accepted, nothing sent yet: known, nothing to give
+    assert buf.replay(ReplayRequest(request_id="q", from_seq={0: 0})) == ReplayReply(request_id="q")
+
+
+def test_finished_requests_stay_a_grace_time_and_bytes_are_capped(monkeypatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    one = len(chunk(5).encode())  # the largest (seq 0 is left out on the wire)
+    buf = ReplayBuffer(max_bytes=one * 12, grace_s=30)
+    fill(buf, "a")
+    buf.finish("a")
+    fill(buf, "b")
+    now[0] += 29
+    assert not buf.replay(ReplayRequest(request_id="a", from_seq={0: 0})).gone
+    now[0] += 2  # a's grace is over
+    assert buf.replay(ReplayRequest(request_id="a", from_seq={0: 0})).gone and len(buf) == 1
+    fill(buf, "c")
+    buf.finish("c")
+    fill(buf, "d")  # over the cap: the finished one goes first, then the oldest running one
+    assert {r for r in "bcd" if not buf.replay(ReplayRequest(request_id=r)).gone} == {"b", "d"}
+    fill(buf, "e", n=6)
+    assert {r for r in "bde" if not buf.replay(ReplayRequest(request_id=r)).gone} == {"d", "e"}
+    assert buf.size <= buf.max_bytes
+
+
+def test_a_long_replay_comes_in_parts() -> None:
+    buf = ReplayBuffer()
+    fill(buf, n=10)
+    one = len(chunk(5).encode())
+    first = buf.replay(ReplayRequest(request_id="r", from_seq={0: 0}), max_reply_bytes=one * 4)
+    assert first.more and seqs(first) == [(0, s) for s in range(4)]
+    rest = buf.replay(ReplayRequest(request_id="r", from_seq={0: 4}), max_reply_bytes=one * 100)
+    assert not rest.more and seqs(rest) == [(0, s) for s in range(4, 10)]
+
+
+def beat(wid: str) -> Heartbeat:
+    return Heartbeat(service="worker", instance_id=wid, ts=0.0, interval_s=1.0, model="m")
+
+
+def test_silence_we_could_not_hear_does_not_expire_workers() -> None:
+    t, f = WorkerTable(missed_heartbeats=3), Fleet(missed_heartbeats=3, rate_window_s=10)
+    for x in (t, f):
+        x.observe(beat("a"), 0.0)
+    assert t.expire(10.0, math.inf) == [] and f.expire(10.0, math.inf) == []  # cut off: nobody expires
+    assert t.expire(12.9, 10.0) == [] and f.expire(12.9, 10.0) == []  # back at 10 (settled): 3 s allowed
+    assert t.expire(13.1, 10.0) == ["a"] and f.expire(13.1, 10.0) == ["a"]
+
+
+async def test_the_bus_knows_its_outages_and_tells_watchers() -> None:
+    server = await asyncio.to_thread(NatsServer().start)
+    bus = await Bus.connect(BusConfig(servers=[server.url], reconnect_time_wait_s=0.1, settle_s=1.0), Tracing("t"))
+    seen: list[bool] = []
+    bus.watch(seen.append)
+    try:
+        assert bus.evidence_since == -math.inf and bus.down_for() == 0
+        port = server.port
+        await asyncio.to_thread(server.stop)
+        await wait_for(lambda: seen == [False])
+        assert bus.evidence_since == math.inf and bus.down_for() > 0 and bus.outages == 1
+        server = await asyncio.to_thread(NatsServer(port=port).start)
+        await wait_for(lambda: seen == [False, True], timeout=5)
+        assert bus.down_for() == 0 and bus.evidence_since == pytest.approx(time.monotonic() + 1.0, abs=0.5)
+    finally:
+        await bus.drain()
+        await asyncio.to_thread(server.stop)
