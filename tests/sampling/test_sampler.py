@@ -284,6 +284,7 @@ def test_logprobs_zero_gives_only_the_sampled_token() -> None:
     ({"min_tokens": 3, "stop_token_ids": [5]}, 3, None, False),  # reached: no ban
     ({"min_tokens": 3, "stop_token_ids": [5]}, 0, None, False),
     ({}, 0, None, True),  # a grammar mask
+    ({"logit_bias": {3: 5.0}}, 0, None, False),
 ])
 def test_takes_raw_argmax_agrees_with_the_built_batch(case):
     """The fast-path check must say yes exactly when build() gives a batch whose tokens are the
@@ -298,3 +299,28 @@ def test_takes_raw_argmax_agrees_with_the_built_batch(case):
     b = build(params, outs, allowed_token_mask=mask, eos_token_id=eos)
     expected = b.all_greedy and not b.modifies_logits and b.max_num_logprobs is None
     assert takes_raw_argmax(params, [len(o) for o in outs], eos, masked) == expected
+
+
+def test_logit_bias_is_added_to_its_row_before_everything() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    params = [SamplingParams(temperature=0.0, logit_bias={7: 100.0}),
+              SamplingParams(temperature=0.0, logit_bias={int(logits[1].argmax()): -100.0, 10**6: 1.0}),
+              SamplingParams(temperature=0.0)]
+    b = build(params)
+    x = prepare_logits(logits, b)
+    assert x[0, 7] == logits[0, 7] + 100 and torch.equal(x[2], logits[2])
+    tokens = Sampler()(logits, b).sampled_token_ids.tolist()
+    assert tokens[0] == 7 and tokens[1] != int(logits[1].argmax()) and tokens[2] == int(logits[2].argmax())
+    # Sampled rows: a -100 bias takes the token out of reach; the raw logprobs stay the model's.
+    banned = SamplingParams(temperature=1.0, logit_bias={t: -100.0 for t in range(V // 2)}, logprobs=1)
+    out = Sampler(make_generator(1))(logits[:1].expand(200, V), build([banned] * 200))
+    assert (out.sampled_token_ids >= V // 2).all()
+    assert torch.allclose(out.logprobs.topk_logprobs[0, :1], logits[0].log_softmax(0).max().unsqueeze(0))
+
+
+def test_logit_bias_bounds() -> None:
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        SamplingParams(logit_bias={-1: 1.0})

@@ -116,7 +116,34 @@ def test_json_schema(compiler, closing_bias, tok, seed) -> None:
 def test_json_object(compiler, closing_bias, tok, seed) -> None:
     done, out = drive(compiler, StructuredOutputParams(json_object=True), closing_bias, seed)
     assert done
-    assert isinstance(json.loads(tok.decode(out)), dict | list)
+    assert isinstance(json.loads(tok.decode(out)), dict)  # OpenAI's json_object: an object, closed
+
+
+def test_json_object_refuses_an_array_and_a_stop_before_the_close(compiler, tok) -> None:
+    state = compiler.new_state(StructuredOutputParams(json_object=True))
+    mask = state.allowed_mask()
+    assert not mask[tok.encode("[", add_special_tokens=False)[0]] and not mask[tok.eos_token_id]
+    ids = tok.encode('{"a": 1', add_special_tokens=False)
+    assert state.accept_tokens(ids) == len(ids)
+    assert not state.allowed_mask()[tok.eos_token_id]  # not closed yet: no stop
+    assert state.accept_token(tok.encode("}", add_special_tokens=False)[0]) and state.allowed_mask()[tok.eos_token_id]
+
+
+GRAMMAR = r"""root ::= greeting " " name "!"
+greeting ::= "hi" | "hello"
+name ::= [a-z] [a-z]? [a-z]?"""
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_grammar(compiler, closing_bias, tok, seed) -> None:
+    done, out = drive(compiler, StructuredOutputParams(grammar=GRAMMAR), closing_bias, seed)
+    assert done and re.fullmatch(r"(hi|hello) [a-z]{1,3}!", tok.decode(out))
+    assert compiler.compile(StructuredOutputParams(grammar=GRAMMAR)).kind == "grammar"
+
+
+def test_one_constraint_only() -> None:
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputParams(regex="a", grammar='root ::= "a"')
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -141,10 +168,12 @@ def test_choice(compiler, closing_bias, tok, seed) -> None:
         StructuredOutputParams(json_schema={"type": "foo"}),
         StructuredOutputParams(json_schema={"type": "object", "properties": 3}),
         StructuredOutputParams(json_schema="[1, 2]"),
+        StructuredOutputParams(grammar="root ::= undefined_rule"),
+        StructuredOutputParams(grammar="not a grammar"),
     ],
 )
 def test_invalid_grammar_raises_value_error(compiler, params) -> None:
-    with pytest.raises(ValueError, match=r"^invalid (regex|json_schema): [^\[]"):
+    with pytest.raises(ValueError, match=r"^invalid (regex|json_schema|grammar): [^\[]"):
         compiler.compile(params)
 
 

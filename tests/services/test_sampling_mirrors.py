@@ -45,7 +45,7 @@ EVERY_KNOB = {  # each SamplingOptions field away from its default
     "n": 2, "best_of": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 7, "max_tokens": 32,
     "min_tokens": 1, "stop": ["END"], "stop_token_ids": [3], "ignore_eos": True, "include_stop_str_in_output": True,
     "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1,
-    "response_format": {"type": "json_object"},
+    "response_format": {"type": "json_object"}, "logit_bias": {"5": -100},
 }
 REQUESTS = [
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}),

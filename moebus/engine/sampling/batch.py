@@ -47,7 +47,7 @@ def takes_raw_argmax(params: Sequence[SamplingParams], num_outputs: Sequence[int
     eos = _eos_ids(eos_token_id)
     for p, n in zip(params, num_outputs, strict=True):
         if (not p.greedy or p.logprobs is not None or p.repetition_penalty != 1.0
-                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.logit_bias):
             return False
         if p.min_tokens > n and (p.stop_token_ids or (eos and not p.ignore_eos)):
             return False
@@ -74,6 +74,7 @@ class SamplingBatch:
     min_tokens_left: Tensor | None  # [B] int64: tokens still to emit before a stop is allowed
     stop_mask: Tensor | None  # [B, V] bool: the row's stop/eos ids (banned while left > 0)
     allowed_token_mask: Tensor | None  # [B, V] bool (structured output); False -> -inf
+    logit_bias: Tensor | None  # [B, V] float32 added to the raw logits (OpenAI logit_bias); 0 = none
     generators: list[torch.Generator | None]
     seeded_rows: list[int]  # rows that are not greedy and have a generator
     num_logprobs: list[int | None]
@@ -87,7 +88,7 @@ class SamplingBatch:
     def modifies_logits(self) -> bool:
         """Whether prepare_logits has anything to do (penalties, bans, a grammar mask)."""
         return (self.repetition_penalty is not None or self.frequency_penalty is not None
-                or self.stop_mask is not None or self.allowed_token_mask is not None)
+                or self.stop_mask is not None or self.allowed_token_mask is not None or self.logit_bias is not None)
 
     @classmethod
     def build(
@@ -139,6 +140,15 @@ class SamplingBatch:
                 raise ValueError(f"allowed_token_mask must be bool [{n}, {vocab_size}]")
             allowed_token_mask = allowed_token_mask.to(device)
 
+        logit_bias = None
+        if any(p.logit_bias for p in params):  # ids past the model's vocab are dropped
+            logit_bias = torch.zeros(n, vocab_size, dtype=torch.float32)
+            for i, p in enumerate(params):
+                ids = [t for t in p.logit_bias if 0 <= t < vocab_size]
+                if ids:
+                    logit_bias[i, ids] = torch.tensor([p.logit_bias[t] for t in ids], dtype=torch.float32)
+            logit_bias = logit_bias.to(device)
+
         logprobs = [p.logprobs for p in params]
         asked = [x for x in logprobs if x is not None]
         return cls(
@@ -157,6 +167,7 @@ class SamplingBatch:
             min_tokens_left=min_tokens_left,
             stop_mask=stop_mask,
             allowed_token_mask=allowed_token_mask,
+            logit_bias=logit_bias,
             generators=list(generators),
             seeded_rows=[i for i, (g, gen) in enumerate(zip(greedy, generators, strict=True)) if not g and gen],
             num_logprobs=logprobs,
@@ -211,6 +222,7 @@ class SamplingBatch:
             min_tokens_left=left,
             stop_mask=rep(self.stop_mask),
             allowed_token_mask=allowed_token_mask,
+            logit_bias=rep(self.logit_bias),
             # The rejection sampler draws its own randomness per request, not per expanded row.
             generators=[g for g in self.generators for _ in range(k + 1)],
             seeded_rows=[r * (k + 1) + j for r in self.seeded_rows for j in range(k + 1)],

@@ -18,12 +18,14 @@ class StructuredOutputParams:
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-like; the start rule is `root`)
 
     def __post_init__(self) -> None:
-        given = sum(x is not None and x is not False for x in (self.json_schema, self.regex, self.choice))
+        given = sum(x is not None for x in (self.json_schema, self.regex, self.choice, self.grammar))
         given += int(self.json_object)
         if given != 1:
-            raise ValueError("structured output needs exactly one of json_schema, json_object, regex, choice")
+            raise ValueError("structured output needs exactly one of json_schema, json_object, regex, choice, "
+                             "grammar")
         if self.choice is not None and not self.choice:
             raise ValueError("choice must list at least one option")
 
@@ -47,6 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the sampled token
     structured: StructuredOutputParams | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +83,10 @@ class SamplingParams:
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not 0 <= t < MAX_TOKEN_ID for t in self.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {MAX_TOKEN_ID})")
+        if any(not (math.isfinite(b) and -100 <= b <= 100) for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
 

@@ -1,7 +1,7 @@
 """The batched Sampler.
 
 Pipeline per step (all rows at once):
-  penalties -> bans (min_tokens stop ids, structured-output mask) -> greedy rows: argmax
+  logit_bias -> penalties -> bans (min_tokens stop ids, structured-output mask) -> greedy rows: argmax
   -> temperature -> top-k -> top-p -> min-p -> sample (exponential race).
 
 Logprobs are the log_softmax of the RAW logits the model produced, before penalties, masks,
@@ -52,8 +52,10 @@ class SamplerOutput:
 
 
 def prepare_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Penalties then bans, on a copy: the logits greedy rows take the argmax of."""
+    """Logit bias, penalties, then bans, on a copy: the logits greedy rows take the argmax of."""
     x = logits.to(torch.float32, copy=True)
+    if batch.logit_bias is not None:
+        x += batch.logit_bias
     if batch.repetition_penalty is not None:
         seen = batch.prompt_mask | (batch.output_counts > 0)
         apply_repetition_penalty(x, seen, batch.repetition_penalty)

@@ -1,4 +1,4 @@
-"""Structured outputs (json_schema, json_object, regex, choice) on xgrammar.
+"""Structured outputs (json_schema, json_object, regex, choice, grammar) on xgrammar.
 
 `StructuredOutputCompiler` turns StructuredOutputParams into a compiled `Grammar` (cached);
 each request owns a `GrammarState` (xgrammar matcher) that is advanced with accepted tokens and
@@ -41,7 +41,7 @@ class StructuredOutputConfig:
 
 @dataclass(frozen=True, slots=True)
 class Grammar:
-    kind: str  # json_schema | json_object | regex | choice
+    kind: str  # json_schema | json_object | regex | choice | grammar
     compiled: xgr.CompiledGrammar
 
 
@@ -151,6 +151,8 @@ class StructuredOutputCompiler:
             return "json_object", ""
         if params.regex is not None:
             return "regex", params.regex
+        if params.grammar is not None:
+            return "grammar", params.grammar
         return "choice", choice_ebnf(params.choice)
 
     def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
@@ -163,11 +165,14 @@ class StructuredOutputCompiler:
                 max_whitespace_cnt=cfg.max_whitespace_cnt,
             )
         if kind == "json_object":
-            # Any JSON text, i.e. a top-level object or array (xgrammar's builtin JSON grammar).
-            return self._compiler.compile_builtin_json_grammar()
+            # A JSON object (OpenAI's json_object mode): the top level is {...}, closed before the
+            # stop token is allowed. xgrammar's builtin grammar would also take a bare array.
+            cfg = self.config
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=cfg.any_whitespace,
+                                                      strict_mode=False, max_whitespace_cnt=cfg.max_whitespace_cnt)
         if kind == "regex":
             return self._compiler.compile_regex(source)
-        return self._compiler.compile_grammar(source)
+        return self._compiler.compile_grammar(source)  # choice (as EBNF) and grammar
 
 
 class GrammarState:

@@ -30,7 +30,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         messages = [t.to_message(urls) for t in body.messages]
     except ValueError as e:
         raise bad_request(str(e), param="messages") from None
-    render = RenderRequest(model=body.model, messages=messages)
+    render = RenderRequest(model=body.model, messages=messages, add_generation_prompt=body.add_generation_prompt,
+                           continue_final_message=body.continue_final_message,
+                           chat_template_kwargs=body.template_kwargs())
     encoded = None
     if urls:  # images first: the tokenizer needs each one's token count
         encoded = await fe.encode_images(body.model, urls)

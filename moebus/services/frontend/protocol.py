@@ -7,67 +7,46 @@ bounds that depend on the deployment come from `RequestLimits`, passed as the va
 """
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
-import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from moebus.shared.messages import ChatMessage, SamplingOptions, StructuredOptions
+from moebus.shared.messages import ChatMessage, SamplingOptions
 from moebus.shared.messages import ContentPart as WireContentPart
 
-from .config import RequestLimits
+from .fields import INT32_MAX, ParamError, TokenId, _Req, limits_of
+from .guided import GuidedFields
 
-INT32_MAX = 2**31 - 1
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the engine's token tensors are int32/int64
-_DEFAULT_LIMITS = RequestLimits()
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "ParamError"]
+log = logging.getLogger(__name__)
+Bias = Annotated[float, Field(ge=-100, le=100)]
+MAX_LOGIT_BIAS = 1024  # entries in one logit_bias map
 
-
-class ParamError(ValueError):
-    """A violation that involves several fields: `param` names the one to blame."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def limits_of(info: ValidationInfo) -> RequestLimits:
-    return info.context if isinstance(info.context, RequestLimits) else _DEFAULT_LIMITS
-
-
-class _Req(BaseModel):
-    # Unknown OpenAI fields are tolerated, not honoured; NaN and +-inf are never a valid number.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+# Fields of the OpenAI / vLLM APIs this server knows but cannot honour: a 400 naming the field when
+# one is set to anything but its no-op value (a request that asks for them must not be served as if
+# it had not).
+_UNSUPPORTED = {
+    "tools": bool, "functions": bool,
+    "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "function_call": lambda v: v not in (None, "none", "auto"),
+    "audio": lambda v: v is not None, "prediction": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]),
+    "use_beam_search": bool, "prompt_logprobs": lambda v: v is not None, "bad_words": bool,
+    "allowed_token_ids": lambda v: v is not None, "truncate_prompt_tokens": lambda v: v is not None,
+    "skip_special_tokens": lambda v: v is False, "spaces_between_special_tokens": lambda v: v is False,
+    "return_tokens_as_token_ids": bool, "guided_whitespace_pattern": lambda v: v is not None,
+    "cache_salt": lambda v: v is not None, "priority": bool, "logits_processors": bool, "echo": bool,
+    "documents": bool, "tool_choice_required": bool,
+}
+# Known fields that change nothing here: accepted without a warning.
+_NO_EFFECT = frozenset({"parallel_tool_calls", "store", "metadata", "service_tier", "guided_decoding_backend",
+                        "request_id", "return_token_ids"})
 
 
 class StreamOptions(_Req):
     include_usage: bool = False
-
-
-class JsonSchemaFormat(_Req):
-    name: str = Field("schema", max_length=256)
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
-
-    @field_validator("schema_")
-    @classmethod
-    def _bounded(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        lim = limits_of(info)
-        if _depth(v) > lim.max_schema_depth:
-            raise ValueError(f"the schema nests deeper than {lim.max_schema_depth} levels")
-        if len(orjson.dumps(v)) > lim.max_schema_bytes:
-            raise ValueError(f"the schema is larger than {lim.max_schema_bytes} bytes as JSON")
-        return v
-
-
-class ResponseFormat(_Req):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format.json_schema is required when type is json_schema")
-        return self
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (not supported: a 400)
 
 
 class ImageURL(_Req):
@@ -107,8 +86,11 @@ class ChatTurn(_Req):
         return ChatMessage(role=self.role, content=parts, name=self.name)
 
 
-class _Sampling(_Req):
-    """Fields shared by chat and completions (plus vLLM-style extensions: top_k, min_p, ...)."""
+class _Sampling(GuidedFields):
+    """Fields shared by chat and completions (plus vLLM-style extensions: top_k, min_p, ...).
+    Unknown top-level fields are kept only to be named in one warning line, then ignored."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(max_length=256)
     n: int = Field(1, ge=1)
@@ -129,7 +111,7 @@ class _Sampling(_Req):
     repetition_penalty: float = Field(1.0, gt=0, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    response_format: ResponseFormat | None = None
+    logit_bias: dict[TokenId, Bias] | None = None  # token id (a JSON key: its digits) -> bias
     user: str | None = None
 
     @field_validator("top_k")
@@ -151,6 +133,13 @@ class _Sampling(_Req):
     def _max_tokens(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v is not None and v > (most := limits_of(info).max_model_len):
             raise ValueError(f"must be <= {most}, the model's maximum context length")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is not None and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
         return v
 
     @field_validator("stop", mode="before")
@@ -182,19 +171,23 @@ class _Sampling(_Req):
             raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= {name} ({max_tokens})")
         if self.min_tokens > (most := limits_of(info).max_model_len):
             raise ParamError("min_tokens", f"min_tokens must be <= {most}, the model's maximum context length")
+        if self.stream_options and self.stream_options.continuous_usage_stats:
+            raise ParamError("stream_options.continuous_usage_stats", "continuous_usage_stats is not supported; "
+                             "include_usage gives the usage in the last chunk")
+        self._check_extra()
         return self
+
+    def _check_extra(self) -> None:
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            if name in _UNSUPPORTED and _UNSUPPORTED[name](value):
+                raise ParamError(name, f"{name} is not supported by this server")
+        if unknown := sorted(k[:64] for k in extra if k not in _UNSUPPORTED and k not in _NO_EFFECT)[:32]:
+            log.warning("The following fields were present in the request but ignored: %s", unknown)
 
     def max_output_tokens(self) -> tuple[int | None, str]:
         """The completion's token budget and the field it came from."""
         return self.max_tokens, "max_tokens"
-
-    def _structured(self) -> StructuredOptions | None:
-        rf = self.response_format
-        if rf is None or rf.type == "text":
-            return None
-        if rf.type == "json_object":
-            return StructuredOptions(json_object=True)
-        return StructuredOptions(json_schema=rf.json_schema.schema_)
 
     def sampling(self, logprobs: int | None) -> SamplingOptions:
         return SamplingOptions(
@@ -205,7 +198,7 @@ class _Sampling(_Req):
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            logprobs=logprobs, structured=self._structured(),
+            logprobs=logprobs, structured=self.structured(), logit_bias=dict(self.logit_bias or {}),
         )
 
     @property
@@ -218,6 +211,12 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
+    # The chat template (vLLM's extensions): continue_final_message renders the last message open
+    # (no generation prompt, its end-of-turn left off) for the model to go on with it.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    reasoning_effort: str | None = Field(None, max_length=32)  # given to the template as reasoning_effort
 
     @field_validator("messages")
     @classmethod
@@ -233,11 +232,29 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"must be <= {most}")
         return v
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v and (taken := sorted(set(v) & _TEMPLATE_OWN)):
+            raise ValueError(f"{taken[0]} is set by the server, not through chat_template_kwargs")
+        return v
+
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError("continue_final_message", "continue_final_message needs add_generation_prompt "
+                             "set to false")
+        if self.continue_final_message and not isinstance(self.messages[-1].content, str | list):
+            raise ParamError("continue_final_message", "continue_final_message needs a last message with content")
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out["reasoning_effort"] = self.reasoning_effort
+        return out
 
     def max_output_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -295,16 +312,8 @@ class CompletionRequest(_Sampling):
         return self.sampling(self.logprobs)
 
 
+_TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _depth(obj: Any) -> int:
-    """Nesting depth of a JSON value, without recursion."""
-    deepest, todo = 0, [(obj, 1)]
-    while todo:
-        node, d = todo.pop()
-        if isinstance(node, dict | list):
-            deepest = max(deepest, d)
-            todo.extend((x, d + 1) for x in (node.values() if isinstance(node, dict) else node))
-    return deepest

@@ -74,10 +74,7 @@ class TokenizerService(Service):
             if n_images != len(req.images) or (n_images and req.image_form is None):
                 raise ServiceError(ErrorCode.BAD_REQUEST, f"{n_images} image parts but {len(req.images)} "
                                    "encoded images", param="messages")
-            try:
-                text = self.tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-            except Exception as e:  # template errors (e.g. bad role order) are the client's
-                raise ServiceError(ErrorCode.BAD_REQUEST, f"chat template: {e}", param="messages") from e
+            text = self._apply_template(req, messages)
         else:
             text = req.prompt or ""
         if req.images:
@@ -94,6 +91,24 @@ class TokenizerService(Service):
         self._prompt_tokens.inc(len(ids))
         return RenderReply(prompt_token_ids=ids, prompt_text=text, eos_token_ids=list(self.tok.eos_token_ids),
                            image_offsets=offsets)
+
+    def _apply_template(self, req: RenderRequest, messages: list[dict]) -> str:
+        """The chat template's text. continue_final_message: rendered without the generation prompt
+        and cut right after the last message's content (its end-of-turn tokens left off)."""
+        kwargs = req.chat_template_kwargs  # only when given: a tokenizer may take no extra arguments
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt
+                                                and not req.continue_final_message, **kwargs)
+        except Exception as e:  # template errors (e.g. bad role order) are the client's
+            raise ServiceError(ErrorCode.BAD_REQUEST, f"chat template: {e}", param="messages") from e
+        if req.continue_final_message:
+            last = messages[-1].get("content") if messages else None
+            at = text.rfind(last) if isinstance(last, str) and last else -1
+            if at < 0:
+                raise ServiceError(ErrorCode.BAD_REQUEST, "continue_final_message: the last message has no text "
+                                   "content the template kept", param="messages")
+            text = text[:at + len(last)]
+        return text
 
     def _check_ids(self, ids: list[int], max_prompt_tokens: int | None) -> RenderReply:
         """A prompt given as token ids: every id must be in the vocabulary (the engine indexes with it)."""

@@ -20,6 +20,7 @@ class StructuredOptions(Message):
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None  # EBNF, as xgrammar takes it
 
 
 class SamplingOptions(Message):
@@ -42,6 +43,7 @@ class SamplingOptions(Message):
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     structured: StructuredOptions | None = None
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
 
 
 class KVTransferSpec(Message):

@@ -35,6 +35,9 @@ class RenderRequest(Message):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     add_generation_prompt: bool = True
+    # Render the last message open: no generation prompt, its end of turn cut off (the model goes on).
+    continue_final_message: bool = False
+    chat_template_kwargs: dict = {}  # extra variables for the chat template
     max_prompt_tokens: int | None = Field(None, ge=1)
     # Chat with images: each image part becomes image_form's prefix, placeholder x n, suffix, where
     # n is its entry here (the encoder's token count for that image), in order of appearance.
