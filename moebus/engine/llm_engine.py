@@ -414,7 +414,7 @@ class LLMEngine:
         text = tr.stops.feed(tr.detok.push(emitted))
         if tr.stops.stopped and status is None:
             status = RequestStatus.FINISHED_STOPPED
-            r.stop_reason = "stop_string"
+            r.stop_reason = tr.stops.matched
         if status is not None:
             text += tr.stops.flush()
             del out_ids[_num_real(out_ids):]  # slots of steps still in flight for it
@@ -422,7 +422,8 @@ class LLMEngine:
             self.block_manager.cache_blocks(r)
         out = RequestOutput(tr.group, emitted, text, status is not None,
                             status.value if status is not None else None, lps, r.num_prompt_tokens,
-                            r.num_cached_tokens, self._num_real_outputs(r), index=tr.index)
+                            r.num_cached_tokens, self._num_real_outputs(r), index=tr.index,
+                            stop_reason=r.stop_reason if status is not None else None)
         if status is not None:
             self.tracked.pop(r.request_id)
             self._finish(r, status)
@@ -435,7 +436,7 @@ class LLMEngine:
     def _check_stop(self, r: Request, token: int) -> RequestStatus | None:
         n_out = self._num_real_outputs(r)
         if n_out >= r.params.min_tokens and (token in r.eos_token_ids or token in r.params.stop_token_ids):
-            r.stop_reason = token
+            r.stop_reason = token if token in r.params.stop_token_ids else None  # eos: None, as vLLM
             return RequestStatus.FINISHED_STOPPED
         if r.grammar is not None and r.grammar.is_terminated():
             return RequestStatus.FINISHED_STOPPED

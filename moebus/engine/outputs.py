@@ -20,6 +20,7 @@ class RequestOutput:
     error: str | None = None  # finish_reason "error": what failed
     retryable: bool = False  # the error was the step's, not this request's: another engine may run it
     index: int = 0  # the choice (0 .. n-1) of an n > 1 request
+    stop_reason: int | str | None = None  # finished by a stop token id or stop string: which (eos: None)
 
 
 @dataclass(slots=True)

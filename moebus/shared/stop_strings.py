@@ -38,6 +38,12 @@ def find_stop(text: str, stops: Sequence[str]) -> tuple[int, int] | None:
     return start, end
 
 
+def matched_stop(text: str, stops: Sequence[str]) -> str | None:
+    """The stop string `apply_stops` stops at in `text` (its response's stop_reason), or None."""
+    hit = find_stop(text, stops)
+    return None if hit is None else text[hit[0]:hit[1]]
+
+
 def apply_stops(held: str, delta: str, stops: Sequence[str], *, include_stop: bool = False,
                 finished: bool = False) -> tuple[str, str, bool]:
     """One step, stateless: returns (text to release, text to keep holding, stopped).
@@ -63,12 +69,17 @@ class StopStringMatcher:
     include_stop: bool = False
     pending: str = ""  # held back: might be the start of a stop string
     stopped: bool = False
+    matched: str | None = None  # the stop string that ended it
+
 
     def feed(self, delta: str) -> str:
         if self.stopped:
             return ""
+        buf = self.pending + delta
         text, self.pending, self.stopped = apply_stops(self.pending, delta, self.stops,
                                                        include_stop=self.include_stop)
+        if self.stopped:
+            self.matched = matched_stop(buf, self.stops)
         return text
 
     def flush(self) -> str:

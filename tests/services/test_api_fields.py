@@ -132,3 +132,16 @@ def test_template_kwargs_and_reasoning_effort_reach_the_template() -> None:
     gone = RenderRequest(model="toy", messages=[], continue_final_message=True, add_generation_prompt=False)
     with pytest.raises(ServiceError, match="continue_final_message"):
         TokenizerService._apply_template(SimpleNamespace(tok=ToyTokenizer()), gone, [{"role": "assistant"}])
+
+
+async def test_stop_reason_is_the_matched_stop_string(stack) -> None:
+    client = stack.client()
+    r = await client.chat.completions.create(model="toy", messages=CHAT, stop=["toy", "zzz"])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason == "toy"
+    r = await client.completions.create(model="toy", prompt="hi", max_tokens=100, stop=["Ünï"])
+    assert r.choices[0].text.endswith("model. ") and r.choices[0].stop_reason == "Ünï"
+    r = await client.completions.create(model="toy", prompt="hi", max_tokens=100)  # the toy's eos
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason is None
+    last = [c async for c in await client.chat.completions.create(model="toy", messages=CHAT, stop=["toy"],
+                                                                  stream=True) if c.choices][-1]
+    assert last.choices[0].finish_reason == "stop" and last.choices[0].stop_reason == "toy"

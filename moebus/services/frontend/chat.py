@@ -55,7 +55,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 **base, "object": "chat.completion", "system_fingerprint": None,
                 "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "logprobs": chat_logprobs(c.logprobs) if params.logprobs is not None else None,
-                             "finish_reason": c.finish_reason} for c in choices],
+                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
                 "usage": usage(len(prompt), choices, choices[0].num_cached_tokens),
             })
         base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
@@ -87,7 +87,7 @@ class _ChatChunks:
         return self._entry(ev.choice.index, {"content": ev.text}, logprobs=lp)
 
     def finish(self, choice: ChoiceState) -> dict:
-        return self._entry(choice.index, {}, choice.finish_reason)
+        return {**self._entry(choice.index, {}, choice.finish_reason), "stop_reason": choice.stop_reason}
 
     @staticmethod
     def _entry(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:

@@ -26,6 +26,7 @@ class Detok:
     window: list[int] = field(default_factory=list)
     read_offset: int = 0
     held: str = ""
+    matched: str | None = None  # the stop string that ended the choice
 
     def __post_init__(self) -> None:
         self.context = list(self.context[-_CONTEXT:])
@@ -41,6 +42,7 @@ class Detok:
         self.window = self.window[reply.prefix_offset:]
         self.read_offset = reply.read_offset - reply.prefix_offset
         self.held = reply.held
+        self.matched = reply.stop_reason
         return reply.text, reply.stopped
 
 
@@ -52,6 +54,7 @@ class ChoiceState:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id it ended at (eos: None)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
 
@@ -74,7 +77,7 @@ class ChoiceState:
             delta, stopped = await self.detok.push(chunk.token_ids, chunk.finished)
         self.text += delta
         if stopped:
-            self.finish_reason = "stop"
+            self.finish_reason, self.stop_reason = "stop", self.detok.matched
         elif chunk.finished:
-            self.finish_reason = chunk.finish_reason or "stop"
+            self.finish_reason, self.stop_reason = chunk.finish_reason or "stop", chunk.stop_reason
         return delta

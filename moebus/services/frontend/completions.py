@@ -62,6 +62,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             for c in all_choices:
                 echo = prompts[c.index // params.n][1] if body.echo else ""
                 out.append({"index": c.index, "text": echo + c.text, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
                             "logprobs": completion_logprobs(c.logprobs, len(echo)) if want_lp else None})
             cached = sum(cs[0].num_cached_tokens for _, cs in pairs)
             return web.json_response({**base, "choices": out, "usage": usage(n_prompt, all_choices, cached)})
@@ -100,7 +101,7 @@ class _CompletionChunks:
         return self._entry(i, ev.text, lp=lp)
 
     def finish(self, choice: ChoiceState) -> dict:
-        return self._entry(choice.index, "", choice.finish_reason)
+        return {**self._entry(choice.index, "", choice.finish_reason), "stop_reason": choice.stop_reason}
 
     @staticmethod
     def _entry(index: int, text: str, finish: str | None = None, lp: dict | None = None) -> dict:

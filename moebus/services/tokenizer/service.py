@@ -10,7 +10,7 @@ from moebus.devmodel.toy import TOY_MODEL, ToyTokenizer
 from moebus.shared.errors import ErrorCode, ServiceError, context_length_exceeded
 from moebus.shared.messages import DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
 from moebus.shared.service import Service
-from moebus.shared.stop_strings import apply_stops
+from moebus.shared.stop_strings import apply_stops, matched_stop
 from moebus.shared.subjects import Queues
 
 from .config import TokenizerConfig
@@ -126,4 +126,5 @@ class TokenizerService(Service):
         delta, prefix, read = decode_step(self.tok, req.token_ids, req.read_offset, self._skip, req.finished)
         text, held, stopped = apply_stops(req.held, delta, req.stop, include_stop=req.include_stop,
                                           finished=req.finished)
-        return DetokenizeReply(text=text, held=held, prefix_offset=prefix, read_offset=read, stopped=stopped)
+        return DetokenizeReply(text=text, held=held, prefix_offset=prefix, read_offset=read, stopped=stopped,
+                               stop_reason=matched_stop(req.held + delta, req.stop) if stopped else None)

@@ -18,6 +18,7 @@ def chunk_from_output(out: EngineOutput, req: GenerateRequest, worker_id: str, i
         token_ids=list(out.new_token_ids), text=out.new_text, logprobs=logprobs,
         finished=bool(out.finished), finish_reason=out.finish_reason if out.finished else None,
         num_prompt_tokens=int(out.num_prompt_tokens or 0), num_cached_tokens=int(out.num_cached_tokens or 0),
+        stop_reason=getattr(out, "stop_reason", None) if out.finished else None,  # engines without it: None
     )
 
 

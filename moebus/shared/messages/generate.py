@@ -120,6 +120,7 @@ class TokenChunk(Message):
     logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None  # finish "stop": the stop token id or stop string (eos: None)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     # A failure of the whole request; `retryable` means another worker may run it from scratch.

@@ -81,3 +81,4 @@ class DetokenizeReply(Message):
     prefix_offset: int = 0  # new offsets, relative to the request's window
     read_offset: int = 0
     stopped: bool = False  # a stop string matched: the choice is finished
+    stop_reason: str | None = None  # which one
