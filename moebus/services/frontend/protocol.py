@@ -37,11 +37,11 @@ _UNSUPPORTED = {
     "skip_special_tokens": lambda v: v is False, "spaces_between_special_tokens": lambda v: v is False,
     "return_tokens_as_token_ids": bool, "guided_whitespace_pattern": lambda v: v is not None,
     "cache_salt": lambda v: v is not None, "priority": bool, "logits_processors": bool, "echo": bool,
-    "documents": bool, "tool_choice_required": bool,
+    "documents": bool, "return_token_ids": bool,
 }
 # Known fields that change nothing here: accepted without a warning.
 _NO_EFFECT = frozenset({"parallel_tool_calls", "store", "metadata", "service_tier", "guided_decoding_backend",
-                        "request_id", "return_token_ids"})
+                        "request_id"})
 
 
 class StreamOptions(_Req):
