@@ -205,10 +205,16 @@ async def test_http_images_when_enabled_with_a_size_cap(nats_server) -> None:
 
     from moebus.shared.nats_server import free_port
 
+    def serve(**kw):
+        async def handler(_: web.Request) -> web.Response:
+            return web.Response(**kw)
+
+        return handler
+
     app = web.Application()
-    app.router.add_get("/cat.jpg", lambda _: web.Response(body=(IMAGES / "cat.jpg").read_bytes()))
-    app.router.add_get("/big.png", lambda _: web.Response(body=b"\0" * 50_000))
-    app.router.add_get("/missing.png", lambda _: web.Response(status=404))
+    app.router.add_get("/cat.jpg", serve(body=(IMAGES / "cat.jpg").read_bytes()))
+    app.router.add_get("/big.png", serve(body=b"\0" * 50_000))
+    app.router.add_get("/missing.png", serve(status=404))
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
