@@ -98,7 +98,8 @@ class Bus:
             if bus is None and ("authorization violation" in text or isinstance(e, ssl.SSLCertVerificationError)):
                 refused.append(e)
                 refusal.set()
-            log.log(logging.INFO if bus and bus.closing else logging.WARNING, "nats error (%s): %s", cfg.name, e)
+            quiet = bus is not None and (bus.closing or (bus.disconnected_at is not None and isinstance(e, OSError)))
+            log.log(logging.INFO if quiet else logging.WARNING, "nats error (%s): %s", cfg.name, e)  # (each retry)
 
         async def on_disconnect() -> None:
             log.log(logging.INFO if bus and bus.closing else logging.WARNING, "nats disconnected (%s)", cfg.name)
@@ -106,8 +107,8 @@ class Bus:
                 bus._changed(False)
 
         async def on_reconnect() -> None:
-            log.info("nats reconnected (%s)", cfg.name)
             if bus is not None:
+                log.warning("nats reconnected (%s) after %.1fs", cfg.name, bus.down_for())
                 bus._changed(True)
 
         async def on_closed() -> None:
@@ -283,7 +284,10 @@ class Bus:
         for t in list(self._tasks):
             t.cancel()
         if not self.nc.is_closed:
-            await self.nc.close()
+            try:
+                await self.nc.close()
+            except OSError:  # closed mid-reconnect: nats-py flushes into a connection already gone
+                log.debug("close failed", exc_info=True)
 
 
 def _kind(msg: Message | bytes) -> str:

@@ -17,6 +17,7 @@ it has a worker.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from .kv_rank import KVRanker
 from .policy import StaticOrder
 from .table import WorkerEntry, WorkerTable
 
+log = logging.getLogger(__name__)
 PREFILL, DECODE = ("prefill", "both"), ("decode", "both")
 
 
@@ -87,15 +89,26 @@ class BalancerService(Service):
 
     async def _announce_lost(self, worker_id: str, reason: str) -> None:
         """Frontends move the requests the worker held; split halves waiting on it give up."""
+        log.warning("%s: worker %s lost (%s)", self.instance_id, worker_id, reason)
         self._m_lost.inc()
         await self.bus.publish(self.subjects.balancer_worker_lost, WorkerLost(worker_id=worker_id, reason=reason))
 
     async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s / 2)
-            for worker_id in self.table.expire(time.monotonic(), self.bus.evidence_since):
-                await self._announce_lost(worker_id, "missed heartbeats")
+            if self.table.silent(time.monotonic(), self.bus.evidence_since) and await self._hearing():
+                for worker_id in self.table.expire(time.monotonic(), self.bus.evidence_since):
+                    await self._announce_lost(worker_id, "missed heartbeats")
             self._m_workers.set(len(self.table))
+
+    async def _hearing(self) -> bool:
+        """Whether the bus carries our traffic right now (a round trip to the server): silence is
+        evidence against a worker only then, and beats that were queued behind it count first."""
+        try:
+            await self.bus.flush(timeout=max(self.cfg.heartbeat_interval_s, 0.5))
+        except Exception:  # cut off (or the server is going away): judge nobody now
+            return False
+        return True
 
     async def route(self, req: GenerateRequest, _: Msg) -> GenerateAccepted:
         r = _Route(tried=set(req.exclude_workers))

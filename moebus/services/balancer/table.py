@@ -68,11 +68,15 @@ class WorkerTable:
             entry.beat, entry.last_seen, entry.pending = beat, now, 0
         return restarted
 
-    def expire(self, now: float, since: float = -math.inf) -> list[str]:
-        """Drop workers that missed too many heartbeats; returns their ids. since: silence before
-        this does not count (we could not hear them: Bus.evidence_since; +inf expires nobody)."""
-        dead = [w for w, e in self._workers.items()
+    def silent(self, now: float, since: float = -math.inf) -> list[str]:
+        """Workers that missed too many heartbeats. since: silence before this does not count (we
+        could not hear them: Bus.evidence_since; +inf: nobody is silent)."""
+        return [w for w, e in self._workers.items()
                 if now - max(e.last_seen, since) > self.missed * e.beat.interval_s]
+
+    def expire(self, now: float, since: float = -math.inf) -> list[str]:
+        """Drop the silent workers; returns their ids."""
+        dead = self.silent(now, since)
         for w in dead:
             del self._workers[w]
         return dead
