@@ -87,6 +87,10 @@ class FrontendConfig(ServiceConfig):
     tokenizer_timeout_s: float = 10.0
     route_timeout_s: float = 15.0
     stream_idle_timeout_s: float = 120.0  # no chunk for this long: give up on the request
+    # Bus blips (generation.py): a gap in a stream's chunk numbers is filled from the worker's
+    # replay buffer once it has lasted gap_wait_s; a stream whose bus stays down bus_outage_s fails (503).
+    gap_wait_s: float = Field(0.2, ge=0)
+    bus_outage_s: float = Field(30.0, gt=0)
     # While no tokenizer or balancer answers (a crashed one is being restarted), requests wait this
     # long for one instead of failing: nobody got them, so asking again is safe.
     restart_wait_s: float = 15.0

@@ -13,20 +13,36 @@ failure. Chunks of an older attempt are ignored, so a late worker cannot interle
 replacement. A split request (prefill worker, then decode worker) takes chunks from both, in
 sequence-number order (they come from two publishers); the prefill worker matters until the
 decode worker has streamed, since the KV hand-off between them may still be under way.
+
+Bus blips: chunks published while the frontend was cut off (or not yet re-subscribed) are lost at
+the server. A gap in a choice's sequence numbers that lasts `gap_wait_s`, and every reconnect of
+the frontend's own bus (the tail may be lost with nothing after it to show a gap), make it ask the
+worker for the chunks after those it has (`worker.replay.<id>`, the worker's replay buffer); a
+worker that no longer has them (it restarted) is treated as lost: the request migrates. Time the
+bus was down does not count as the worker's silence (`stream_idle_timeout_s`), but a stream whose
+bus stays down `bus_outage_s` fails (503): nothing can reach a worker without it.
 """
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import AbortRequest, GenerateAccepted, GenerateRequest, TokenChunk
-from moebus.shared.messages.generate import ResumedChoice
+from moebus.shared.messages.generate import ReplayRequest, ResumedChoice
+
+from .ordering import ChunkOrder
 
 if TYPE_CHECKING:
     from .router import StreamRouter
+
+
+RETRY_S = 0.25  # a replay the worker could not answer yet (it is reconnecting too) is asked again after this
+TICK_S = 0.5  # while the bus is down, how often a stream checks how long it has been
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,20 +50,37 @@ class Lost:
     worker_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class BusChanged:
+    """The frontend's bus went down (False) or came back (True)."""
+
+    connected: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stalled:
+    """Nothing came when something should have: the request fails (or moves, if retryable)."""
+
+    error: ServiceError
+    retryable: bool
+    worker_id: str | None
+
+
 class Generation:
     def __init__(self, router: StreamRouter, req: GenerateRequest) -> None:
         self.router, self.req = router, req
-        self.queue: asyncio.Queue[TokenChunk | Lost] = asyncio.Queue()
+        self.queue: asyncio.Queue[TokenChunk | Lost | BusChanged] = asyncio.Queue()
         self.worker_id: str | None = None
         self.decode_worker_id: str | None = None  # split requests: the second half's worker
         self._decoding = False  # the decode worker has streamed: the prefill worker no longer matters
         self.open = set(range(req.params.n))  # choices the worker is still generating
         self.sent: dict[int, list[int]] = {}  # per choice, the tokens passed on to the client
-        self._next_seq = [0] * req.params.n
-        self._held: dict[tuple[int, int], TokenChunk] = {}  # arrived ahead of their turn
+        self.order = ChunkOrder(req.params.n)  # this attempt's chunks, passed on in order
         self._cut = False  # the consumer ended a choice early: the worker must be told
         self.worker_failures = 0  # workers that died or whose engine failed while holding this request
         self.migrations = 0
+        self._heard = time.monotonic()  # when something last came for this request
+        self._resync_at: float | None = None  # when to ask the worker for chunks after ours (reconnect)
 
     @property
     def request_id(self) -> str:
@@ -83,57 +116,114 @@ class Generation:
         return [w for w in (self.worker_id, self.decode_worker_id) if w]
 
     async def chunks(self) -> AsyncIterator[TokenChunk]:
-        idle = self.router.cfg.stream_idle_timeout_s
+        self._heard = time.monotonic()
         while self.open:
-            try:
-                item = await asyncio.wait_for(self.queue.get(), idle)
-            except TimeoutError:
-                stuck = self.decode_worker_id if self._decoding else self.worker_id
-                item = TokenChunk(request_id=self.request_id, worker_id=stuck or "", attempt=self.req.attempt,
-                                  error=ErrorCode.TIMEOUT.value, error_message=f"no tokens for {idle:g}s from "
-                                  f"{stuck}", retryable=True)
-            if isinstance(item, Lost):
-                if not self.watches(item.worker_id):
-                    continue
-                err, retryable = ServiceError(ErrorCode.WORKER_LOST, f"worker {item.worker_id} was lost"), True
-                failed = item.worker_id
-            elif item.attempt != self.req.attempt or item.worker_id not in self._workers():
-                continue  # from an abandoned attempt
-            elif not item.error:
-                self._decoding |= item.worker_id == self.decode_worker_id
-                for chunk in self._in_order(item):
+            for item in [*await self._next(), None]:  # None: the end of what came together
+                if isinstance(item, TokenChunk) and not item.error:
+                    if item.attempt == self.req.attempt and item.worker_id in self._workers():
+                        self._decoding |= item.worker_id == self.decode_worker_id
+                        self.order.take(item)
+                    continue  # else from an abandoned attempt
+                for chunk in self.order.ready():  # before a failure too: a migration resumes from them
                     self.sent.setdefault(chunk.index, []).extend(chunk.token_ids)
                     if chunk.finished:
                         self.open.discard(chunk.index)
                     yield chunk
-                continue
-            else:
-                err, retryable = ServiceError(item.error, item.error_message or item.error), item.retryable
-                failed = item.failed_worker or item.worker_id
-            if retryable and err.code is not ErrorCode.DRAINING:
-                self.worker_failures += 1
-                if self.worker_failures >= self.router.cfg.max_worker_failures:  # poison: fail it for good
-                    err, retryable = ServiceError(ErrorCode.REQUEST_FAILED, f"{err.message} (the request failed on "
-                                                  f"{self.worker_failures} workers; it is not sent to another)"), False
-            if not retryable or self.migrations >= self.router.cfg.max_migrations:
-                raise err
-            await self._migrate(failed, err.code)
+                if item is None:
+                    continue
+                if isinstance(item, Lost):
+                    if not self.watches(item.worker_id):
+                        continue
+                    err, retryable = ServiceError(ErrorCode.WORKER_LOST, f"worker {item.worker_id} was lost"), True
+                    failed = item.worker_id
+                elif isinstance(item, Stalled):
+                    err, retryable, failed = item.error, item.retryable, item.worker_id
+                elif item.attempt != self.req.attempt or item.worker_id not in self._workers():
+                    continue  # an error of an abandoned attempt
+                else:
+                    err, retryable = ServiceError(item.error, item.error_message or item.error), item.retryable
+                    failed = item.failed_worker or item.worker_id
+                if retryable and err.code is not ErrorCode.DRAINING:
+                    self.worker_failures += 1
+                    if self.worker_failures >= self.router.cfg.max_worker_failures:  # poison: fail it for good
+                        err, retryable = ServiceError(ErrorCode.REQUEST_FAILED, f"{err.message} (the request failed "
+                                                      f"on {self.worker_failures} workers; it is not sent to "
+                                                      "another)"), False
+                if not retryable or self.migrations >= self.router.cfg.max_migrations:
+                    raise err
+                await self._migrate(failed, err.code)
+                break  # what else came belongs to the abandoned attempt
 
-    def _in_order(self, chunk: TokenChunk) -> list[TokenChunk]:
-        """This chunk and any held ones that follow it, once it is its choice's next; a chunk
-        that is early waits, one already passed (a duplicate) is dropped."""
-        i = chunk.index
-        if i >= len(self._next_seq) or chunk.seq < self._next_seq[i]:
-            return []
-        if chunk.seq > self._next_seq[i]:
-            self._held[(i, chunk.seq)] = chunk
-            return []
-        out = [chunk]
-        self._next_seq[i] += 1
-        while (nxt := self._held.pop((i, self._next_seq[i]), None)) is not None:
-            out.append(nxt)
-            self._next_seq[i] += 1
-        return out
+    async def _next(self) -> list[TokenChunk | Lost | Stalled]:
+        """What to act on next: a queued chunk or loss; chunks asked again from the worker (a gap
+        that lasted gap_wait_s, or the bus came back); or a stall (silence, the bus down too long)."""
+        while True:
+            now = time.monotonic()
+            due = self._replay_due()
+            if due is not None and due <= now and self.router.bus.connected:
+                if got := await self._replay():
+                    return got
+                continue
+            try:
+                item = await asyncio.wait_for(self.queue.get(), self._wait_s(now, due))
+            except TimeoutError:
+                if (stall := self._stalled()) is not None:
+                    return [stall]
+                continue
+            if isinstance(item, BusChanged):
+                if item.connected:
+                    self._resync_at = time.monotonic()
+                continue
+            self._heard = time.monotonic()
+            return [item]
+
+    def _replay_due(self) -> float | None:
+        gap = None if self.order.gap_since is None else self.order.gap_since + self.router.cfg.gap_wait_s
+        return min((t for t in (gap, self._resync_at) if t is not None), default=None)
+
+    def _wait_s(self, now: float, due: float | None) -> float:
+        """Until the worker's silence would be too long or a replay is due; ticks while the bus is down."""
+        since = max(self._heard, self.router.bus.evidence_since)  # our own outage is not its silence
+        if since == math.inf:
+            return TICK_S
+        end = since + self.router.cfg.stream_idle_timeout_s
+        return max(0.01, (end if due is None else min(end, due)) - now)
+
+    def _stalled(self) -> Stalled | None:
+        bus, cfg, now = self.router.bus, self.router.cfg, time.monotonic()
+        stuck = self.decode_worker_id if self._decoding else self.worker_id
+        down = bus.down_for(now)
+        if down > cfg.bus_outage_s:
+            why = "is closed" if down == math.inf else f"has been down for {down:.0f}s"
+            return Stalled(ServiceError(ErrorCode.UNAVAILABLE, f"the message bus connection {why}"), False, stuck)
+        idle = cfg.stream_idle_timeout_s
+        if now - max(self._heard, bus.evidence_since) > idle:
+            return Stalled(ServiceError(ErrorCode.TIMEOUT, f"no tokens for {idle:g}s from {stuck}"), True, stuck)
+        return None
+
+    async def _replay(self) -> list[TokenChunk | Lost]:
+        """The chunks after those we have, from the request's worker(s); Lost when a worker that
+        matters no longer has them (it restarted, or let them go): the request then migrates."""
+        self._resync_at = None
+        gap = self.order.gap_since is not None
+        req = ReplayRequest(request_id=self.request_id, attempt=self.req.attempt, from_seq=self.order.wanted(self.open))
+        got: list[TokenChunk | Lost] = []
+        for worker in self._workers():
+            reply = await self.router.replay(worker, req)
+            if reply is None:  # not back on the bus yet (or dead: the balancer will say so)
+                self._resync_at = time.monotonic() + RETRY_S
+            elif reply.gone and self.watches(worker):
+                return [Lost(worker)]
+            elif not reply.gone:
+                got += reply.chunks
+                if reply.more:
+                    self._resync_at = time.monotonic()
+        if gap and self._resync_at is None:
+            self.order.gap_since = time.monotonic()  # ask again if the gap stays open
+            self.order.asks += 1
+            if self.order.asks > 3:  # answered, and still not filled: give up on this worker
+                return [Lost(self.decode_worker_id if self._decoding else self.worker_id or "")]
+        return got
 
     async def _migrate(self, failed: str | None, reason: ErrorCode) -> None:
         """Rerun the open choices on another worker from the tokens the client already has."""
@@ -147,7 +237,7 @@ class Generation:
                                                "suspect": self.worker_failures > 0, "resume": resume})
         self.worker_id = self.decode_worker_id = None
         self._decoding = False
-        self._next_seq, self._held = [0] * self.req.params.n, {}
+        self.order, self._resync_at = ChunkOrder(self.req.params.n), None
         self.migrations += 1
         self.router.migrations.labels(reason.value, "fresh" if fresh else "resumed").inc()
         await self._route()

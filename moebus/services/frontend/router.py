@@ -1,19 +1,27 @@
 """StreamRouter: the frontend's single wildcard subscription for every request's token stream.
 
 Chunks arrive on ``frontend.stream.<instance>.<request_id>`` and go to that request's queue;
-``balancer.worker_lost`` events go to every request running on the lost worker.
+``balancer.worker_lost`` events go to every request running on the lost worker; the bus going down
+or coming back goes to every request (after a reconnect each asks its worker for what it missed).
 """
 from __future__ import annotations
+
+import logging
 
 from nats.aio.msg import Msg
 
 from moebus.shared.bus import Bus
+from moebus.shared.errors import NoResponders, RequestTimeout, ServiceError
 from moebus.shared.messages import GenerateRequest, ImageEmbedding, SamplingOptions, TokenChunk, WorkerLost
+from moebus.shared.messages.generate import ReplayReply, ReplayRequest
 from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
 
 from .config import FrontendConfig
-from .generation import Generation, Lost
+from .generation import BusChanged, Generation, Lost
+
+log = logging.getLogger(__name__)
+REPLAY_TIMEOUT_S = 2.0
 
 
 class StreamRouter:
@@ -25,6 +33,10 @@ class StreamRouter:
                                           "they went on from tokens already sent (resumed) or from the start (fresh)",
                                           ["reason", "kind"])
         self.aborts = metrics.counter("aborts_total", "Abort messages sent to workers")
+        self.replays = metrics.counter("replays_total", "Chunks asked again from a worker after a gap or a bus "
+                                       "reconnect: answered (ok), gone (the request migrates), unreachable (asked "
+                                       "again), error", ["outcome"])
+        self.replayed = metrics.counter("replayed_chunks_total", "Chunks a worker sent again")
 
     def __len__(self) -> int:
         return len(self._gens)
@@ -34,6 +46,7 @@ class StreamRouter:
                                  concurrent=False, traced=False, endpoint="stream")
         await self.bus.subscribe(self.subjects.balancer_worker_lost, WorkerLost, self._on_lost, concurrent=False,
                                  endpoint="worker_lost")
+        self.bus.watch(self._on_bus)
 
     def new(self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingOptions,
             images: list[ImageEmbedding] | None = None, priority: int = 0) -> Generation:
@@ -53,6 +66,29 @@ class StreamRouter:
         gen = self._gens.get(chunk.request_id)
         if gen is not None:
             gen.queue.put_nowait(chunk)
+
+    async def replay(self, worker: str, req: ReplayRequest) -> ReplayReply | None:
+        """The chunks `worker` already sent for a request; None when it cannot answer now."""
+        try:
+            reply = await self.bus.request(self.subjects.worker_replay(worker), req, ReplayReply,
+                                           timeout=REPLAY_TIMEOUT_S)
+        except (NoResponders, RequestTimeout) as e:
+            log.debug("replay of %s from %s: %s", req.request_id, worker, e)
+            self.replays.labels("unreachable").inc()
+            return None
+        except ServiceError as e:
+            log.warning("replay of %s from %s failed: %s", req.request_id, worker, e)
+            self.replays.labels("error").inc()
+            return None
+        self.replays.labels("gone" if reply.gone else "ok").inc()
+        self.replayed.inc(len(reply.chunks))
+        return reply
+
+    def _on_bus(self, connected: bool) -> None:
+        log.log(logging.INFO if connected else logging.WARNING, "bus %s: %d streams in flight",
+                "back" if connected else "down", len(self._gens))
+        for gen in list(self._gens.values()):
+            gen.queue.put_nowait(BusChanged(connected))
 
     async def _on_lost(self, event: WorkerLost, _: Msg) -> None:
         for gen in list(self._gens.values()):

@@ -1,0 +1,196 @@
+"""Streams survive bus blips (issue #23 item 1): nats-server restarted on the same port under load.
+
+Twenty streams are mid-flight on the toy model (one token per step_delay_s) when the server stops;
+it comes back after 1 s or 5 s. Every stream must end with the full toy reply, no worker may be
+declared lost (nothing moved), and each stream must flow again soon after the server is back:
+chunks published while the frontend was away are asked again from the workers' replay buffers.
+`-s` prints the figures RELIABILITY.md records (10 s: every stream ends while the server is away,
+its whole tail comes from the replay buffer).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from moebus.devmodel.toy import TOY_REPLY
+from moebus.shared.messages import TokenChunk
+from moebus.shared.nats_server import NatsServer
+
+from .conftest import toy_stack, wait_for
+
+STREAMS = 20
+STEP_S = 0.1  # the toy reply is ~60 tokens: ~6 s a stream, so the 5 s outage covers most of its tail
+ENGINE = {"step_delay_s": STEP_S, "max_num_seqs": STREAMS}
+RESUME_BOUND_S = 3.0  # server back -> every unfinished stream flowing again (measured: see RELIABILITY.md)
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@dataclass
+class Stream:
+    """One client stream: what arrived, and when."""
+
+    text: str = ""
+    times: list[float] = field(default_factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+
+    def first_after(self, t: float) -> float | None:
+        return next((x for x in self.times if x >= t), None)
+
+
+async def run_stream(client: AsyncOpenAI, s: Stream) -> Stream:
+    s.started = time.monotonic()
+    stream = await client.chat.completions.create(model="toy", messages=CHAT, stream=True, max_tokens=200)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            s.text += chunk.choices[0].delta.content
+            s.times.append(time.monotonic())
+    s.ended = time.monotonic()
+    return s
+
+
+@dataclass
+class Blip:
+    """The outcome of one NATS restart under load."""
+
+    down_s: float
+    streams: list[Stream]
+    down_at: float
+    up_at: float
+
+    @property
+    def resumes(self) -> list[float]:
+        """Per stream unfinished when the server came back: server up -> its next chunk."""
+        return [t - self.up_at for s in self.streams if (t := s.first_after(self.up_at)) is not None]
+
+    def figures(self, baseline_s: float) -> str:
+        r = self.resumes
+        durations = [s.ended - s.started for s in self.streams]
+        return (f"down {self.down_s:g}s: {len(self.streams)} streams, "
+                f"{sum(s.text != TOY_REPLY for s in self.streams)} lost; resumed after the server came back: "
+                f"p50 {statistics.median(r):.2f}s max {max(r):.2f}s ({len(r)} streams); "
+                f"stream time max {max(durations):.2f}s vs {baseline_s:.2f}s undisturbed "
+                f"(+{max(durations) - baseline_s:.2f}s, the outage included)")
+
+
+async def nats_restart(server: NatsServer, down_s: float, **kw) -> NatsServer:
+    """Stop the server, wait down_s, start a new one on the same port (same users when given)."""
+    port = server.port
+    await asyncio.to_thread(server.stop)
+    await asyncio.sleep(down_s)
+    return await asyncio.to_thread(NatsServer(port=port, **kw).start)
+
+
+async def metric(url: str, name: str) -> float:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{.*}})? (\S+)$", text, re.M))
+
+
+def workers_lost(st) -> float:
+    """Workers the (in-process) balancer declared lost so far."""
+    return float(re.findall(rb"^moebus_balancer_workers_lost_total (\S+)$", st.balancer.metrics.render(), re.M)[0])
+
+
+async def streams_under_blip(client: AsyncOpenAI, restart, down_s: float) -> Blip:
+    """STREAMS streams; once each has some text, `restart(down_s)` (awaitable: the server is back
+    when it returns); until all end."""
+    streams = [Stream() for _ in range(STREAMS)]
+    tasks = [asyncio.create_task(run_stream(client, s)) for s in streams]
+    try:
+        await wait_for(lambda: all(len(s.times) >= 3 for s in streams), timeout=30)
+        down_at = time.monotonic()
+        await restart(down_s)
+        up_at = time.monotonic()
+        assert not all(t.done() for t in tasks), "the streams ended before the outage: make them longer"
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=down_s + 30)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return Blip(down_s, streams, down_at, up_at)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[list[NatsServer]]:
+    """A server of this test's own (a one-element list: a restart replaces it)."""
+    box = [await asyncio.to_thread(NatsServer().start)]
+    yield box
+    await asyncio.to_thread(box[0].stop)
+
+
+async def undisturbed(client: AsyncOpenAI) -> float:
+    """The longest of STREAMS concurrent streams with no fault."""
+    streams = await asyncio.gather(*(run_stream(client, Stream()) for _ in range(STREAMS)))
+    assert all(s.text == TOY_REPLY for s in streams)
+    return max(s.ended - s.started for s in streams)
+
+
+@pytest.mark.parametrize("down_s", [1.0, 5.0, 10.0])
+async def test_a_nats_restart_loses_no_stream(server: list[NatsServer], down_s: float) -> None:
+    async with toy_stack(server[0].url, workers=2, engine=ENGINE, frontend={"stream_idle_timeout_s": 60}) as st:
+        client = st.client()
+        baseline = await undisturbed(client)
+
+        async def restart(d: float) -> None:
+            server[0] = await nats_restart(server[0], d)
+
+        lost = workers_lost(st)
+        blip = await streams_under_blip(client, restart, down_s)
+        print("\n" + blip.figures(baseline))
+        assert [s.text for s in blip.streams] == [TOY_REPLY] * STREAMS
+        assert await metric(st.base_url, "moebus_frontend_migrations_total") == 0  # nothing moved
+        await asyncio.sleep(max(0.0, blip.up_at + 3.0 - time.monotonic()))  # the balancer's settle time + 3 beats
+        assert workers_lost(st) == lost
+        assert blip.resumes and max(blip.resumes) < RESUME_BOUND_S
+        print(f"replays: {await metric(st.base_url, 'moebus_frontend_replays_total'):g}, chunks replayed: "
+              f"{await metric(st.base_url, 'moebus_frontend_replayed_chunks_total'):g}")
+        await st.wait_idle()
+
+
+async def test_a_chunk_lost_on_the_way_is_asked_again(server: list[NatsServer]) -> None:
+    """No restart: the bus drops one chunk of each stream; the gap is filled from the worker."""
+    async with toy_stack(server[0].url, engine={"step_delay_s": 0.01}) as st:
+        worker = st.workers[0]
+        publish = worker.bus.publish
+
+        async def lossy(subject: str, msg, headers=None) -> None:
+            if ".frontend.stream." in subject and TokenChunk.decode(msg).seq == 3:
+                return
+            await publish(subject, msg, headers)
+
+        worker.bus.publish = lossy
+        client = st.client()
+        streams = await asyncio.wait_for(asyncio.gather(*(run_stream(client, Stream()) for _ in range(4))), 10)
+        assert [s.text for s in streams] == [TOY_REPLY] * 4
+        assert await metric(st.base_url, "moebus_frontend_replays_total") >= 4
+        assert await metric(st.base_url, "moebus_frontend_migrations_total") == 0
+
+
+async def test_a_dead_nats_server_fails_streams_in_bounded_time(server: list[NatsServer]) -> None:
+    """The server does not come back: /health says so and the streams end with an error after
+    bus_outage_s, instead of hanging until the idle timeout."""
+    outage = 2.0
+    async with toy_stack(server[0].url, engine=ENGINE, frontend={"bus_outage_s": outage}) as st:
+        client = st.client()
+        streams = [Stream() for _ in range(4)]
+        tasks = [asyncio.create_task(run_stream(client, s)) for s in streams]
+        await wait_for(lambda: all(s.times for s in streams), timeout=10)
+        port = server[0].port
+        await asyncio.to_thread(server[0].stop)
+        down = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), outage + 5)
+        took = time.monotonic() - down
+        assert all(isinstance(r, openai.APIError) and "message bus" in str(r) for r in results), results
+        assert outage <= took < outage + 1.5
+        async with aiohttp.ClientSession() as http, http.get(st.base_url + "/health") as r:
+            assert r.status == 503 and (await r.json())["nats_connected"] is False
+        server[0] = await asyncio.to_thread(NatsServer(port=port).start)  # a quick teardown
