@@ -1,4 +1,7 @@
-"""Prometheus helpers: one registry per service instance (no global default registry)."""
+"""Prometheus helpers: one registry per service instance (no global default registry).
+
+Names are prefixed `moebus_<service>_`, except names holding a ':' (recording-rule style), which
+are registered as given: the vLLM-shaped `moebus:...` metrics (docs/observability.md)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,15 +29,18 @@ class Metrics:
                                          ["endpoint", "outcome"])
         self.bus_handler_seconds = self.histogram("bus_handler_seconds", "Handler latency", ["endpoint"])
 
+    def _name(self, name: str) -> str:
+        return name if ":" in name else self._prefix + name
+
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
-        return Counter(self._prefix + name, doc, labels, registry=self.registry)
+        return Counter(self._name(name), doc, labels, registry=self.registry)
 
     def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
-        return Gauge(self._prefix + name, doc, labels, registry=self.registry)
+        return Gauge(self._name(name), doc, labels, registry=self.registry)
 
     def histogram(self, name: str, doc: str, labels: Sequence[str] = (),
                   buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
-        return Histogram(self._prefix + name, doc, labels, buckets=buckets, registry=self.registry)
+        return Histogram(self._name(name), doc, labels, buckets=buckets, registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

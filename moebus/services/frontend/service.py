@@ -24,6 +24,7 @@ from .encoders import EncoderPicker
 from .errors import APIError
 from .generation import Generation
 from .images import image_input
+from .latency import Latencies, TimedChoice
 from .router import StreamRouter
 from .tenants import KeyRing, Tenant
 
@@ -42,6 +43,7 @@ class FrontendService(Service):
         self.m_ttft = m.histogram("time_to_first_token_seconds", "Request start to first token")
         self.m_tokens = m.counter("completion_tokens_total", "Completion tokens returned")
         self.m_inflight = m.gauge("inflight_generations", "Generations in flight")
+        self.latencies = Latencies(m)  # moebus:time_to_first_token_seconds etc., as clients see them
         self.keyring = KeyRing.from_config(cfg)  # a bad keys file fails the start
         self.admission = Admission(cfg.admission, m)
 
@@ -106,7 +108,8 @@ class FrontendService(Service):
             return Detok(self.bus, self.subjects, model, self.cfg.tokenizer_timeout_s, list(params.stop),
                          params.include_stop_str_in_output, context=prompt_ids, wait_s=self.cfg.restart_wait_s)
 
-        return [ChoiceState(first_index + i, detok()) for i in range(params.n)]
+        clock = self.latencies.current.get()  # of the generation just entered (its TTFT, ITL)
+        return [TimedChoice(first_index + i, detok(), clock=clock) for i in range(params.n)]
 
     def tokens_of(self, prompt_ids: list[int], params: SamplingOptions) -> int:
         """What a request may hold at most: its prompt and every choice's longest output."""
@@ -125,6 +128,7 @@ class FrontendService(Service):
             if len(self.router) >= self.cfg.max_inflight:
                 raise APIError(503, "too many requests in flight", type="service_unavailable", code="overloaded",
                                retry_after=1)
+            clock = self.latencies.start(model)
             gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params, list(images),
                                   priority=tenant.limits.priority)
             try:
@@ -136,4 +140,5 @@ class FrontendService(Service):
                 yield gen
             finally:
                 await gen.close()
+                clock.close()
                 self.m_inflight.set(len(self.router))

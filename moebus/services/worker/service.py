@@ -46,6 +46,7 @@ from .config import WorkerConfig
 from .counters import RequestCounters
 from .demand import Demand
 from .engine_loop import AddFailed, EngineLoop, Prefilled
+from .engine_metrics import EngineMetrics
 from .engines import engine_params, make_engine
 from .outputs import chunk_from_output
 from .quarantine import Quarantine
@@ -84,6 +85,7 @@ class WorkerService(Service):
         self._m_ttft = m.histogram("time_to_first_token_seconds", "Accept to first token")
         self._m_tokens = m.counter("generated_tokens_total", "Tokens generated")
         self._m_queue = m.gauge("queued_requests", "Requests waiting for their first token")
+        self.engine_metrics = EngineMetrics(m, self.served_model, self.instance_id, self.load)  # moebus:*
         self.demand = Demand(cfg.latency_window_s)  # for the planner, in each heartbeat
 
     # ---- state -----------------------------------------------------------------------------
@@ -263,17 +265,20 @@ class WorkerService(Service):
             if not a.started:
                 a.started = True
                 self._m_ttft.observe(now - a.accepted_at)
+                self.engine_metrics.first_chunk(chunk, prefilled_here=a.req.stage != "decode" and not a.req.resume)
                 if a.req.stage != "decode" and not a.req.resume:  # else not its request's first token
                     self.demand.ttft.add(now - a.accepted_at, now)
             elif chunk.token_ids:
                 self.demand.itl.add((now - a.last_chunk_at) / len(chunk.token_ids), now)
             a.last_chunk_at = now
             self._m_tokens.inc(len(chunk.token_ids))
+            self.engine_metrics.chunk(chunk)
             self.demand.generated(len(chunk.token_ids))
             if chunk.finished:
                 a.open.discard(i)
                 if not a.open:
                     self.release(rid, "finished")
+                    self.engine_metrics.finished(chunk.finish_reason)
                     self._beat_soon()
             self.send(a.req.reply_to, chunk, a.trace_headers)
         for p in prefilled:
