@@ -70,3 +70,10 @@ async def test_frontend_exports_client_latencies(stack: ToyStack) -> None:
     assert got["moebus:e2e_request_latency_seconds_count"][0].value == 3
     assert got["moebus:inter_token_latency_seconds_count"][0].value > 0
     assert "moebus_frontend_time_to_first_token_seconds_count" in got  # the old name stays
+
+
+async def test_balancer_counts_route_decisions(stack: ToyStack) -> None:
+    await drive(stack)
+    got = samples(stack.balancer.metrics.render().decode())
+    reasons = {s.labels["reason"]: s.value for s in got["moebus_balancer_route_decisions_total"]}
+    assert reasons["load_only"] == 3  # toy workers carry no KV info

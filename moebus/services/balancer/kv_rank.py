@@ -3,6 +3,8 @@ prompt's leading blocks and rank by the estimated time to finish its prefill (kv
 
 No broker (or no KV info in the heartbeats: toy workers) -> the plain least-loaded order. After
 a failed query the broker is left alone for a while so a dead broker costs routes nothing.
+Each route's decision is counted by reason in `moebus_balancer_route_decisions_total{reason}`
+(REASONS); the balancer's bus carries its Metrics.
 """
 from __future__ import annotations
 
@@ -17,6 +19,11 @@ from moebus.shared.subjects import Subjects
 from .kv_routing import RoutingWeights, WorkerState, overlaps, rank_workers
 from .table import WorkerEntry
 
+# prefix_hit: some worker (or the broker's tiers) held the prompt's leading blocks; no_prefix:
+# asked, none did; index_unavailable: the broker did not answer (or is being left alone);
+# load_only: nothing to ask about (one candidate, or no KV info in the heartbeats).
+REASONS = ("prefix_hit", "no_prefix", "index_unavailable", "load_only")
+
 
 class KVRanker:
     def __init__(self, bus: Bus, subjects: Subjects, timeout_s: float = 0.25, backoff_s: float = 2.0) -> None:
@@ -25,20 +32,33 @@ class KVRanker:
         self._quiet_until = 0.0
         self.queries = 0
         self.hits = 0  # routes where some worker held a prefix of the prompt
+        metrics = bus.metrics
+        counter = metrics.counter("route_decisions_total", "KV-aware routes by how they were decided",
+                                  ["reason"]) if metrics else None
+        self._decided = {r: counter.labels(r) for r in REASONS} if counter else {}
+
+    def _decide(self, reason: str) -> None:
+        if self._decided:
+            self._decided[reason].inc()
 
     async def order(self, prompt: list[int], entries: list[WorkerEntry]) -> list[WorkerEntry]:
         kv = next((e.beat.kv for e in entries if e.beat.kv is not None), None)
         if kv is None or len(entries) < 2:
+            self._decide("load_only")
             return entries
         matches = None
         hashes = stable_block_hashes(prompt, kv.block_size, kv.namespace)
+        reason = "no_prefix" if not hashes else "index_unavailable"  # unless asked and answered
         if hashes and time.monotonic() >= self._quiet_until:
             self.queries += 1
             matches = await self.index.query(hashes, holders=[e.worker_id for e in entries] + [BROKER_HOLDER])
             if matches is None:
                 self._quiet_until = time.monotonic() + self.backoff_s
+            else:
+                reason = "no_prefix"
         device, tiers, shared = overlaps(matches or [])
         self.hits += bool(device or tiers)
+        self._decide("prefix_hit" if device or tiers else reason)
         states = [_state(e, device, tiers) for e in entries]
         ranked = dict(rank_workers(len(prompt), states, RoutingWeights(kv.block_size), shared))
         # Equal cost: fewest past picks first (round robin); full workers last (stale numbers).
