@@ -26,6 +26,7 @@ from moebus.shared.bus import Bus
 from moebus.shared.kv_client import KVBrokerClient
 from moebus.shared.kv_hashing import stable_block_hashes
 from moebus.shared.messages import KVTransferSpec
+from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
 
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 
 class WorkerKVLink:
     def __init__(self, cfg: WorkerConfig, nc: NATS, instance_id: str, loop: EngineLoop, kv: EngineKV,
-                 on_corrupt: Callable[[int], None] | None = None) -> None:
-        """on_corrupt(n): n blocks that arrived (transfer or broker) failed their checksum."""
+                 on_corrupt: Callable[[int], None] | None = None, metrics: Metrics | None = None) -> None:
+        """on_corrupt(n): n blocks that arrived (transfer or broker) failed their checksum;
+        metrics: where KV transfer bytes and seconds (by direction: send, receive) are counted."""
         self.cfg, self.nc, self.instance_id, self.loop, self.kv = cfg, nc, instance_id, loop, kv
         self.on_corrupt = on_corrupt
         self.subjects = Subjects(cfg.subject_prefix)
@@ -48,6 +50,10 @@ class WorkerKVLink:
         self._senders: dict[str, KVTransport] = {}
         self.index: KVBrokerClient | None = None
         self.broker: KVBlockClient | None = None
+        self._m_bytes = metrics.counter("kv_transfer_bytes_total", "KV bytes moved between prefill and decode "
+                                        "workers", ["direction"]) if metrics else None
+        self._m_seconds = metrics.histogram("kv_transfer_seconds", "KV transfer time (receive: from waiting for "
+                                            "it to its arrival)", ["direction"]) if metrics else None
         self.counters = {"kv_sent": 0, "kv_send_failed": 0, "kv_received": 0, "kv_receive_failed": 0,
                          "tier_fetched_blocks": 0, "tier_shared_blocks": 0,
                          "kv_corrupt_blocks": 0}  # failed their checksum on arrival: dropped, recomputed
@@ -90,6 +96,7 @@ class WorkerKVLink:
         if payload is None:
             return False
         kind = "nats" if spec.address.startswith(self.subjects.prefix + ".") else "shm"
+        started = time.monotonic()
         try:
             await self._sender(kind).send(payload, spec.address, spec.transfer_id)
         except (KVTransferError, OSError) as e:
@@ -98,11 +105,18 @@ class WorkerKVLink:
             self.counters["kv_send_failed"] += 1
             return False
         self.counters["kv_sent"] += 1
+        self._observe("send", payload, started)
         return True
+
+    def _observe(self, direction: str, payload: KVPayload, started: float) -> None:
+        if self._m_bytes is not None:
+            self._m_bytes.labels(direction).inc(payload.nbytes)
+            self._m_seconds.labels(direction).observe(time.monotonic() - started)
 
     async def receive(self, transfer_id: str, timeout: float) -> KVPayload | None:
         if self.receiver is None:
             return None
+        started = time.monotonic()
         try:
             payload = await self.receiver.receive(transfer_id, timeout)
         except (KVTransferError, OSError) as e:
@@ -110,6 +124,7 @@ class WorkerKVLink:
             self.counters["kv_receive_failed"] += 1
             return None
         self.counters["kv_received"] += 1
+        self._observe("receive", payload, started)
         if payload.corrupt_blocks:  # only the blocks before the first bad one remain: the rest is recomputed
             log.warning("KV transfer %s: %d blocks failed their checksum (recomputing them)", transfer_id,
                         payload.corrupt_blocks)

@@ -147,7 +147,7 @@ class WorkerService(Service):
             from .kv_link import WorkerKVLink
 
             self.link = WorkerKVLink(self.cfg, self.bus.nc, i, self._loop, self.kv,
-                                     on_corrupt=lambda n: corrupt.labels("transfer").inc(n))
+                                     on_corrupt=lambda n: corrupt.labels("transfer").inc(n), metrics=self.metrics)
             await self.link.start()
             self.spawn(self.link.run(self.cfg.heartbeat_interval_s))
             await self.bus.subscribe(s.worker_handoff(i), Handoff, self.split.on_handoff, concurrent=False,
@@ -367,5 +367,6 @@ class WorkerService(Service):
             subject, chunk, data, headers = item
             try:
                 await self.bus.publish(subject, data, headers=headers)
-            except Exception:
-                log.warning("could not publish a chunk of %s", chunk.request_id, exc_info=True)
+            except Exception:  # cut off with nats-py's buffer full: the frontend asks the replay buffer later
+                log.log(logging.WARNING if self.bus.connected else logging.DEBUG, "could not publish a chunk of %s",
+                        chunk.request_id, exc_info=True)
