@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib
+import json
 import logging
 import os
 import signal
@@ -32,7 +33,7 @@ from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.bus_auth import ADMIN, ANY, CREDS_ENV, TLS_CA_ENV, BusUsers, write_credentials
 from moebus.shared.config_cli import to_cli_args
 from moebus.shared.messages import HealthReply
-from moebus.shared.nats_server import NatsServer
+from moebus.shared.nats_server import NatsServer, free_port
 from moebus.shared.service import Empty, ServiceConfig, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
@@ -70,6 +71,10 @@ class StackConfig(BaseModel):
     engine: dict[str, Any] = {}  # extra EngineConfig fields for every worker
     frontend: dict[str, Any] = {}  # extra FrontendConfig fields
     log_dir: str | None = None  # one <instance>.log per process; default: inherit stderr
+    # Every process serves /metrics (a free port each; the frontend: on its API port), listed in a
+    # Prometheus file_sd targets file (default: <log_dir>/prometheus_targets.json; docs/observability.md).
+    metrics: bool = True
+    metrics_targets_file: str | None = None
     ready_timeout_s: float = 600.0
     # (MIN, MAX): MIN workers per pool at start, a planner process scales each pool within MIN..MAX.
     autoscale: tuple[int, int] | None = None
@@ -122,6 +127,7 @@ class Stack:
         self.services_url = cfg.nats_url or ""  # what services are given (their credentials: by file)
         self.users: BusUsers | None = None  # our NATS's users when auth is on
         self._creds: tempfile.TemporaryDirectory | None = None
+        self.metrics_ports: dict[str, tuple[str, int]] = {}  # instance id -> (service, its /metrics port)
 
     @property
     def url(self) -> str:
@@ -177,7 +183,20 @@ class Stack:
             self.spawn_kvbroker(env)
         for service, scfg in self.service_configs():
             self.spawn(service, scfg, env)
+        self.write_metrics_targets()
         return self
+
+    def metrics_targets(self) -> list[dict[str, Any]]:
+        """Prometheus file_sd entries, one per process serving /metrics."""
+        return [{"targets": [f"127.0.0.1:{port}"], "labels": {"service": service, "instance_id": i}}
+                for i, (service, port) in sorted(self.metrics_ports.items())]
+
+    def write_metrics_targets(self) -> str | None:
+        c = self.cfg
+        path = c.metrics_targets_file or (str(Path(c.log_dir) / "prometheus_targets.json") if c.log_dir else None)
+        if path is not None:
+            Path(path).write_text(json.dumps(self.metrics_targets(), indent=1) + "\n")
+        return path
 
     @property
     def num_encoders(self) -> int:
@@ -234,6 +253,11 @@ class Stack:
     def spawn(self, service: str, scfg: ServiceConfig, env: dict[str, str] | None = None,
               extra_args: Sequence[str] = ()) -> subprocess.Popen:
         """extra_args: flags after the config's own (the last of a repeated flag wins)."""
+        if self.cfg.metrics and service != "frontend" and scfg.http_port is None:
+            scfg = scfg.model_copy(update={"http_port": free_port()})
+        port = scfg.port if service == "frontend" else scfg.http_port
+        if port is not None:
+            self.metrics_ports[scfg.instance_id] = (service, port)
         cmd = [sys.executable, "-m", f"moebus.services.{service}", *to_cli_args(scfg), *extra_args]
         return self._popen(scfg.instance_id, service, cmd, env)
 
@@ -264,6 +288,7 @@ class Stack:
     def forget(self, instance_id: str) -> None:
         """A process that is gone for good (a drained worker)."""
         del self.procs[instance_id], self.services[instance_id]
+        self.metrics_ports.pop(instance_id, None)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         coro = self.wait_ready_async(timeout)
@@ -364,6 +389,8 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
         print(f"moebus up: {stack.url}/v1 (model {cfg.served_model_name or model}, {pools}, "
               f"{'KV broker, ' if stack.kvbroker_on else ''}NATS {stack.services_url}"
               f"{'' if stack.users is None else ', bus auth on'})", flush=True)
+        if (targets := stack.write_metrics_targets()) is not None:
+            print(f"moebus up: Prometheus targets (file_sd) in {targets}", flush=True)
         supervisor = Supervisor(stack)  # restarts what crashes; drained workers stay down
         while not stop.wait(0.5):
             if (reason := supervisor.check()) is not None:
