@@ -18,6 +18,7 @@ def _up(args: argparse.Namespace) -> int:
               served_model_name=args.served_model_name, nats_url=args.nats_url, nats_port=args.nats_port,
               api_keys=args.api_key or [], heartbeat_interval_s=args.heartbeat_interval,
               max_queued=args.max_queued, engine=json.loads(args.engine), log_dir=args.log_dir,
+              metrics_targets_file=args.metrics_targets,
               mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
               kvbroker=False if args.no_kvbroker else None, worker=worker,
               balancer={"policy": args.balancer_policy}, autoscale=args.autoscale, planner=json.loads(args.planner),
@@ -80,6 +81,9 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--max-queued", type=int, default=128, help="per worker, before answering 429")
     u.add_argument("--engine", default="{}", help='extra EngineConfig fields as JSON, e.g. \'{"max_num_seqs": 8}\'')
     u.add_argument("--log-dir", default=None)
+    u.add_argument("--metrics-targets", default=None, metavar="FILE",
+                   help="write the Prometheus file_sd targets (every process's /metrics) here; "
+                        "default: LOG_DIR/prometheus_targets.json (docs/observability.md)")
     u.add_argument("--mode", choices=("aggregated", "disaggregated"), default="aggregated",
                    help="disaggregated: separate prefill and decode pools, KV moved between them")
     u.add_argument("--prefill-workers", type=int, default=1)
