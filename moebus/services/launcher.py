@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import importlib
 import json
 import logging
@@ -337,6 +338,17 @@ class Stack:
 
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         self.procs[instance_id].send_signal(sig)
+
+    def restart_nats(self, down_s: float) -> None:
+        """A bus blip for every process: stop our nats-server, wait down_s, start it again on the
+        same port with the same users and TLS (RELIABILITY.md, tests)."""
+        if self.nats is None:
+            raise RuntimeError("this stack did not start its NATS")
+        old = self.nats
+        old.stop()
+        time.sleep(down_s)
+        auth = self.users.authorization() if self.users else None
+        self.nats = dataclasses.replace(old, store_dir=None, authorization=auth).start()
 
     def stop(self, timeout: float = 20.0) -> None:
         # Frontends first (no new work), then the rest; each drains on SIGTERM.
