@@ -96,10 +96,11 @@ async def nats_restart(server: NatsServer, down_s: float, **kw) -> NatsServer:
     return await asyncio.to_thread(NatsServer(port=port, **kw).start)
 
 
-async def metric(url: str, name: str) -> float:
+async def metric(url: str, name: str, labels: str = "") -> float:
+    """The sum of a metric's series (those whose labels contain `labels`)."""
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
         text = await r.text()
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{.*}})? (\S+)$", text, re.M))
+    return sum(float(v) for lb, v in re.findall(rf"^{name}(?:{{(.*)}})? (\S+)$", text, re.M) if labels in lb)
 
 
 def workers_lost(st) -> float:

@@ -38,3 +38,5 @@ async def test_nats_restarts_lose_no_stream_across_processes(stack: Stack) -> No
         assert await metric(stack.url, "moebus_frontend_migrations_total") == 0
     print(f"replays: {await metric(stack.url, 'moebus_frontend_replays_total'):g}, chunks replayed: "
           f"{await metric(stack.url, 'moebus_frontend_replayed_chunks_total'):g}")
+    # the frontend's bus user may ask the workers (and each worker answers): every stream was replayed once a blip
+    assert await metric(stack.url, "moebus_frontend_replays_total", 'outcome="ok"') >= 2 * STREAMS
