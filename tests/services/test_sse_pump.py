@@ -110,7 +110,7 @@ async def test_chat_stream_bytes() -> None:
                 b'"finish_reason":null}],"usage":null}',
         _CHAT + b'"choices":[{"index":0,"delta":{"content":"llo"},"logprobs":' + _LP
               + b',"finish_reason":null}],"usage":null}',
-        _CHAT + b'"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"length"}],"usage":null}',
+        _CHAT + b'"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}',
         _CHAT + b'"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":3,"total_tokens":7,'
                 b'"prompt_tokens_details":{"cached_tokens":2}}}',
         b"[DONE]",
@@ -146,7 +146,7 @@ async def test_completion_stream_bytes_with_echo() -> None:
         _CMPL + b'"choices":[{"index":0,"text":"H\xc3\xa9","logprobs":{"tokens":[],"token_logprobs":[],'
                 b'"top_logprobs":[],"text_offset":[]},"finish_reason":null}],"usage":null}',
         _CMPL + b'"choices":[{"index":0,"text":"llo","logprobs":' + lp % 4 + b',"finish_reason":null}],"usage":null}',
-        _CMPL + b'"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"length"}],"usage":null}',
+        _CMPL + b'"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}',
     ]
     evs = events_of(raw)
     assert evs[:5] == first
