@@ -79,6 +79,7 @@ class Bus:
         self.reconnected_at: float | None = None  # the latest reconnect (monotonic)
         self.outages = 0  # disconnects so far
         self._watchers: list[Callable[[bool], None]] = []
+        self._state = "up"  # up, down (reconnecting) or closed: watchers hear of each change once
 
     @classmethod
     async def connect(cls, cfg: BusConfig, tracing: Tracing, metrics: Metrics | None = None) -> Bus:
@@ -157,6 +158,10 @@ class Bus:
             self.disconnected_at, self.reconnected_at = None, now
         elif self.disconnected_at is None:
             self.disconnected_at, self.outages = now, self.outages + 1
+        state = "up" if connected else "closed" if self.nc.is_closed else "down"
+        if state == self._state:
+            return
+        self._state = state
         for callback in list(self._watchers):
             try:
                 callback(connected)

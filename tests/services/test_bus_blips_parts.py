@@ -121,3 +121,17 @@ async def test_the_bus_knows_its_outages_and_tells_watchers() -> None:
     finally:
         await bus.drain()
         await asyncio.to_thread(server.stop)
+
+
+async def test_a_bus_that_gives_up_is_down_for_good() -> None:
+    server = await asyncio.to_thread(NatsServer().start)
+    bus = await Bus.connect(BusConfig(servers=[server.url], reconnect_time_wait_s=0.05, max_reconnect_attempts=1),
+                            Tracing("t"))
+    seen: list[bool] = []
+    bus.watch(seen.append)
+    try:
+        await asyncio.to_thread(server.stop)
+        await wait_for(lambda: bus.nc.is_closed, timeout=5)
+        assert seen == [False, False] and bus.down_for() == math.inf and bus.evidence_since == math.inf
+    finally:
+        await bus.drain()
