@@ -144,6 +144,10 @@ async def undisturbed(client: AsyncOpenAI) -> float:
 @pytest.mark.parametrize("down_s", [1.0, 5.0, 10.0])
 async def test_a_nats_restart_loses_no_stream(server: list[NatsServer], down_s: float) -> None:
     async with toy_stack(server[0].url, workers=2, engine=ENGINE, frontend={"stream_idle_timeout_s": 60}) as st:
+        # One event loop runs the whole stack here: on a loaded 2-core machine it stalls for longer
+        # than three 0.1 s beats. One second of allowance is above that noise and still far below
+        # the outages (a balancer that counted them would declare both workers lost every time).
+        st.balancer.table.missed = 10
         client = st.client()
         baseline = await undisturbed(client)
 

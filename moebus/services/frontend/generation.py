@@ -215,6 +215,7 @@ class Generation:
             elif reply.gone and self.watches(worker):
                 return [Lost(worker)]
             elif not reply.gone:
+                self._heard = time.monotonic()  # it answers: alive
                 got += reply.chunks
                 if reply.more:
                     self._resync_at = time.monotonic()
