@@ -36,7 +36,8 @@ class EncoderPicker:
 
     def pick(self, key: str) -> str | None:
         """The live encoder with the highest hash of (instance, key); None when none is known."""
-        return max(self.live(), key=lambda i: hashlib.blake2b(f"{i}\0{key}".encode(), digest_size=8).digest(),
+        digest = hashlib.blake2b(key.encode(), digest_size=16).digest()  # the (large) image once, not per encoder
+        return max(self.live(), key=lambda i: hashlib.blake2b(i.encode() + digest, digest_size=8).digest(),
                    default=None)
 
     def forget(self, instance_id: str) -> None:
