@@ -105,27 +105,28 @@ class EncoderService(Service):
             self._images.labels("cache_hit").inc()
             return cached, True
         pending = self._inflight.get(key)
-        if pending is None:  # the first asker encodes; concurrent askers of the same image wait for it
+        first = pending is None
+        if first:  # one encode per image in flight, owned by no asker: one that leaves cancels no one else's
             pending = self._inflight[key] = asyncio.get_running_loop().create_future()
-            try:
-                try:
-                    pixels = await asyncio.to_thread(self._pixels, raw)
-                except ImageError as e:
-                    raise ServiceError(ErrorCode.BAD_REQUEST, f"image {index}: {e}", param="messages") from None
-                self._queue.put_nowait(_Job(key, pixels, pending))
-                await asyncio.shield(pending)
-            except BaseException as e:
-                if not pending.done():
-                    pending.set_exception(e)
-                pending.exception()  # retrieved: later waiters re-raise it
-                raise
-            finally:
-                self._inflight.pop(key, None)
-            self._images.labels("encoded").inc()
-            return pending.result(), False
+            self.spawn(self._encode(key, raw, index, pending))
         emb = await asyncio.shield(pending)
-        self._images.labels("joined").inc()
-        return emb, True
+        self._images.labels("encoded" if first else "joined").inc()
+        return emb, not first
+
+    async def _encode(self, key: int, raw: bytes, index: int, done: asyncio.Future) -> None:
+        """Preprocess off the loop, then queue for the batch loop, which settles `done`."""
+        try:
+            try:
+                pixels = await asyncio.to_thread(self._pixels, raw)
+            except ImageError as e:
+                raise ServiceError(ErrorCode.BAD_REQUEST, f"image {index}: {e}", param="messages") from None
+            self._queue.put_nowait(_Job(key, pixels, done))
+            await asyncio.shield(done)
+        except Exception as e:
+            if not done.done():
+                done.set_exception(e)
+        finally:
+            self._inflight.pop(key, None)
 
     def _pixels(self, raw: bytes) -> torch.Tensor:
         return self.encoder.preprocess(decode_image(raw, self.cfg.max_pixels))
