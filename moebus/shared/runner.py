@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 
+from .logs import setup_logging
 from .service import Service
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,7 @@ async def serve_until_signal(service: Service, stop: asyncio.Event | None = None
 
 def run(service: Service) -> None:
     """Entry point of `python -m moebus.services.<svc>`: uvloop when available."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {service.name} %(levelname)s %(name)s: %(message)s")
+    setup_logging(service.name)
     try:
         import uvloop
 

@@ -10,12 +10,15 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind, TracerProvider
 
 from moebus.shared.errors import ServiceError
+from moebus.shared.logs import request_scope
+from moebus.shared.tracing import current_trace_id
 
+from .access import REQUEST_ID_HEADER, AccessLog
 from .chat import chat_completions
 from .completions import completions
 from .config import FrontendConfig
 from .errors import APIError
-from .keys import CONFIG, FRONTEND, TENANT
+from .keys import ACCESS, CONFIG, FRONTEND, RECORD, TENANT
 from .openapi import openapi_document
 from .service import FrontendService
 from .tenants import bearer
@@ -24,6 +27,35 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PUBLIC = ("/health", "/metrics", "/openapi.json")
 _GENERATE = ("/v1/chat/completions", "/v1/completions")
+
+
+@web.middleware
+async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The request's id (echoed in X-Request-Id), the scope of its log lines, its access line."""
+    rec = request[RECORD] = request.app[ACCESS].begin(request)
+    status = 500
+    with request_scope(rec.request_id):
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except asyncio.CancelledError:  # the client went away while the handler ran
+            status = 499
+            raise
+        finally:
+            AccessLog.write(rec, status)
+
+
+async def _request_id_header(request: web.Request, resp: web.StreamResponse) -> None:
+    if (rec := request.get(RECORD)) is not None:
+        resp.headers[REQUEST_ID_HEADER] = rec.request_id
+
+
+def _failed(request: web.Request, err: APIError) -> web.Response:
+    """The error's response; its reason goes into the access line."""
+    if (rec := request.get(RECORD)) is not None:
+        rec.error = f"{err.code or err.type}: {err.message}"[:500]
+    return err.response()
 
 
 @web.middleware
@@ -37,25 +69,27 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return resp
     except APIError as e:
         status = e.status
-        return e.response()
+        return _failed(request, e)
     except ServiceError as e:
         err = APIError.from_service_error(e)
         status = err.status
-        return err.response()
+        return _failed(request, err)
     except web.HTTPException as e:  # aiohttp's own 404/405/413...
         status = e.status
         kind = "invalid_request_error" if e.status < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-        return APIError(e.status, e.reason if e.status != 404 else f"Unknown route {request.path}",
-                        type=kind, code=code).response()
+        return _failed(request, APIError(e.status, e.reason if e.status != 404 else f"Unknown route {request.path}",
+                                         type=kind, code=code))
     except (asyncio.CancelledError, ConnectionResetError) as e:  # the client went away: nginx's 499, not a 500
         status = 499
+        if (rec := request.get(RECORD)) is not None:
+            rec.error = "client disconnected"
         if isinstance(e, asyncio.CancelledError):  # handler cancellation
             raise
         return web.Response(status=499)  # a write found the connection closed; aiohttp drops this one too
     except Exception:
         log.exception("unhandled error on %s", request.path)
-        return APIError(500, "internal server error", type="server_error", code="internal").response()
+        return _failed(request, APIError(500, "internal server error", type="server_error", code="internal"))
     finally:
         if fe is not None:
             fe.m_http.labels(route, str(status)).inc()
@@ -107,6 +141,8 @@ async def tracing_middleware(request: web.Request, handler: Handler) -> web.Stre
         return await handler(request)
     # Continue the client's trace if it sent a traceparent; every bus hop below joins this span.
     with fe.tracing.consume(f"{request.method} {request.path}", dict(request.headers), kind=SpanKind.SERVER):
+        if (rec := request.get(RECORD)) is not None:
+            rec.trace_id = current_trace_id()
         return await handler(request)
 
 
@@ -141,13 +177,15 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def create_app(cfg: FrontendConfig, tracer_provider: TracerProvider | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, per_client_middleware(cfg.max_concurrent_per_client),
+    app = web.Application(middlewares=[access_middleware, errors_middleware, per_client_middleware(cfg.max_concurrent_per_client),
                                        auth_middleware, tracing_middleware],
                           client_max_size=cfg.limits.max_body_bytes)
     app[CONFIG] = cfg
+    app[ACCESS] = AccessLog()
+    app.on_response_prepare.append(_request_id_header)
 
     async def bus_ctx(app: web.Application) -> AsyncIterator[None]:
-        async with FrontendService(cfg, tracer_provider=tracer_provider) as svc:
+        async with FrontendService(cfg, tracer_provider=tracer_provider, access=app[ACCESS]) as svc:
             app[FRONTEND] = svc
             yield
 

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from .access import AccessLog, RequestRecord
 from .config import FrontendConfig
 from .tenants import Tenant
 
@@ -14,3 +15,5 @@ if TYPE_CHECKING:
 CONFIG: web.AppKey[FrontendConfig] = web.AppKey("config", FrontendConfig)
 FRONTEND: web.AppKey[FrontendService] = web.AppKey("frontend")
 TENANT: web.RequestKey[Tenant] = web.RequestKey("tenant", Tenant)  # set by the auth middleware
+ACCESS: web.AppKey[AccessLog] = web.AppKey("access", AccessLog)
+RECORD: web.RequestKey[RequestRecord] = web.RequestKey("record", RequestRecord)  # set by the access middleware

@@ -48,6 +48,7 @@ class Clock:
     model: str
     started: float = field(default_factory=time.monotonic)
     first_at: float | None = None
+    choices: list[ChoiceState] = field(default_factory=list)  # of this generation (TimedChoice's)
 
     def tokens(self, n: int, last_at: float | None) -> float:
         """n tokens came for a choice whose previous chunk came at last_at; returns now."""
@@ -60,6 +61,11 @@ class Clock:
                 self.latencies.itl.labels(self.model).observe((now - last_at) / n)
         return now
 
+    @property
+    def n_tokens(self) -> int:
+        """Completion tokens of every choice so far (as usage counts them)."""
+        return sum(c.num_tokens for c in self.choices)
+
     def close(self) -> None:
         self.latencies.e2e.labels(self.model).observe(time.monotonic() - self.started)
 
@@ -70,6 +76,10 @@ class TimedChoice(ChoiceState):
 
     clock: Clock | None = None
     last_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.clock is not None:
+            self.clock.choices.append(self)
 
     async def feed(self, chunk: TokenChunk) -> str:
         if self.clock is not None and not self.finished and chunk.token_ids:

@@ -17,6 +17,7 @@ from moebus.shared.messages import (
 )
 from moebus.shared.service import Service
 
+from .access import AccessLog
 from .admission import Admission
 from .choice import ChoiceState, Detok
 from .config import FrontendConfig
@@ -32,8 +33,9 @@ from .tenants import KeyRing, Tenant
 class FrontendService(Service):
     name = "frontend"
 
-    def __init__(self, cfg: FrontendConfig, **kw: Any) -> None:
+    def __init__(self, cfg: FrontendConfig, access: AccessLog | None = None, **kw: Any) -> None:
         super().__init__(cfg, **kw)
+        self.access = access or AccessLog()  # the HTTP request each task handles (its access line)
         self.cfg: FrontendConfig = cfg
         self.router: StreamRouter | None = None
         self.encoders: EncoderPicker | None = None  # when images are accepted
@@ -58,6 +60,8 @@ class FrontendService(Service):
         return {"inflight": len(self.router) if self.router else 0}
 
     def check_model(self, model: str) -> None:
+        if (rec := self.access.record()) is not None:
+            rec.model = model
         if model not in self.cfg.models:
             raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
 
@@ -141,4 +145,6 @@ class FrontendService(Service):
             finally:
                 await gen.close()
                 clock.close()
+                if (rec := self.access.record()) is not None:
+                    rec.generation(len(prompt_ids), clock.n_tokens, clock.first_at)
                 self.m_inflight.set(len(self.router))

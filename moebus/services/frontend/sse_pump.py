@@ -20,6 +20,7 @@ from .choice import ChoiceState
 from .errors import APIError
 from .events import Delta, Event, Finish
 from .formats import SSE, usage
+from .keys import RECORD
 
 if TYPE_CHECKING:
     from .service import FrontendService
@@ -64,7 +65,10 @@ async def pump_sse(request: web.Request, fe: FrontendService, stream: AsyncItera
                 await send(fmt.finish(ev.choice))
             ev = await anext(stream, None)
     except ServiceError as e:  # headers are gone: report in-band, as OpenAI does
-        await sse.send(APIError.from_service_error(e).body())
+        err = APIError.from_service_error(e)
+        if (rec := request.get(RECORD)) is not None:
+            rec.error = f"in-band {err.status} {err.code}: {err.message}"[:500]
+        await sse.send(err.body())
         return await sse.close()
     choices = [c for cs in groups for c in cs]
     fe.m_tokens.inc(sum(c.num_tokens for c in choices))
