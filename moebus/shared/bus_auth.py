@@ -37,7 +37,8 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
         case "frontend":  # chat requests in; token streams of its own requests back (replayed on request)
             return ([s.tokenizer_render, s.tokenizer_detokenize, s.encoder_encode, s.encoder_encode_on(ANY),
                      s.balancer_route, s.worker_abort(ANY), s.worker_abort_all, s.worker_replay(ANY)],
-                    [s.frontend_stream_all(i), s.balancer_worker_lost, s.heartbeat_all("encoder")])
+                    [s.frontend_stream_all(i), s.balancer_worker_lost, s.heartbeat_all("encoder"),
+                     s.heartbeat_all("worker")])  # worker beats: its /ready
         case "tokenizer":
             return [], [s.tokenizer_render, s.tokenizer_detokenize]
         case "encoder":

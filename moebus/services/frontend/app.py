@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from opentelemetry.trace import SpanKind, TracerProvider
 
+from moebus import __version__
 from moebus.shared.errors import ServiceError
 from moebus.shared.logs import request_scope
 from moebus.shared.tracing import current_trace_id
@@ -22,10 +23,11 @@ from .keys import ACCESS, CONFIG, FRONTEND, RECORD, TENANT
 from .openapi import openapi_document
 from .service import FrontendService
 from .tenants import bearer
+from .tokens import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_PUBLIC = ("/health", "/metrics", "/openapi.json")
+_PUBLIC = ("/health", "/ready", "/health/ready", "/ping", "/version", "/metrics", "/openapi.json")
 _GENERATE = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -146,17 +148,42 @@ async def tracing_middleware(request: web.Request, handler: Handler) -> web.Stre
         return await handler(request)
 
 
+def _model_card(name: str, cfg: FrontendConfig) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "moebus", "root": name,
+            "max_model_len": cfg.limits.max_model_len}
+
+
 async def models(request: web.Request) -> web.Response:
-    names = request.app[CONFIG].models
-    return web.json_response({"object": "list", "data": [
-        {"id": m, "object": "model", "created": 0, "owned_by": "moebus"} for m in names]})
+    cfg = request.app[CONFIG]
+    return web.json_response({"object": "list", "data": [_model_card(m, cfg) for m in cfg.models]})
 
 
 async def model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name not in request.app[CONFIG].models:
         raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
-    return web.json_response({"id": name, "object": "model", "created": 0, "owned_by": "moebus"})
+    return web.json_response(_model_card(name, request.app[CONFIG]))
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 200 once every served model has a ready (warmed-up) worker; 503 naming what is missing."""
+    fe = request.app[FRONTEND]
+    missing = fe.workers.missing(fe.cfg.models) if fe.workers is not None else list(fe.cfg.models)
+    ok = fe.bus.connected and not fe.draining and not missing
+    return web.json_response({"status": "ready" if ok else "not_ready", "nats_connected": fe.bus.connected,
+                              "draining": fe.draining, "models_without_workers": missing,
+                              "workers": fe.workers.ready_workers() if fe.workers is not None else {}},
+                             status=200 if ok else 503)
+
+
+async def ping(request: web.Request) -> web.Response:
+    """Liveness, SageMaker-style (vLLM's /ping): what /health says, without a body."""
+    fe = request.app[FRONTEND]
+    return web.Response(status=200 if fe.bus.connected and not fe.draining else 503)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -195,6 +222,12 @@ def create_app(cfg: FrontendConfig, tracer_provider: TracerProvider | None = Non
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/health/ready", ready)
+    app.router.add_route("*", "/ping", ping)
+    app.router.add_get("/version", version)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     return app

@@ -8,6 +8,8 @@ from typing import Any
 
 from moebus.shared.errors import NoResponders, ServiceError, context_length_exceeded
 from moebus.shared.messages import (
+    DetokenizeReply,
+    DetokenizeRequest,
     EncodeReply,
     EncodeRequest,
     ImageEmbedding,
@@ -26,6 +28,7 @@ from .errors import APIError
 from .generation import Generation
 from .images import image_input
 from .latency import Latencies, TimedChoice
+from .readiness import WorkerWatch
 from .router import StreamRouter
 from .tenants import KeyRing, Tenant
 
@@ -39,6 +42,7 @@ class FrontendService(Service):
         self.cfg: FrontendConfig = cfg
         self.router: StreamRouter | None = None
         self.encoders: EncoderPicker | None = None  # when images are accepted
+        self.workers: WorkerWatch | None = None  # which models have a ready worker (/ready)
         m = self.metrics
         self.m_http = m.counter("http_requests_total", "HTTP requests", ["route", "status"])
         self.m_latency = m.histogram("http_request_seconds", "HTTP request latency", ["route"])
@@ -52,6 +56,8 @@ class FrontendService(Service):
     async def setup(self) -> None:
         self.router = StreamRouter(self.bus, self.subjects, self.instance_id, self.cfg, self.metrics)
         await self.router.start()
+        self.workers = WorkerWatch(self.bus, self.subjects)
+        await self.workers.start()
         if self.cfg.accept_images:
             self.encoders = EncoderPicker(self.bus, self.subjects)
             await self.encoders.start()
@@ -74,6 +80,17 @@ class FrontendService(Service):
                                           wait_for_responders_s=self.cfg.restart_wait_s, idempotent=True)
         except ServiceError as e:
             raise APIError.from_service_error(e) from None
+
+    async def detokenize_all(self, model: str, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens skipped), in one tokenizer call."""
+        req = DetokenizeRequest(model=model, token_ids=token_ids, finished=True)
+        try:
+            reply = await self.bus.request(self.subjects.tokenizer_detokenize, req, DetokenizeReply,
+                                           timeout=self.cfg.tokenizer_timeout_s,
+                                           wait_for_responders_s=self.cfg.restart_wait_s, idempotent=True)
+        except ServiceError as e:
+            raise APIError.from_service_error(e) from None
+        return reply.held + reply.text
 
     async def encode_images(self, model: str, urls: list[str]) -> EncodeReply:
         """The encoder's rows for each image (in order); 400 when this server takes no images."""

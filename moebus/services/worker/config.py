@@ -33,3 +33,7 @@ class WorkerConfig(ServiceConfig):
     # requests' together (0: none kept), and how long after a request ends.
     replay_max_bytes: int = Field(64 * 1024 * 1024, ge=0)
     replay_grace_s: float = Field(30.0, ge=0)
+    # Before it reports ready, the worker runs one short generation on each new engine: C kernels
+    # compile and every step path runs once, so the first user request is not the one that waits.
+    warmup: bool = True
+    warmup_timeout_s: float = Field(600.0, gt=0)  # a first C kernel build can take minutes

@@ -64,8 +64,10 @@ class EngineLoop:
     def __init__(self, factory: Callable[[], EnginePort], loop: asyncio.AbstractEventLoop, on_outputs: OnOutputs,
                  on_fatal: Callable[[BaseException], None], on_ready: Callable[[], None] = lambda: None,
                  kv: EngineKV | None = None, max_restarts: int = 3, max_failed_steps: int = 3,
-                 restart_backoff_s: float = 1.0, healthy_after_s: float = 300.0) -> None:
+                 restart_backoff_s: float = 1.0, healthy_after_s: float = 300.0,
+                 warmup: Callable[[EnginePort], None] | None = None) -> None:
         self._factory, self._loop, self.kv = factory, loop, kv
+        self._warmup = warmup  # run on each new engine before it is ready (kernels compiled, paths run once)
         self.max_restarts, self.max_failed_steps, self.restart_backoff_s = max_restarts, max_failed_steps, \
             restart_backoff_s
         self.restarts = 0  # in a row: an engine that served healthy_after_s since its build clears them
@@ -124,6 +126,10 @@ class EngineLoop:
                 self.engine = None
                 self.engine = self._factory()
                 self.tokenizer = self.engine.tokenizer
+                if self._warmup is not None and not self.engine.lockstep:  # a lockstep group steps together
+                    started = time.monotonic()
+                    self._warmup(self.engine)
+                    log.info("engine warmed up in %.2fs", time.monotonic() - started)
                 if self.kv is not None:
                     self.kv.bind(self.engine)
                 self.stats = dict(self.engine.stats())

@@ -35,6 +35,7 @@ from moebus.shared.messages import (
     Heartbeat,
     KVInfo,
     Load,
+    SamplingOptions,
     TokenChunk,
     WorkerLost,
 )
@@ -139,7 +140,8 @@ class WorkerService(Service):
         self._loop = EngineLoop(self._factory, asyncio.get_running_loop(), self._on_outputs, self._on_fatal,
                                 on_ready=lambda: self.spawn(self.publish_heartbeat()),  # be routable at once
                                 kv=self.kv, max_restarts=self.cfg.engine_restarts,
-                                restart_backoff_s=self.cfg.engine_restart_backoff_s)
+                                restart_backoff_s=self.cfg.engine_restart_backoff_s,
+                                warmup=self._warm_up if self.cfg.warmup else None)
         self._loop.start()
         self.spawn(self._publisher())
         s, i = self.subjects, self.instance_id
@@ -161,6 +163,22 @@ class WorkerService(Service):
                                  endpoint="abort_all")
         await self.bus.subscribe(s.worker_replay(i), ReplayRequest, self.on_replay, concurrent=False,
                                  endpoint="replay")
+
+    def _warm_up(self, engine: EnginePort) -> None:
+        """One short greedy generation, on the engine thread before the engine is ready (engine_loop.py)."""
+        try:
+            prompt = list(engine.tokenizer.encode("Hello"))[:8] or [0]
+        except Exception:  # a tokenizer without encode: any in-vocabulary ids do
+            prompt = [0, 1, 2]
+        rid = f"warmup-{self.incarnation}"
+        engine.add_request(rid, prompt, engine_params(SamplingOptions(max_tokens=2, temperature=0.0,
+                                                                      ignore_eos=True), self.toy))
+        deadline = time.monotonic() + self.cfg.warmup_timeout_s
+        while engine.has_unfinished_requests():
+            if time.monotonic() > deadline:
+                engine.abort_request(rid)
+                raise TimeoutError(f"the warm-up generation took over {self.cfg.warmup_timeout_s:g}s")
+            engine.step()
 
     async def teardown(self) -> None:
         if self._generate_sub is not None:

@@ -1,0 +1,155 @@
+"""Linear layers on GGUF weight-only quantized weights: out = x @ dequantize(w).T, dequantized inside
+the kernel.
+
+w is a uint8 tensor [N, K / 32 * block bytes]: each row is its K / 32 GGUF blocks exactly as the
+file stores them (ggml's layouts, so the loader's bytes are used as they are):
+
+| type | block | weight |
+| --- | --- | --- |
+| Q4_0 | f16 d, 16 bytes of nibbles | d * (q - 8) |
+| Q4_1 | f16 d, f16 m, 16 bytes of nibbles | d * q + m |
+| Q8_0 | f16 d, 32 int8 | d * q |
+
+Byte j of the nibbles holds element j (low nibble) and element j + 16 (high nibble).
+
+Why: a decode step reads every weight once. The shipped SmolLM2 is Q4_1 (token embedding / tied
+LM head Q8_0): dequantized to float32 a token reads ~540 MB, served from the blocks ~96 MB.
+Results are the reference's (float32 GEMM on the dequantized weight) up to summation order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._compat import check_launchable, tl, triton, use_triton
+from .cpu_build import I32, I64, PTR, library
+
+QK = 32  # weights per block
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # name -> ggml type id (the GGUF tensor type)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# Rows from which the C kernel dequantizes panels of the weight and runs register-tiled GEMMs;
+# fewer rows multiply each decoded block straight into every row (decode steps).
+CPU_TILED_MIN_ROWS = 4
+_CPU_ARGTYPES = [I32, PTR, I64, PTR, I64, I64, I64, I64, PTR, I64, I32]
+_NO_TILES = 2**31 - 1
+
+
+def check_weight(w: torch.Tensor, qtype: str, k: int) -> None:
+    assert qtype in BLOCK_BYTES, f"unsupported quant type {qtype!r} (one of {sorted(BLOCK_BYTES)})"
+    assert k % QK == 0, f"K={k} is not a multiple of {QK}"
+    assert w.dtype == torch.uint8 and w.dim() == 2 and w.shape[1] == k // QK * BLOCK_BYTES[qtype], (w.shape, qtype, k)
+
+
+def _halves(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes (little-endian f16) -> [..., 1] float32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def dequantize_ref(w: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """[N, blocks bytes] -> float32 [N, K], the arithmetic of gguf-py's dequantize."""
+    check_weight(w, qtype, k)
+    blocks = w.view(w.shape[0], k // QK, BLOCK_BYTES[qtype])
+    d = _halves(blocks[..., :2])
+    if qtype == "Q8_0":
+        return (blocks[..., 2:].contiguous().view(torch.int8).float() * d).view(w.shape[0], k)
+    qs = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)
+    if qtype == "Q4_1":
+        return (d * q.float() + _halves(blocks[..., 2:4])).view(w.shape[0], k)
+    return (d * (q.to(torch.int8) - 8).float()).view(w.shape[0], k)
+
+
+def quant_matmul_ref(x: torch.Tensor, w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """x [M, K] @ dequantize(w).T -> [M, N] in x's dtype (float32 GEMM)."""
+    return F.linear(x.float(), dequantize_ref(w, qtype, x.shape[-1])).to(x.dtype)
+
+
+@triton.jit
+def _quant_matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, NB, x_stride, w_stride, out_stride,
+                         QTYPE: tl.constexpr, BB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One program: BLOCK_M x rows by BLOCK_N weight rows; K in steps of one GGUF block (32), each
+    # dequantized from its bytes in registers: the d (and m) halves rebuilt from two bytes, the
+    # 32 quants gathered as element j = byte j % 16, nibble j // 16 (Q4) or byte j (Q8_0).
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    j = tl.arange(0, 32)
+    wrow = w_ptr + cols.to(tl.int64) * w_stride
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for b in range(0, NB):
+        blk = wrow + b * BB
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_stride + b * 32 + j[None, :], mask=row_ok[:, None],
+                    other=0.0).to(tl.float32)
+        d0 = tl.load(blk, mask=col_ok, other=0).to(tl.uint16)
+        d1 = tl.load(blk + 1, mask=col_ok, other=0).to(tl.uint16)
+        d = (d0 | (d1 << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        if QTYPE == 8:
+            q = tl.load(blk[None, :] + 2 + j[:, None], mask=col_ok[None, :], other=0)
+            wt = q.to(tl.int8, bitcast=True).to(tl.float32) * d[None, :]
+        else:
+            QOFF: tl.constexpr = 4 if QTYPE == 3 else 2
+            byte = tl.load(blk[None, :] + QOFF + (j[:, None] % 16), mask=col_ok[None, :], other=0)
+            q = ((byte >> ((j[:, None] // 16) * 4).to(tl.uint8)) & 15).to(tl.int32)
+            if QTYPE == 3:
+                m0 = tl.load(blk + 2, mask=col_ok, other=0).to(tl.uint16)
+                m1 = tl.load(blk + 3, mask=col_ok, other=0).to(tl.uint16)
+                m = (m0 | (m1 << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+                wt = d[None, :] * q.to(tl.float32) + m[None, :]
+            else:
+                wt = d[None, :] * (q - 8).to(tl.float32)
+        acc = tl.dot(a, wt, acc, input_precision="ieee")  # [BM, 32] x [32, BN]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * out_stride + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def quant_matmul_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, *, block_m: int = 16,
+                        block_n: int = 32) -> torch.Tensor:
+    check_launchable(x, w)
+    m, k = x.shape
+    check_weight(w, qtype, k)
+    assert x.stride(1) == 1 and w.stride(1) == 1
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _quant_matmul_kernel[grid](x, w, out, m, n, k // QK, x.stride(0), w.stride(0), out.stride(0),
+                               QTYPE=GGML_TYPES[qtype], BB=BLOCK_BYTES[qtype], BLOCK_M=block_m, BLOCK_N=block_n)
+    return out
+
+
+def cpu_kernel_available() -> bool:
+    return library("quant_matmul_cpu.c").get() is not None
+
+
+def quant_matmul_cpu(x: torch.Tensor, w: torch.Tensor, qtype: str, *, one_path: bool = False) -> torch.Tensor | None:
+    """The C kernel in csrc/quant_matmul_cpu.c (float32 x); None when it does not apply. one_path:
+    every row count takes the same (direct) path, so a row's result never depends on the batch."""
+    if not (x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1
+            and w.device.type == "cpu" and w.is_contiguous() and qtype in GGML_TYPES):
+        return None
+    check_weight(w, qtype, x.shape[1])
+    lib = library("quant_matmul_cpu.c").get()
+    if lib is None:
+        return None
+    fn = lib.quant_matmul_f32
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _CPU_ARGTYPES, I32
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    status = fn(GGML_TYPES[qtype], x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), m, n, k, out.data_ptr(),
+                out.stride(0), _NO_TILES if one_path else CPU_TILED_MIN_ROWS)
+    return out if status == 0 else None
+
+
+def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, *, one_path: bool = False) -> torch.Tensor:
+    """x [M, K] @ dequantize(w).T -> [M, N] in x's dtype: Triton on CUDA, the C kernel on CPU
+    (computing in float32), the reference otherwise."""
+    if use_triton(x) and x.stride(-1) == 1 and w.is_contiguous():
+        return quant_matmul_triton(x, w, qtype)
+    if x.device.type == "cpu" and x.dtype != torch.float32:
+        out = quant_matmul_cpu(x.float(), w, qtype, one_path=one_path)
+        return out.to(x.dtype) if out is not None else quant_matmul_ref(x, w, qtype)
+    out = quant_matmul_cpu(x, w, qtype, one_path=one_path)
+    return out if out is not None else quant_matmul_ref(x, w, qtype)
