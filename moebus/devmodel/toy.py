@@ -9,6 +9,7 @@ multi-byte characters span tokens like in real BPE. It "generates" a fixed sente
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import deque
@@ -34,8 +35,20 @@ class ToyTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i - _OFFSET for i in ids if i >= _OFFSET).decode(errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages)
+    def __init__(self, chat_template: str | None = None) -> None:
+        self.chat_template = chat_template  # jinja text that replaces the toy's own format
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        if self.chat_template is not None:
+            import jinja2.sandbox
+
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
+            return env.from_string(self.chat_template).render(messages=messages, tools=tools,
+                                                              add_generation_prompt=add_generation_prompt)
+        text = f"<|tools|>\n{json.dumps(tools)}\n" if tools else ""
+        text += "".join(f"<|{m['role']}|>\n{m.get('content') or ''}{json.dumps(m['tool_calls']) if m.get('tool_calls') else ''}"
+                        f"\n" for m in messages)
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
     def detokenizer(self, prompt_ids: list[int]) -> ToyDetokenizer:
@@ -62,6 +75,7 @@ class ToyEngineConfig:
     block_size: int = 16
     num_blocks: int = 256
     max_model_len: int = 2048
+    reply: str = TOY_REPLY  # what it "generates" (without an output constraint)
 
 
 @dataclass
@@ -121,7 +135,7 @@ class ToyEngine:
         if len(prompt_token_ids) >= self.cfg.max_model_len:  # the same check (and error type) as the engine
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.cfg.max_model_len}")
         structured = getattr(params, "structured", None)
-        reply = self.tokenizer.encode(TOY_JSON if structured is not None else TOY_REPLY)
+        reply = self.tokenizer.encode(TOY_JSON if structured is not None else self.cfg.reply)
         n = getattr(params, "n", 1) or 1
         prior = {k: [] for k in range(n)} if resume is None else {k: list(t) for k, t in resume.items()}
         if not prior or not all(0 <= k < n for k in prior):

@@ -5,6 +5,7 @@ tokenizer.json. The chat template is rendered with a sandboxed jinja2 environmen
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class Tokenizer:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                            undefined=jinja2.StrictUndefined)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson  # HF's: plain JSON (jinja's own escapes <, >, & for HTML)
         return env.from_string(self.chat_template).render(messages=messages,
                                                           add_generation_prompt=add_generation_prompt, **kwargs)
 
@@ -57,6 +59,16 @@ class Tokenizer:
 
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def shipped_template(name: str) -> str:
+    """A chat template that ships with moebus (moebus/engine/templates/<name>.jinja)."""
+    return (Path(__file__).parent / "templates" / f"{name}.jinja").read_text()
 
 
 def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> Tokenizer:
@@ -94,8 +106,6 @@ _GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\
 
 
 def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
-    import json
-
     backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
     cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
     model_cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
@@ -107,15 +117,22 @@ def tokenizer_from_hf_dir(path: Path) -> Tokenizer:
                      cfg.get("chat_template"), bool(cfg.get("add_bos_token", False)), specials)
 
 
-def load_tokenizer(model: str | Path) -> Tokenizer:
-    """`smollm2` (the embedded default), a .gguf file, or an HF-layout directory with tokenizer.json."""
+def load_tokenizer(model: str | Path, chat_template: str | None = None) -> Tokenizer:
+    """`smollm2` (the embedded default), a .gguf file, or an HF-layout directory with tokenizer.json.
+    `chat_template` (jinja text) replaces the checkpoint's; the embedded SmolLM2 gets a shipped
+    template that adds function calling to its own (the same text for conversations without tools)."""
     if str(model) == "smollm2":
-        model = embedded_gguf_path()
+        tok = load_tokenizer(embedded_gguf_path(), chat_template)
+        if chat_template is None:
+            tok.chat_template = shipped_template("smollm2_tools")
+        return tok
     path = Path(model)
     if path.suffix == ".gguf":
         from moebus.engine.loader.gguf_cache import converted_dir
 
         path = converted_dir(path)
     if (path / "tokenizer.json").exists():
-        return tokenizer_from_hf_dir(path)
+        tok = tokenizer_from_hf_dir(path)
+        tok.chat_template = chat_template or tok.chat_template
+        return tok
     raise FileNotFoundError(f"no tokenizer for {model}: expected a .gguf file or a dir with tokenizer.json")

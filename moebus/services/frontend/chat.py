@@ -1,67 +1,78 @@
-"""POST /v1/chat/completions (streamed over SSE, or one JSON body)."""
+"""POST /v1/chat/completions (streamed over SSE, or one JSON body), with function tools."""
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from moebus.shared.errors import ServiceError
-from moebus.shared.messages import RenderRequest
 
 from .body import parse_body
 from .choice import ChoiceState
 from .errors import APIError, bad_request
 from .events import Delta, Event, events
+from .fields import ParamError
 from .formats import chat_logprobs, usage
-from .images import place
 from .keys import FRONTEND, TENANT
 from .protocol import ChatCompletionRequest
+from .rendering import ChatPrompt, render_chat
 from .sse_pump import pump_sse
+from .tool_parsers import CallArgs, CallStart, Out, PlainText, Text, ToolStream
+from .tools import ToolPlan, finish_reason
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND]
     body = await parse_body(request, ChatCompletionRequest, fe.cfg.limits)
     fe.check_model(body.model)
+    try:
+        plan = body.tool_plan(fe.cfg.tool_call_parsers.get(body.model, "hermes"))
+    except ParamError as e:
+        raise bad_request(str(e), param=e.param) from None
     urls: list[str] = []
     try:
         messages = [t.to_message(urls) for t in body.messages]
     except ValueError as e:
         raise bad_request(str(e), param="messages") from None
-    render = RenderRequest(model=body.model, messages=messages, add_generation_prompt=body.add_generation_prompt,
-                           continue_final_message=body.continue_final_message,
-                           chat_template_kwargs=body.template_kwargs())
-    encoded = None
-    if urls:  # images first: the tokenizer needs each one's token count
-        encoded = await fe.encode_images(body.model, urls)
-        render.images, render.image_form = [im.num_tokens for im in encoded.images], encoded.form
-    rendered = await fe.render(render)
-    params = body.to_sampling()
-    prompt = rendered.prompt_token_ids
-    fe.check_context(len(prompt), params.max_tokens, "messages")
-    images = place(encoded.images, rendered.image_offsets) if encoded else []
+    params = body.to_sampling(plan)
+    prompt, images = await render_chat(fe, body.model, ChatPrompt(
+        messages, plan.template_tools(), urls, body.add_generation_prompt, body.continue_final_message,
+        body.template_kwargs()), params.max_tokens)
     started = time.monotonic()
     async with fe.generation(body.model, prompt, params, images, request.get(TENANT)) as gen:
         choices = fe.choices(0, params, prompt, body.model)
+        tools = {c.index: plan.stream() for c in choices}
         base = {"id": "chatcmpl-" + gen.request_id[4:], "created": int(time.time()), "model": body.model}
         stream = events([(gen, choices)])
         if not body.stream:
-            async for _ in _with_errors(stream):
-                pass
+            async for ev in _with_errors(stream):
+                if isinstance(ev, Delta):
+                    tools[ev.choice.index].feed(ev.text)
+            for ts in tools.values():
+                ts.finish()
             fe.m_tokens.inc(sum(c.num_tokens for c in choices))
             return web.json_response({
                 **base, "object": "chat.completion", "system_fingerprint": None,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "choices": [{"index": c.index, "message": _message(tools[c.index], plan),
                              "logprobs": chat_logprobs(c.logprobs) if params.logprobs is not None else None,
-                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in choices],
+                             "finish_reason": finish_reason(c.finish_reason, tools[c.index]),
+                             "stop_reason": c.stop_reason} for c in choices],
                 "usage": usage(len(prompt), choices, choices[0].num_cached_tokens),
             })
         base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
-        return await pump_sse(request, fe, stream, _ChatChunks(choices, params.logprobs is not None), base=base,
-                              groups=[choices], n_prompt=len(prompt), include_usage=body.include_usage,
+        return await pump_sse(request, fe, stream, _ChatChunks(choices, params.logprobs is not None, tools),
+                              base=base, groups=[choices], n_prompt=len(prompt), include_usage=body.include_usage,
                               started=started)
+
+
+def _message(ts: ToolStream, plan: ToolPlan) -> dict:
+    if not ts.calls:
+        return {"role": "assistant", "content": ts.content}
+    return {"role": "assistant", "content": ts.content or None,
+            "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in ts.calls]}
 
 
 async def _with_errors(stream: AsyncIterator[Event]) -> AsyncIterator[Event]:
@@ -74,21 +85,51 @@ async def _with_errors(stream: AsyncIterator[Event]) -> AsyncIterator[Event]:
 
 @dataclass(slots=True)
 class _ChatChunks:
-    """chat.completion.chunk entries: the assistant role first, then content deltas."""
+    """chat.completion.chunk entries: the assistant role first, then content and tool-call deltas
+    (a call's first delta carries its id, type and name; the next ones pieces of its arguments)."""
 
     choices: list[ChoiceState]
     want_logprobs: bool
+    tools: dict[int, ToolStream] = field(default_factory=dict)  # per choice; none given: plain text
 
     def preamble(self) -> list[dict]:
         return [self._entry(c.index, {"role": "assistant", "content": ""}) for c in self.choices]
 
-    def delta(self, ev: Delta) -> dict:
+    def delta(self, ev: Delta) -> list[dict]:
         lp = chat_logprobs(ev.logprobs) if self.want_logprobs else None
-        return self._entry(ev.choice.index, {"content": ev.text}, logprobs=lp)
+        entries = [self._entry(ev.choice.index, d) for d in _deltas(self._tools(ev.choice.index).feed(ev.text))]
+        if lp is not None:
+            if not entries:
+                entries = [self._entry(ev.choice.index, {"content": ""})]
+            entries[0]["logprobs"] = lp
+        return entries
 
-    def finish(self, choice: ChoiceState) -> dict:
-        return {**self._entry(choice.index, {}, choice.finish_reason), "stop_reason": choice.stop_reason}
+    def finish(self, choice: ChoiceState) -> list[dict]:
+        ts = self._tools(choice.index)
+        entries = [self._entry(choice.index, d) for d in _deltas(ts.finish())]
+        return [*entries, {**self._entry(choice.index, {}, finish_reason(choice.finish_reason, ts)),
+                           "stop_reason": choice.stop_reason}]
+
+    def _tools(self, index: int) -> ToolStream:
+        return self.tools.setdefault(index, PlainText())
 
     @staticmethod
     def _entry(index: int, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _deltas(outs: list[Out]) -> list[dict]:
+    """Chat deltas for a step's outs: text runs merged, one delta per call piece."""
+    deltas: list[dict] = []
+    for o in outs:
+        if isinstance(o, Text):
+            if deltas and "content" in deltas[-1]:
+                deltas[-1]["content"] += o.text
+            else:
+                deltas.append({"content": o.text})
+        elif isinstance(o, CallStart):
+            deltas.append({"tool_calls": [{"index": o.index, "id": o.id, "type": "function",
+                                           "function": {"name": o.name, "arguments": ""}}]})
+        elif isinstance(o, CallArgs):
+            deltas.append({"tool_calls": [{"index": o.index, "function": {"arguments": o.fragment}}]})
+    return deltas

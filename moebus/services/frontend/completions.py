@@ -94,14 +94,14 @@ class _CompletionChunks:
             out.append(self._entry(c.index, echo))
         return out
 
-    def delta(self, ev: Delta) -> dict:
+    def delta(self, ev: Delta) -> list[dict]:
         i = ev.choice.index
         lp = completion_logprobs(ev.logprobs, self.offsets.get(i, 0)) if self.want_logprobs else None
         self.offsets[i] = self.offsets.get(i, 0) + len(ev.text)
-        return self._entry(i, ev.text, lp=lp)
+        return [self._entry(i, ev.text, lp=lp)]
 
-    def finish(self, choice: ChoiceState) -> dict:
-        return {**self._entry(choice.index, "", choice.finish_reason), "stop_reason": choice.stop_reason}
+    def finish(self, choice: ChoiceState) -> list[dict]:
+        return [{**self._entry(choice.index, "", choice.finish_reason), "stop_reason": choice.stop_reason}]
 
     @staticmethod
     def _entry(index: int, text: str, finish: str | None = None, lp: dict | None = None) -> dict:

@@ -104,6 +104,9 @@ class FrontendConfig(ServiceConfig):
     # Workers one request may break (they died, or their engine failed, while holding it) before
     # it is failed instead of sent to the next: a poison request cannot walk the fleet.
     max_worker_failures: int = Field(2, ge=1)
+    # model -> the parser that reads its function calls out of free text (tool_choice auto;
+    # tool_parsers.PARSERS); a model not listed: hermes (<tool_call>{json}</tool_call>).
+    tool_call_parsers: dict[str, str] = {}
 
     @field_validator("api_keys", mode="after")
     @classmethod

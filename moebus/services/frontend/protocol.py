@@ -7,6 +7,7 @@ bounds that depend on the deployment come from `RequestLimits`, passed as the va
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, Literal
 
@@ -17,6 +18,7 @@ from moebus.shared.messages import ContentPart as WireContentPart
 
 from .fields import INT32_MAX, ParamError, TokenId, _Req, limits_of
 from .guided import GuidedFields
+from .tools import NamedToolChoice, ToolChoice, ToolDef, ToolPlan, merge_constraint
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "ParamError"]
 log = logging.getLogger(__name__)
@@ -27,8 +29,7 @@ MAX_LOGIT_BIAS = 1024  # entries in one logit_bias map
 # one is set to anything but its no-op value (a request that asks for them must not be served as if
 # it had not).
 _UNSUPPORTED = {
-    "tools": bool, "functions": bool,
-    "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "functions": bool,  # the deprecated form of tools
     "function_call": lambda v: v not in (None, "none", "auto"),
     "audio": lambda v: v is not None, "prediction": lambda v: v is not None,
     "modalities": lambda v: v not in (None, ["text"]),
@@ -40,7 +41,7 @@ _UNSUPPORTED = {
     "documents": bool, "return_token_ids": bool,
 }
 # Known fields that change nothing here: accepted without a warning.
-_NO_EFFECT = frozenset({"parallel_tool_calls", "store", "metadata", "service_tier", "guided_decoding_backend",
+_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "guided_decoding_backend",
                         "request_id"})
 
 
@@ -64,9 +65,18 @@ class ChatTurn(_Req):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCallTurn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = Field(None, max_length=256)  # a tool turn: the call it answers
 
     def to_message(self, image_urls: list[str]) -> ChatMessage:
         """The wire message; the URLs of its image parts are appended to image_urls, in order."""
+        msg = self._message(image_urls)
+        if self.tool_calls:
+            msg.tool_calls = [c.for_template() for c in self.tool_calls]
+        msg.tool_call_id = self.tool_call_id
+        return msg
+
+    def _message(self, image_urls: list[str]) -> ChatMessage:
         content = self.content
         if not isinstance(content, list):
             return ChatMessage(role=self.role, content=content, name=self.name)
@@ -84,6 +94,27 @@ class ChatTurn(_Req):
         if not any(p.type == "image" for p in parts):  # text only: one string, as templates expect
             return ChatMessage(role=self.role, content="".join(p.text or "" for p in parts), name=self.name)
         return ChatMessage(role=self.role, content=parts, name=self.name)
+
+
+class _CalledFunction(_Req):
+    name: str = Field(max_length=64)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallTurn(_Req):
+    id: str | None = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: _CalledFunction
+
+    def for_template(self) -> dict:
+        """Arguments as an object where the JSON parses: templates render them with tojson."""
+        args: Any = self.function.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # not JSON: the template gets the text as it came
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
 
 
 class _Sampling(GuidedFields):
@@ -217,6 +248,9 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
     reasoning_effort: str | None = Field(None, max_length=32)  # given to the template as reasoning_effort
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None  # default: auto with tools, none without
+    parallel_tool_calls: bool | None = None  # false: at most one call
 
     @field_validator("messages")
     @classmethod
@@ -248,7 +282,14 @@ class ChatCompletionRequest(_Sampling):
                              "set to false")
         if self.continue_final_message and not isinstance(self.messages[-1].content, str | list):
             raise ParamError("continue_final_message", "continue_final_message needs a last message with content")
+        merge_constraint(self.tool_plan(), self.structured())
         return self
+
+    def tool_plan(self, parser: str = "hermes") -> ToolPlan:
+        choice = self.tool_choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        return ToolPlan.build([t.function for t in self.tools or []], "named" if named else choice, named,
+                              parallel=self.parallel_tool_calls, parser=parser)
 
     def template_kwargs(self) -> dict[str, Any]:
         out = dict(self.chat_template_kwargs or {})
@@ -261,8 +302,10 @@ class ChatCompletionRequest(_Sampling):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
-    def to_sampling(self) -> SamplingOptions:
-        return self.sampling((self.top_logprobs or 0) if self.logprobs else None)
+    def to_sampling(self, plan: ToolPlan | None = None) -> SamplingOptions:
+        params = self.sampling((self.top_logprobs or 0) if self.logprobs else None)
+        params.structured = merge_constraint(plan or self.tool_plan(), params.structured)
+        return params
 
 
 class CompletionRequest(_Sampling):

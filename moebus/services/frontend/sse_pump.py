@@ -33,9 +33,11 @@ class ChunkFormat(Protocol):
         """Entries sent right after the headers, before any generated text."""
         ...
 
-    def delta(self, ev: Delta) -> dict: ...
+    def delta(self, ev: Delta) -> list[dict]:
+        """Entries for a delta (none while text is held back, e.g. a tool call's tag arriving)."""
+        ...
 
-    def finish(self, choice: ChoiceState) -> dict: ...
+    def finish(self, choice: ChoiceState) -> list[dict]: ...
 
 
 async def pump_sse(request: web.Request, fe: FrontendService, stream: AsyncIterator[Event], fmt: ChunkFormat, *,
@@ -60,9 +62,11 @@ async def pump_sse(request: web.Request, fe: FrontendService, stream: AsyncItera
         ev = first
         while ev is not None:
             if isinstance(ev, Delta) and (ev.text or ev.logprobs):
-                await send(fmt.delta(ev))
+                for entry in fmt.delta(ev):
+                    await send(entry)
             elif isinstance(ev, Finish):
-                await send(fmt.finish(ev.choice))
+                for entry in fmt.finish(ev.choice):
+                    await send(entry)
             ev = await anext(stream, None)
     except ServiceError as e:  # headers are gone: report in-band, as OpenAI does
         err = APIError.from_service_error(e)

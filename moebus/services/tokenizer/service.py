@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -20,12 +21,13 @@ from .images import encode_with_images, flatten, new_marker
 _INLINE_CHARS = 8192  # longer prompts are encoded off the event loop
 
 
-def load_tokenizer(model: str) -> Any:
+def load_tokenizer(model: str, chat_template_file: str | None = None) -> Any:
+    template = Path(chat_template_file).read_text() if chat_template_file else None
     if model == TOY_MODEL:
-        return ToyTokenizer()
+        return ToyTokenizer(chat_template=template)
     from moebus.engine.tokenizer import load_tokenizer as engine_load  # torch-side import, only here
 
-    return engine_load(model)
+    return engine_load(model, template)
 
 
 class TokenizerService(Service):
@@ -49,7 +51,7 @@ class TokenizerService(Service):
 
     async def setup(self) -> None:
         if self.tok is None:
-            self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.model)
+            self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.model, self.cfg.chat_template)
         specials = (getattr(self.tok, "all_special_ids", None) or getattr(self.tok, "special_ids", None)
                     or self.tok.eos_token_ids)
         self._skip = frozenset(specials)
@@ -95,7 +97,9 @@ class TokenizerService(Service):
     def _apply_template(self, req: RenderRequest, messages: list[dict]) -> str:
         """The chat template's text. continue_final_message: rendered without the generation prompt
         and cut right after the last message's content (its end-of-turn tokens left off)."""
-        kwargs = req.chat_template_kwargs  # only when given: a tokenizer may take no extra arguments
+        kwargs = dict(req.chat_template_kwargs)  # only when given: a tokenizer may take no extra arguments
+        if req.tools is not None:
+            kwargs["tools"] = req.tools
         try:
             text = self.tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt
                                                 and not req.continue_final_message, **kwargs)

@@ -20,6 +20,10 @@ class ChatMessage(Message):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn's function calls ({"id", "type", "function": {"name", "arguments"}}, the
+    # arguments as an object where they parse) and a tool turn's answer to one: for the template.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class RenderRequest(Message):
@@ -38,6 +42,7 @@ class RenderRequest(Message):
     # Render the last message open: no generation prompt, its end of turn cut off (the model goes on).
     continue_final_message: bool = False
     chat_template_kwargs: dict = {}  # extra variables for the chat template
+    tools: list[dict] | None = None  # function tools ({"type": "function", "function": {...}}) for the template
     max_prompt_tokens: int | None = Field(None, ge=1)
     # Chat with images: each image part becomes image_form's prefix, placeholder x n, suffix, where
     # n is its entry here (the encoder's token count for that image), in order of appearance.
