@@ -16,13 +16,31 @@ from moebus.kernels import paged_attention_decode
 
 
 @dataclass(frozen=True, slots=True)
+class CachePlane:
+    """Extra paged state of a layer beyond K/V: `dim` values per `tokens_per_row` tokens, kept in
+    the request's blocks (one row per token, or one per `tokens_per_row` of them, e.g. a KV
+    compressor's entries). Allocated as `[num_blocks, rows_per_block(block_size), dim]`."""
+
+    tokens_per_row: int
+    dim: int
+
+    def rows_per_block(self, block_size: int) -> int:
+        r = self.tokens_per_row
+        if block_size % r and r % block_size:
+            raise ValueError(f"block_size {block_size} and a cache plane of one row per {r} tokens: "
+                             "one must divide the other")
+        return max(1, block_size // r)
+
+
+@dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    """What one attention layer stores per token."""
+    """What one attention layer stores per token (and in `planes`, beside it)."""
 
     num_kv_heads: int
     k_dim: int
     v_dim: int
     sliding_window: int | None = None  # tokens; None = full attention
+    planes: tuple[CachePlane, ...] = ()  # the layer's cache tuple is (k, v, *planes)
 
 
 @dataclass(slots=True)

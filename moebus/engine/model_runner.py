@@ -47,15 +47,19 @@ class ModelInput:
 
 
 def allocate_kv_caches(specs: list[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer (k, v, *planes), every tensor indexed by block id first."""
     return [(torch.zeros(num_blocks, block_size, s.num_kv_heads, s.k_dim, dtype=dtype, device=device),
-             torch.zeros(num_blocks, block_size, s.num_kv_heads, s.v_dim, dtype=dtype, device=device))
+             torch.zeros(num_blocks, block_size, s.num_kv_heads, s.v_dim, dtype=dtype, device=device),
+             *(torch.zeros(num_blocks, p.rows_per_block(block_size), p.dim, dtype=dtype, device=device)
+               for p in s.planes))
             for s in specs]
 
 
 def kv_bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
-    per_token = sum(s.num_kv_heads * (s.k_dim + s.v_dim) for s in specs)
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    per_block = sum(s.num_kv_heads * (s.k_dim + s.v_dim) * block_size
+                    + sum(p.rows_per_block(block_size) * p.dim for p in s.planes) for s in specs)
+    return per_block * torch.empty((), dtype=dtype).element_size()
 
 
 class ModelRunner:

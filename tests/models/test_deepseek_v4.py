@@ -162,11 +162,12 @@ def test_load_weights_is_strict(ckpt, model):
     assert list(fresh.mtp_weights) == ["mtp.0.emb.weight"]
 
 
-def test_compressed_attention_kinds_are_refused(ckpt):
+def test_compressed_kinds_build_with_their_own_cache_planes(ckpt):
+    """Compressed kinds are covered in test_deepseek_v4_compressed.py; a sliding layer keeps K and V only."""
     config, _ = read_hf_checkpoint(ckpt)
     config = {**config, "layer_types": ["sliding_attention"] * 3 + ["compressed_sparse_attention"]}
-    with pytest.raises(NotImplementedError, match="compressed_sparse_attention"):
-        DeepseekV4ForCausalLM(DeepseekV4Args.from_hf_config(config))
+    specs = DeepseekV4ForCausalLM(DeepseekV4Args.from_hf_config(config)).kv_cache_specs()
+    assert [len(s.planes) for s in specs] == [0, 0, 0, 4]
 
 
 def test_deterministic_mode_is_batch_invariant_for_the_moe(ckpt):

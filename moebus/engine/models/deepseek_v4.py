@@ -1,12 +1,15 @@
 """DeepSeek-V4(-Flash)-style MoE LM on the paged attention backend (reference: HF DeepseekV4).
 
-Block structure (every layer): mHC streams -> collapse -> RMSNorm -> sliding-window attention
-(shared K=V head, sinks, grouped output projection) -> expand; mHC -> collapse -> RMSNorm -> MoE
-(hash-routed in the `hash_moe` layers, learned top-k in the `moe` layers, plus shared expert)
--> expand. After the last layer the streams collapse (`hc_head`), then norm and `lm_head`.
+Block structure (every layer): mHC streams -> collapse -> RMSNorm -> attention (shared K=V head,
+sinks, grouped output projection) -> expand; mHC -> collapse -> RMSNorm -> MoE (hash-routed in the
+`hash_moe` layers, learned top-k in the `moe` layers, plus shared expert) -> expand. After the last
+layer the streams collapse (`hc_head`), then norm and `lm_head`.
 
-Not implemented: the compressed attention kinds (`compressed_sparse_attention`,
-`heavily_compressed_attention`); see `DeepseekV4ForCausalLM.__init__`.
+Attention kinds (`layer_types`): `sliding_attention` (the window only, "main" rope),
+`heavily_compressed_attention` (window + one compressed entry per `compress_rates[kind]` tokens)
+and `compressed_sparse_attention` (window + the lightning indexer's top-`index_topk` entries of an
+overlapping compressor); the compressed kinds rotate with the "compress" rope
+(`compress_rope_theta`). Their paged state: deepseek_v4_compressor.
 
 MTP hook: the `num_nextn_predict_layers` draft layers are not instantiated. `load_weights` keeps
 any `mtp.*` tensors in `self.mtp_weights` (names untouched) so a draft-model proposer can build
@@ -23,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebus.engine.attention import AttentionMetadata, KVCacheSpec
+from moebus.engine.attention import AttentionMetadata, CachePlane, KVCacheSpec
 from moebus.engine.models.deepseek_v4_attention import DeepseekV4Attention, RMSNorm
+from moebus.engine.models.deepseek_v4_compressor import Compressor, CompressPlan, Indexer, build_plan
 from moebus.engine.models.hf_checkpoint import is_mtp_key, to_hf_names
 from moebus.engine.models.hyper_connections import HyperConnection, HyperHead
 from moebus.engine.models.moe import SCORING_FUNCS, MoE
@@ -34,6 +38,7 @@ ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_
 MLP_KINDS = ("hash_moe", "moe")
 _LEGACY_COMPRESS_RATIO = {0: "sliding_attention", 4: "compressed_sparse_attention",
                           128: "heavily_compressed_attention"}
+_DEFAULT_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
 
 @dataclass(slots=True)
@@ -57,6 +62,11 @@ class DeepseekV4Args:
     o_lora_rank: int = 1024  # per-group width of the grouped output projection
     sliding_window: int = 128  # tokens a query sees, itself included
     layer_types: list[str] | None = None  # per layer, one of ATTENTION_KINDS
+    compress_rates: dict[str, int] | None = None  # tokens per compressed entry, per compressed kind
+    compress_rope_theta: float = 160000.0  # RoPE base of the compressed layers ("compress" rope)
+    index_n_heads: int = 64  # lightning indexer query heads
+    index_head_dim: int = 128
+    index_topk: int = 512  # compressed entries each CSA query attends
     mlp_layer_types: list[str] | None = None  # per layer, one of MLP_KINDS
     moe_intermediate_size: int = 2048
     n_routed_experts: int = 256
@@ -83,6 +93,12 @@ class DeepseekV4Args:
         if self.mlp_layer_types is None:
             self.mlp_layer_types = ["hash_moe"] * min(n, 3) + ["moe"] * max(n - 3, 0)
         self.layer_types, self.mlp_layer_types = list(self.layer_types), list(self.mlp_layer_types)
+        self.compress_rates = {**_DEFAULT_COMPRESS_RATES, **(self.compress_rates or {})}
+        if any(r < 1 for r in self.compress_rates.values()):
+            raise ValueError(f"compress_rates must be >= 1, got {self.compress_rates}")
+        if "compressed_sparse_attention" in self.layer_types and not (
+                self.index_topk >= 1 and self.index_n_heads >= 1 and self.rope_dim <= self.index_head_dim):
+            raise ValueError("CSA needs index_topk >= 1, index_n_heads >= 1 and index_head_dim >= the rope dim")
         for name, kinds, allowed in (("layer_types", self.layer_types, ATTENTION_KINDS),
                                      ("mlp_layer_types", self.mlp_layer_types, MLP_KINDS)):
             if len(kinds) != n:
@@ -123,6 +139,18 @@ class DeepseekV4Args:
             cfg["mlp_layer_types"] = ["hash_moe"] * min(n, h) + ["moe"] * max(n - h, 0)
         if cfg.get("partial_rotary_factor") is None and cfg.get("qk_rope_head_dim") is not None:
             cfg["partial_rotary_factor"] = cfg["qk_rope_head_dim"] / cfg.get("head_dim", default["head_dim"])
+        rates = dict(cfg.get("compress_rates") or {})
+        for kind, legacy in (("compressed_sparse_attention", "compress_rate_csa"),
+                             ("heavily_compressed_attention", "compress_rate_hca")):
+            if cfg.get(legacy) is not None:
+                rates[kind] = cfg[legacy]
+        cfg["compress_rates"] = rates or None
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        compress_rope = rope.get("compress") if isinstance(rope.get("compress"), dict) else rope
+        if compress_rope.get("rope_type", compress_rope.get("type", "default")) != "default":
+            raise NotImplementedError(f"rope_type {compress_rope.get('rope_type')!r} for compressed layers")
+        if isinstance(rope.get("compress"), dict):
+            cfg["compress_rope_theta"] = rope["compress"].get("rope_theta", cfg.get("compress_rope_theta"))
         main_rope = (cfg.get("rope_parameters") or {}).get("main")
         if isinstance(main_rope, dict):  # HF's nested form wins over the flat keys
             if main_rope.get("rope_type", "default") != "default":
@@ -133,6 +161,27 @@ class DeepseekV4Args:
         return cls(**{k: v for k, v in cfg.items() if k in default and v is not None})
 
 
+@dataclass(slots=True)
+class V4Step:
+    """What every layer of one forward step shares."""
+
+    meta: AttentionMetadata
+    positions: torch.Tensor
+    rope: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin): [0] main rope, [1] compress rope
+    plans: dict[str, CompressPlan]  # per compressed kind present
+
+
+def _compressor(a: DeepseekV4Args, kind: str) -> Compressor | None:
+    if kind == "sliding_attention":
+        return None
+    rate, csa = a.compress_rates[kind], kind == "compressed_sparse_attention"
+    comp = Compressor(a.hidden_size, a.head_dim, rate, csa, a.rope_dim, a.compress_rope_theta, a.rms_norm_eps)
+    if csa:
+        comp.indexer = Indexer(a.hidden_size, a.q_lora_rank, a.index_n_heads, a.index_head_dim, rate,
+                               a.index_topk, a.rope_dim, a.compress_rope_theta, a.rms_norm_eps)
+    return comp
+
+
 class DeepseekV4DecoderLayer(nn.Module):
     def __init__(self, args: DeepseekV4Args, layer_idx: int):
         super().__init__()
@@ -141,17 +190,21 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(a.hidden_size, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, eps)
         self.input_layernorm = RMSNorm(a.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, eps)
+        self.kind = a.layer_types[layer_idx]
         self.self_attn = DeepseekV4Attention(a.hidden_size, a.num_attention_heads, a.head_dim, a.rope_dim,
-                                             a.q_lora_rank, a.o_groups, a.o_lora_rank, a.sliding_window, eps)
+                                             a.q_lora_rank, a.o_groups, a.o_lora_rank, a.sliding_window, eps,
+                                             _compressor(a, self.kind))
         is_hash = a.mlp_layer_types[layer_idx] == "hash_moe"
         self.mlp = MoE(a.hidden_size, a.moe_intermediate_size, a.n_routed_experts, a.num_experts_per_tok,
                        a.n_shared_experts, a.scoring_func, a.norm_topk_prob, a.routed_scaling_factor,
                        a.swiglu_limit, a.vocab_size if is_hash else None)
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, step: V4Step,
+                kv_cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x, post, comb = self.attn_hc(streams)
-        out = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        cos, sin = step.rope[self.kind != "sliding_attention"]
+        out = self.self_attn(self.input_layernorm(x), cos, sin, step.meta, kv_cache, step.positions,
+                             step.plans.get(self.kind))
         streams = HyperConnection.merge(streams, out, post, comb)
         x, post, comb = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(x), input_ids)
@@ -161,13 +214,6 @@ class DeepseekV4DecoderLayer(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, config: DeepseekV4Args):
         super().__init__()
-        if compressed := sorted({k for k in config.layer_types if k != "sliding_attention"}):
-            # CSA/HCA attend over the window *and* over compressed entries built from per-token
-            # compressor state (pending window, CSA overlap, indexer keys) in one softmax with a
-            # per-query causal/top-k mask; neither that state nor that joint softmax fits the
-            # paged cache (one K/V spec per layer) and `attend()` yet.
-            raise NotImplementedError(f"DeepSeek-V4 attention kinds {compressed} are not supported by "
-                                      "the paged backend yet; only sliding_attention layers are")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -178,17 +224,36 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp_weights: dict[str, torch.Tensor] = {}
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """Sliding layers: K and V planes (the shared head twice). Compressed layers: K only (V
+        is read from K), then the compressor's per-token `kv | gate` rows and its entries, and for
+        CSA the same two for the indexer (deepseek_v4_compressor)."""
         c = self.config
-        return [KVCacheSpec(num_kv_heads=1, k_dim=c.head_dim, v_dim=c.head_dim, sliding_window=c.sliding_window)
-                for _ in self.layers]
+        specs = []
+        for layer in self.layers:
+            comp = layer.self_attn.compressor
+            if comp is None:
+                specs.append(KVCacheSpec(1, c.head_dim, c.head_dim, sliding_window=c.sliding_window))
+                continue
+            planes = [CachePlane(1, comp.src_dim), CachePlane(comp.rate, c.head_dim)]
+            if isinstance(getattr(comp, "indexer", None), Indexer):
+                planes += [CachePlane(1, comp.indexer.src_dim), CachePlane(comp.rate, c.index_head_dim)]
+            specs.append(KVCacheSpec(1, c.head_dim, 0, sliding_window=c.sliding_window, planes=tuple(planes)))
+        return specs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        c = self.config
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.config.rope_dim, self.config.rope_theta, x.dtype)
-        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1)
+        rope = [rotary_cos_sin(positions, c.rope_dim, c.rope_theta, x.dtype)]
+        kinds = set(c.layer_types) - {"sliding_attention"}
+        if kinds:
+            rope.append(rotary_cos_sin(positions, c.rope_dim, c.compress_rope_theta, x.dtype))
+        plans = {k: build_plan(meta, positions, c.compress_rates[k], k == "compressed_sparse_attention")
+                 for k in kinds}
+        step = V4Step(meta, positions, rope, plans)
+        streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            streams = layer(streams, input_ids, cos, sin, meta, kv_cache)
+            streams = layer(streams, input_ids, step, kv_cache)
         return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""DeepSeek-V4 sliding-window attention on the paged backend.
+"""DeepSeek-V4 attention on the paged backend: sliding-window, and (with a `compressor`) the
+compressed kinds, which add compressed entries to the window (deepseek_v4_compressor,
+deepseek_v4_sparse_attention).
 
 Per layer: low-rank query (`q_a_proj` -> RMSNorm -> `q_b_proj`, then an unweighted per-head RMS),
 one shared K=V head (`kv_proj` -> RMSNorm; the same tensor is the key and the value), partial
@@ -20,6 +22,7 @@ from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, attend
 from moebus.engine.batch_invariant import tiled
+from moebus.engine.models.deepseek_v4_sparse_attention import attend_window_and_entries, window_slots
 from moebus.kernels import apply_rotary, rms_norm
 
 
@@ -44,7 +47,8 @@ class DeepseekV4Attention(nn.Module):
     batch_invariant: bool = False  # deterministic mode (engine.batch_invariant)
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, rope_dim: int, q_lora_rank: int,
-                 o_groups: int, o_lora_rank: int, sliding_window: int, eps: float):
+                 o_groups: int, o_lora_rank: int, sliding_window: int, eps: float,
+                 compressor: nn.Module | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -62,11 +66,18 @@ class DeepseekV4Attention(nn.Module):
         self.o_a_proj = nn.Linear(num_heads * head_dim // o_groups, o_groups * o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(o_groups * o_lora_rank, hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32))
+        # CSA / HCA: a deepseek_v4_compressor.Compressor (CSA's carries an `indexer`); None = sliding only
+        self.compressor = compressor
 
     def hf_to_local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Reorder head channels of an HF weight (`name` relative to this module) into our layout."""
         hd = self.head_dim
+        if name.startswith("compressor.indexer."):
+            perm = hf_channel_perm(self.compressor.indexer.head_dim, self.rope_dim, tensor.device)
+            return self.compressor.indexer.hf_to_local(name.removeprefix("compressor.indexer."), tensor, perm)
         perm = hf_channel_perm(hd, self.rope_dim, tensor.device)
+        if name.startswith("compressor."):
+            return self.compressor.hf_to_local(name.removeprefix("compressor."), tensor, perm)
         if name == "q_b_proj.weight":
             return tensor.reshape(self.num_heads, hd, -1)[:, perm].reshape(tensor.shape)
         if name in ("kv_proj.weight", "kv_norm.weight"):
@@ -76,17 +87,23 @@ class DeepseekV4Attention(nn.Module):
         return tensor
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [T, H]; cos/sin [T, rope_dim/2] at each token's position."""
+                kv_cache: tuple[torch.Tensor, ...], positions: torch.Tensor | None = None,
+                plan=None) -> torch.Tensor:
+        """x [T, H]; cos/sin [T, rope_dim/2] at each token's position (the compress rope in a
+        compressed layer); positions [T] and the step's CompressPlan of this layer's kind for those."""
         T = x.shape[0]
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).view(T, self.num_heads, self.head_dim)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_residual).view(T, self.num_heads, self.head_dim)
         # the per-head q RMS norm has no weight: with ones it is one rms_norm kernel call, not ~6 ops
         q = rms_norm(q, q.new_ones(self.head_dim), self.eps)
         kv = self.kv_norm(self.kv_proj(x)).view(T, 1, self.head_dim)
         q, kv = apply_rotary(q, kv, cos, sin)
-        # Shared K=V: the paged cache keeps separate K and V planes, so the head is stored twice.
-        out = attend(q, kv, kv, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
-                     sinks=self.sinks)
+        if self.compressor is None:
+            # Shared K=V: the paged cache keeps separate K and V planes, so the head is stored twice.
+            out = attend(q, kv, kv, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
+                         sinks=self.sinks)
+        else:
+            out = self._attend_compressed(x, q, kv, q_residual, cos, sin, meta, kv_cache, positions, plan)
         # Undo V's rotation at the query position. kv is already in the cache and unused from
         # here, so it rides along as apply_rotary's k operand.
         out, _ = apply_rotary(out, kv, cos, -sin)
@@ -97,3 +114,31 @@ class DeepseekV4Attention(nn.Module):
         else:
             low_rank = torch.einsum("tgi,gri->tgr", grouped, w).flatten(1)
         return self.o_b_proj(low_rank)
+
+    def _attend_compressed(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_residual: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                           kv_cache: tuple[torch.Tensor, ...], positions: torch.Tensor, plan) -> torch.Tensor:
+        """Cache (k, v (empty: K=V is read from k), src, entries[, indexer src, indexer keys])."""
+        k_cache, _, src, entries, *index_planes = kv_cache
+        k_cache.view(-1, self.head_dim).index_copy_(0, meta.slot_mapping, kv.flatten(1).to(k_cache.dtype))
+        comp = self.compressor
+        comp.write(x, meta.slot_mapping, src)
+        comp.compress(plan, src, entries)  # before attending: a query sees the window it closes
+        n_entries = plan.entry_rows.numel()
+        if index_planes:
+            isrc, ikeys = index_planes
+            comp.indexer.write(x, meta.slot_mapping, isrc)
+            comp.indexer.compress(plan, isrc, ikeys)
+            picks = comp.indexer.select(x, q_residual, cos, sin, plan, ikeys)  # [T, topk], -1 = none
+            extra_valid = picks >= 0
+            idx = plan.row_start[:, None] + picks.clamp(min=0)
+        else:  # HCA: every closed window
+            cols = torch.arange(int(plan.row_visible.max()) if n_entries else 0, device=q.device)
+            extra_valid = cols[None, :] < plan.row_visible[:, None]
+            idx = plan.row_start[:, None] + cols[None, :]
+        extra = plan.entry_rows[idx.clamp(max=n_entries - 1)] if n_entries else idx.new_zeros(idx.shape[0], 0)
+        if not n_entries:
+            extra_valid = extra_valid[:, :0]
+        slots, slot_valid = window_slots(meta, positions, self.sliding_window)
+        return attend_window_and_entries(q, k_cache, entries, slots, slot_valid, extra, extra_valid, self.scale,
+                                         self.sinks, self.batch_invariant or meta.batch_invariant)
