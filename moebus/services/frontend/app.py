@@ -20,7 +20,9 @@ from .completions import completions
 from .config import FrontendConfig
 from .errors import APIError
 from .keys import ACCESS, CONFIG, FRONTEND, RECORD, TENANT
+from .messages_api import count_tokens, messages
 from .openapi import openapi_document
+from .responses import responses
 from .service import FrontendService
 from .tenants import bearer
 from .tokens import detokenize, tokenize
@@ -28,7 +30,7 @@ from .tokens import detokenize, tokenize
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PUBLIC = ("/health", "/ready", "/health/ready", "/ping", "/version", "/metrics", "/openapi.json")
-_GENERATE = ("/v1/chat/completions", "/v1/completions")
+_GENERATE = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 @web.middleware
@@ -105,7 +107,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if request.path in _PUBLIC:
         return await handler(request)
     fe = request.app[FRONTEND]
-    tenant = fe.keyring.tenant(bearer(request.headers.get("Authorization", "")))
+    # Anthropic's clients send the key as x-api-key
+    key = bearer(request.headers.get("Authorization", "")) or request.headers.get("x-api-key", "")
+    tenant = fe.keyring.tenant(key)
     if tenant is None:
         raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
     fe.admission.check_rate(tenant)
@@ -219,6 +223,9 @@ def create_app(cfg: FrontendConfig, tracer_provider: TracerProvider | None = Non
     app.cleanup_ctx.append(bus_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health)
