@@ -12,6 +12,8 @@ reference everywhere else. The references are vectorized: they are the productio
 | argmax.py | `row_argmax(x[B, N]) -> [B]` int64 (first maximum, NaN wins: torch's `max(dim=1).indices`) |
 | lm_head_argmax.py | `lm_head_argmax(x[M, K], w[N, K], panels=None) -> [M]` int64: greedy tokens from the LM head without the logits (`pack_panels(w)`: the C kernel's weight layout) |
 | mhc.py | `hc_mix(mix, base, scale, n, iters, eps) -> (pre, post, comb)` (mHC gates + Sinkhorn mixture), `hc_merge(streams, block_out, post, comb)`, `hc_pre(streams, fn, base, scale, n, iters, hc_eps, norm_eps)` (the whole pre-block: a C kernel on CPU, no Triton twin; elsewhere the reference, its GEMM on the tensor cores and its mixing in `hc_mix`) |
+| compressor.py | `compress_windows(kv, gate, bias) -> [N, C]` (DeepSeek-V4 KV compressor: softmax-gated pooling of each window's slots) |
+| indexer_topk.py | `indexer_topk(q, weights, keys, start, n_visible, k, scale) -> [R, k]` (DeepSeek-V4 lightning indexer; Triton scores + torch's sort, C scores + heap) |
 
 Tests (tests/kernels) run the Triton kernels on CPU under TRITON_INTERPRET=1 against the
 references, and the references against float64 loops.

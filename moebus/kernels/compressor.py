@@ -37,7 +37,8 @@ def _compress_kernel(kv_ptr, gate_ptr, bias_ptr, out_ptr, L, C,
     l_ = tl.arange(0, BLOCK_L)
     mask = (l_[:, None] < L) & (c[None, :] < C)
     off = l_[:, None] * C + c[None, :]
-    g = tl.load(gate_ptr + n * L * C + off, mask=mask, other=float("-inf")).to(tl.float32)
+    g = tl.load(gate_ptr + n * L * C + off, mask=mask, other=0.0).to(tl.float32)
+    g = tl.where(l_[:, None] < L, g, float("-inf"))  # padding slots weigh 0; padding channels stay finite
     g += tl.load(bias_ptr + off, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(kv_ptr + n * L * C + off, mask=mask, other=0.0).to(tl.float32)
     m = tl.max(g, axis=0)
