@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+from pathlib import Path
 
 from .launcher import SERVICES, up
 
@@ -21,11 +22,20 @@ def _up(args: argparse.Namespace) -> int:
               metrics_targets_file=args.metrics_targets,
               mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
               kvbroker=False if args.no_kvbroker else None, worker=worker,
-              balancer={"policy": args.balancer_policy}, autoscale=args.autoscale, planner=json.loads(args.planner),
+              balancer={"policy": args.balancer_policy}, tokenizer=_tokenizer(args), autoscale=args.autoscale, planner=json.loads(args.planner),
               nats_auth=not args.no_nats_auth, nats_tls_cert=args.nats_tls_cert, nats_tls_key=args.nats_tls_key,
               nats_tls_ca=args.nats_tls_ca, encoders=args.encoders,
               encoder={"encoder": args.image_encoder} if args.image_encoder else {},
               frontend={**json.loads(args.frontend), **({"keys_file": args.keys_file} if args.keys_file else {})})
+
+
+def _tokenizer(args: argparse.Namespace) -> dict:
+    if not args.chat_template:
+        return {}
+    path = Path(args.chat_template).resolve()  # the tokenizer process reads it
+    if not path.is_file():
+        raise SystemExit(f"moebus up: --chat-template {args.chat_template}: no such file")
+    return {"chat_template": str(path)}
 
 
 def autoscale_bounds(text: str) -> tuple[int, int]:
@@ -70,6 +80,9 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--host", default="0.0.0.0")
     u.add_argument("--model", default="smollm2", help='engine model ("smollm2", a checkpoint dir, or "toy")')
     u.add_argument("--served-model-name", default=None)
+    u.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja chat template that replaces the model's (function tools are rendered through it; "
+                        "default: the model's own, or for smollm2 the shipped one with tool calling)")
     u.add_argument("--workers", type=int, default=1)
     u.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     u.add_argument("--nats-port", type=int, default=0)

@@ -64,6 +64,7 @@ class StackConfig(BaseModel):
     kvbroker_args: list[str] = []  # extra KVBrokerConfig flags, e.g. ["--cpu-bytes", "1G"]
     worker: dict[str, Any] = {}  # extra WorkerConfig fields for every worker (e.g. torch_threads)
     balancer: dict[str, Any] = {}  # extra BalancerConfig fields
+    tokenizer: dict[str, Any] = {}  # extra TokenizerConfig fields (e.g. {"chat_template": "<jinja file>"})
     nats_url: str | None = None  # use a running NATS instead of starting one
     nats_port: int = 0  # 0: a free port
     api_keys: list[str] = []
@@ -141,7 +142,7 @@ class Stack:
         common = {"nats_url": self.services_url, "heartbeat_interval_s": c.heartbeat_interval_s}
         out: list[tuple[str, ServiceConfig]] = [
             ("tokenizer", classes["tokenizer"](instance_id="tokenizer-0", model=c.model, served_model_name=name,
-                                               **common)),
+                                               **c.tokenizer, **common)),
             ("balancer", classes["balancer"](instance_id="balancer-0", mode=c.mode, **c.balancer, **common)),
         ]
         for i in range(self.num_encoders):

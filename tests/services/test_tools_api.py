@@ -4,6 +4,7 @@ named / parallel_tool_calls, and conversations with tool turns render."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -119,3 +120,20 @@ def test_the_shipped_smollm2_template_renders_tools_and_tool_turns() -> None:
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>' in text
     assert "<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
+
+
+def test_a_chat_template_file_replaces_the_models(tmp_path) -> None:
+    from moebus.services.cli import _tokenizer
+    from moebus.services.launcher import Stack, StackConfig
+    from moebus.services.tokenizer.service import load_tokenizer
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+                    "{% if tools %}{{ tools | map(attribute='function.name') | join(',') }}{% endif %}")
+    tok = load_tokenizer("toy", str(path))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=TOOLS) == "[user:hi]get_weather,get_time"
+    up = _tokenizer(SimpleNamespace(chat_template=str(path)))
+    cfgs = dict(Stack(StackConfig(model="toy", tokenizer=up)).service_configs())
+    assert cfgs["tokenizer"].chat_template == str(path.resolve())
+    with pytest.raises(SystemExit):
+        _tokenizer(SimpleNamespace(chat_template=str(tmp_path / "missing.jinja")))
