@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -39,6 +39,7 @@ from moebus.shared.service import Empty, ServiceConfig, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
 
+from .startup import WaitReporter, prepare, say_to
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 class Stack:
+    on_wait: Callable[[list[str]], None] | None = None  # told, while waiting for ready, who is still starting
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
         self.nats: NatsServer | None = None
@@ -321,10 +323,31 @@ class Stack:
                 if pending and time.monotonic() > deadline:
                     raise TimeoutError(f"not ready after {timeout:g}s: {sorted(pending)}")
                 if pending:
+                    if self.on_wait is not None:
+                        self.on_wait(list(pending))
                     await asyncio.sleep(0.2)
             await self._until_balancers_see_workers(bus, deadline)
+            await self._until_frontend_ready(deadline)
         finally:
             await bus.drain()
+
+    async def _until_frontend_ready(self, deadline: float) -> None:
+        """Until the frontend's GET /ready is 200: it has heard every served model's warmed-up worker."""
+        import aiohttp
+
+        if "frontend" not in self.services.values():
+            return
+        async with aiohttp.ClientSession() as http:
+            while True:
+                try:
+                    async with http.get(self.url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                        if r.status == 200:
+                            return
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the frontend's /ready is not 200")
+                await asyncio.sleep(0.1)
 
     async def _until_balancers_see_workers(self, bus: Bus, deadline: float) -> None:
         workers = {i for i, s in self.services.items() if s == "worker"}
@@ -392,6 +415,10 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     stack = Stack(cfg)
     try:
+        say = say_to()
+        prepare(model, say)  # [1/4] model conversion, [2/4] kernel builds: once, here, not in every worker
+        say(f"[3/4] starting {len(stack.service_configs())} processes")
+        stack.on_wait = WaitReporter(say)  # [4/4] warm-up: who is still loading or warming up
         stack.start()
         stack.wait_ready()
         pools = f"{cfg.workers} worker(s)" if cfg.mode == "aggregated" else \

@@ -24,7 +24,7 @@ def _access(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 
 
 async def test_request_id_echoed_or_made_on_every_response(stack: ToyStack, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="moebus.access")
+    caplog.set_level(logging.DEBUG, logger="moebus.access")
     async with aiohttp.ClientSession(stack.base_url) as http:
         body = {"model": "toy", "messages": CHAT, "max_tokens": 3}
         async with http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "mine-1"}) as r:
@@ -38,8 +38,8 @@ async def test_request_id_echoed_or_made_on_every_response(stack: ToyStack, capl
             assert r.status == 404 and r.headers["X-Request-Id"] == "mine-2"
         async with http.get("/nowhere", headers={"X-Request-Id": "x" * 500}) as r:  # unusable: replaced
             assert r.status == 404 and len(r.headers["X-Request-Id"]) == 32
-        async with http.get("/health") as r:
-            assert r.headers["X-Request-Id"]
+        async with http.get("/health", headers={"X-Request-Id": "probe"}) as r:
+            assert r.headers["X-Request-Id"] == "probe"
     lines = {r.request_id: r for r in _access(caplog)}
     ok = lines["mine-1"]
     assert (ok.status, ok.path, ok.model, ok.prompt_tokens, ok.completion_tokens) == (
@@ -48,6 +48,7 @@ async def test_request_id_echoed_or_made_on_every_response(stack: ToyStack, capl
     assert lines[made].status == 200 and lines[made].completion_tokens == 3
     bad = lines["mine-2"]
     assert bad.status == 404 and bad.error.startswith("model_not_found: The model 'nope'")
+    assert lines["probe"].levelno == logging.DEBUG and lines["mine-1"].levelno == logging.INFO
     assert len(_access(caplog)) == 5  # one line per request
 
 

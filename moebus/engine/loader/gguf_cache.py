@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -23,8 +24,9 @@ def _key(path: Path) -> str:
     return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:16]
 
 
-def converted_dir(gguf_path: str | Path) -> Path:
-    """HF-layout directory for this GGUF, converting it on first use (atomic rename, race-safe)."""
+def converted_dir(gguf_path: str | Path, progress: Callable[[int, int], None] | None = None) -> Path:
+    """HF-layout directory for this GGUF, converting it on first use (atomic rename, race-safe);
+    progress(tensors done, total) is called while converting."""
     from moebus.engine.tokenizer import tokenizer_from_gguf
 
     path = Path(gguf_path)
@@ -35,7 +37,7 @@ def converted_dir(gguf_path: str | Path) -> Path:
     ckpt = GGUFCheckpoint.open(path)
     tok = tokenizer_from_gguf(ckpt)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    save_file(ckpt.state_dict(), str(tmp / "model.safetensors"))
+    save_file(ckpt.state_dict(progress=progress), str(tmp / "model.safetensors"))
     tok.backend.save(str(tmp / "tokenizer.json"))
     cfg = ckpt.hf_config()
     cfg["eos_token_id"] = tok.eos_token_ids

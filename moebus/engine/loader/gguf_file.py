@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,11 +69,15 @@ class GGUFCheckpoint:
             "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
         }
 
-    def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """Dequantized weights under HF Llama names, q/k rows un-permuted back to HF's rotary layout."""
+    def state_dict(self, dtype: torch.dtype = torch.float32,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
+        """Dequantized weights under HF Llama names, q/k rows un-permuted back to HF's rotary layout;
+        progress(tensors done, total) after each."""
         cfg = self.hf_config()
         out: dict[str, torch.Tensor] = {}
-        for t in self.reader.tensors:
+        for k, t in enumerate(self.reader.tensors):
+            if progress is not None:
+                progress(k, len(self.reader.tensors))
             w = dequantize(t.data, t.tensor_type)
             w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
             name = _hf_name(t.name)
@@ -81,6 +86,8 @@ class GGUFCheckpoint:
             elif name.endswith("self_attn.k_proj.weight"):
                 w = _unpermute(w, int(cfg["num_key_value_heads"]))
             out[name] = torch.from_numpy(np.array(w, copy=True)).to(dtype)
+        if progress is not None:
+            progress(len(self.reader.tensors), len(self.reader.tensors))
         return out
 
 

@@ -5,7 +5,8 @@ at most 128 characters), else a fresh one; the response (errors and streams too)
 in `X-Request-Id`, and every log line written while the request is handled names it
 (shared/logs.py). When the request ends the `moebus.access` logger writes one line: method, path,
 status, prompt and completion tokens, time to first token, total time, request id, trace id and,
-for 4xx/5xx, the reason. A client that went away is a 499 (as nginx counts it), never a 500.
+for 4xx/5xx, the reason (INFO; 5xx: WARNING; probes and scrapes: DEBUG). A client that went away
+is a 499 (as nginx counts it), never a 500.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from aiohttp import web
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID = 128
+_PROBES = frozenset({"/health", "/ready", "/health/ready", "/ping", "/metrics", "/version"})
 log = logging.getLogger("moebus.access")
 
 
@@ -76,5 +78,8 @@ class AccessLog:
                   "ttft_s": None if rec.first_token_at is None else round(rec.first_token_at - rec.started, 4),
                   "total_s": round(now - rec.started, 4), "request_id": rec.request_id, "trace_id": rec.trace_id,
                   "error": rec.error}
-        level = logging.WARNING if status >= 500 and status != 499 else logging.INFO
+        if rec.path in _PROBES:  # scraped every few seconds: not worth a line each at INFO
+            level = logging.DEBUG
+        else:
+            level = logging.WARNING if status >= 500 and status != 499 else logging.INFO
         log.log(level, "%s %s %d", rec.method, rec.path, status, extra=fields)  # key=value pairs follow in text
