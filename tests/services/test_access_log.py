@@ -104,3 +104,16 @@ def test_text_lines_name_the_request() -> None:
         RequestContext("worker").filter(rec)
     line = TextFormatter("worker").format(rec)
     assert line.endswith("worker INFO x: hello there request_id=r-7")
+
+
+async def test_workers_log_a_stats_line_while_busy(nats_server, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="moebus.services.worker.stats_log")
+    async with toy_stack(nats_server.url, worker={"stats_log_interval_s": 0.2}) as stack:
+        await asyncio.sleep(0.5)
+        assert not [r for r in caplog.records if r.name.endswith("stats_log")]  # idle: silent
+        await stack.client().chat.completions.create(model="toy", messages=CHAT, max_tokens=40)
+        await wait_for(lambda: any("generation" in r.getMessage() for r in caplog.records), timeout=5)
+    line = next(r.getMessage() for r in caplog.records if r.name.endswith("stats_log"))
+    assert line.startswith("stats: running ") and "KV cache" in line
+    rate = float(line.split("generation ")[1].split(" tok/s")[0])
+    assert rate > 0

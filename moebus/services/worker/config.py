@@ -37,3 +37,5 @@ class WorkerConfig(ServiceConfig):
     # compile and every step path runs once, so the first user request is not the one that waits.
     warmup: bool = True
     warmup_timeout_s: float = Field(600.0, gt=0)  # a first C kernel build can take minutes
+    # A stats line (running, waiting, KV usage, tok/s) this often while there is work; 0: none.
+    stats_log_interval_s: float = Field(10.0, ge=0)

@@ -40,6 +40,7 @@ class EngineMetrics:
         self._success = metrics.counter("moebus:request_success", "Requests finished, by finish reason",
                                         (*labels, "finished_reason"))
         self._values = values
+        self.prompt_total = self.generated_total = 0  # plain counts for the stats line (stats_log.py)
 
     def first_chunk(self, chunk: TokenChunk, *, prefilled_here: bool) -> None:
         """A request's first chunk: its prompt was prefilled (unless elsewhere: a decode half or a resume)."""
@@ -47,9 +48,11 @@ class EngineMetrics:
             self._queries.inc(chunk.num_prompt_tokens)
             self._hits.inc(chunk.num_cached_tokens)
             self._prompt.inc(chunk.num_prompt_tokens)  # all of them, cached or not, as vLLM counts
+            self.prompt_total += chunk.num_prompt_tokens
 
     def chunk(self, chunk: TokenChunk) -> None:
         self._generated.inc(len(chunk.token_ids))
+        self.generated_total += len(chunk.token_ids)
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(*self._values, reason or "stop").inc()

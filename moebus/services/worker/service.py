@@ -53,6 +53,7 @@ from .outputs import chunk_from_output
 from .quarantine import Quarantine
 from .replay import ReplayBuffer
 from .split import SplitStages
+from .stats_log import StatsLine
 
 if TYPE_CHECKING:
     from .kv_engine import EngineKV
@@ -144,6 +145,8 @@ class WorkerService(Service):
                                 warmup=self._warm_up if self.cfg.warmup else None)
         self._loop.start()
         self.spawn(self._publisher())
+        if self.cfg.stats_log_interval_s:
+            self.spawn(StatsLine(self.load, self.engine_metrics).run(self.cfg.stats_log_interval_s))
         s, i = self.subjects, self.instance_id
         if self.kv is not None:
             from .kv_link import WorkerKVLink
