@@ -1,4 +1,4 @@
-"""`moebus` command line: generate (offline engine), up / serve (services), loadtest."""
+"""`moebus` command line: generate (offline engine), up / serve (services), loadtest, trace."""
 from __future__ import annotations
 
 import argparse
@@ -57,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
         add_cli_commands(sub)
     from moebus.loadtest.cli import add_cli_commands as add_loadtest
+    from moebus.shared.trace_view import add_cli_command as add_trace
 
     add_loadtest(sub)
+    add_trace(sub)
     return parser
 
 

@@ -20,6 +20,7 @@ def _up(args: argparse.Namespace) -> int:
               api_keys=args.api_key or [], heartbeat_interval_s=args.heartbeat_interval,
               max_queued=args.max_queued, engine=json.loads(args.engine), log_dir=args.log_dir,
               metrics_targets_file=args.metrics_targets,
+              trace_file=args.trace_file, otlp_endpoint=args.otlp_endpoint, trace_sample=args.trace_sample,
               mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
               kvbroker=False if args.no_kvbroker else None, worker=worker,
               balancer={"policy": args.balancer_policy}, tokenizer=_tokenizer(args), autoscale=args.autoscale, planner=json.loads(args.planner),
@@ -97,6 +98,14 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--metrics-targets", default=None, metavar="FILE",
                    help="write the Prometheus file_sd targets (every process's /metrics) here; "
                         "default: LOG_DIR/prometheus_targets.json (docs/observability.md)")
+    u.add_argument("--trace-file", default=None, metavar="FILE",
+                   help="every process appends its spans here as JSON lines; `moebus trace ID --file FILE` "
+                        "shows one request (docs/observability.md)")
+    u.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="every process sends its spans to this OTLP/HTTP collector (e.g. http://localhost:4318); "
+                        "default: $OTEL_EXPORTER_OTLP_ENDPOINT")
+    u.add_argument("--trace-sample", type=float, default=1.0, metavar="RATIO",
+                   help="share of new requests traced, 0..1 (a client's traceparent keeps its own decision)")
     u.add_argument("--mode", choices=("aggregated", "disaggregated"), default="aggregated",
                    help="disaggregated: separate prefill and decode pools, KV moved between them")
     u.add_argument("--prefill-workers", type=int, default=1)

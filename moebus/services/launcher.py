@@ -37,6 +37,7 @@ from moebus.shared.messages import HealthReply
 from moebus.shared.nats_server import NatsServer, free_port
 from moebus.shared.service import Empty, ServiceConfig, Stats
 from moebus.shared.subjects import Subjects
+from moebus.shared.trace_export import TraceConfig
 from moebus.shared.tracing import Tracing
 
 from .startup import WaitReporter, prepare, say_to
@@ -78,6 +79,11 @@ class StackConfig(BaseModel):
     # Prometheus file_sd targets file (default: <log_dir>/prometheus_targets.json; docs/observability.md).
     metrics: bool = True
     metrics_targets_file: str | None = None
+    # Spans of every process (shared/trace_export.py): appended to this JSONL file (`moebus trace`
+    # reads it) and/or sent to this OTLP/HTTP collector; the share of new requests traced.
+    trace_file: str | None = None
+    otlp_endpoint: str | None = None
+    trace_sample: float = Field(1.0, ge=0.0, le=1.0)
     ready_timeout_s: float = 600.0
     # (MIN, MAX): MIN workers per pool at start, a planner process scales each pool within MIN..MAX.
     autoscale: tuple[int, int] | None = None
@@ -181,6 +187,8 @@ class Stack:
         if not self.cfg.nats_url:
             self._start_nats()
         env = dict(os.environ)
+        if self.cfg.trace_file or self.cfg.otlp_endpoint:  # every process exports its spans (trace_export.py)
+            env.update(TraceConfig(self.cfg.trace_file, self.cfg.otlp_endpoint, self.cfg.trace_sample).to_env())
         if self.cfg.api_keys:  # through the environment: keys stay out of `ps`
             env["MOEBUS_API_KEYS"] = ",".join(self.cfg.api_keys)
         if self.kvbroker_on:

@@ -25,6 +25,7 @@ from .errors import ErrorCode, NoResponders, ServiceError
 from .messages import HealthReply, Heartbeat, Load
 from .metrics import Metrics
 from .subjects import Subjects, check_token
+from .trace_export import build_provider, flush_provider
 from .tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,9 @@ class Service:
         self.cfg = cfg
         self.instance_id = check_token(cfg.instance_id or f"{self.name}-{uuid.uuid4().hex[:8]}")
         self.subjects = Subjects(cfg.subject_prefix)
-        self.tracing = Tracing(self.name, tracer_provider)
+        # None: this service's own, exporting as the environment says (trace_export.py), flushed at shutdown
+        self._own_provider = None if tracer_provider is not None else build_provider(self.name, self.instance_id)
+        self.tracing = Tracing(self.name, tracer_provider or self._own_provider)
         self.metrics = Metrics(self.name)
         self.draining = False
         self._bus: Bus | None = None
@@ -140,6 +143,8 @@ class Service:
             await self.bus.drain(self.cfg.drain_timeout_s)
             if self._probes is not None:
                 await self._probes.cleanup()
+            if self._own_provider is not None:
+                await flush_provider(self._own_provider)
 
     def request_exit(self, reason: str) -> None:
         """Ask the process running this service to shut it down and exit non-zero (a supervisor

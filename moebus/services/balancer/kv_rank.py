@@ -15,6 +15,7 @@ from moebus.shared.kv_client import KVBrokerClient
 from moebus.shared.kv_hashing import stable_block_hashes
 from moebus.shared.messages import BROKER_HOLDER
 from moebus.shared.subjects import Subjects
+from moebus.shared.tracing import annotate
 
 from .kv_routing import RoutingWeights, WorkerState, overlaps, rank_workers
 from .table import WorkerEntry
@@ -38,6 +39,7 @@ class KVRanker:
         self._decided = {r: counter.labels(r) for r in REASONS} if counter else {}
 
     def _decide(self, reason: str) -> None:
+        annotate({"moebus.route.reason": reason})  # the route span's why
         if self._decided:
             self._decided[reason].inc()
 

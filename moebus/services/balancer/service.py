@@ -35,10 +35,12 @@ from moebus.shared.messages import (
 )
 from moebus.shared.service import Service
 from moebus.shared.subjects import Queues
+from moebus.shared.tracing import Attr, annotate
 
 from .config import BalancerConfig
 from .kv_rank import KVRanker
 from .policy import StaticOrder
+from .spans import route_attributes
 from .table import WorkerEntry, WorkerTable
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,8 @@ class BalancerService(Service):
             accepted = await self._dispatch(req, await self._ordered(req, r.tried, None), r)
         if accepted is not None:
             self._m_routed.labels("ok").inc()
+            annotate({Attr.WORKER: accepted.worker_id, "moebus.decode_worker_id": accepted.decode_worker_id,
+                      "moebus.route.offered": len(r.tried) - len(req.exclude_workers)})
             return accepted
         if r.overloaded:
             self._m_routed.labels("overloaded").inc()
@@ -129,6 +133,7 @@ class BalancerService(Service):
     async def _ordered(self, req: GenerateRequest, tried: set[str], roles: tuple[str, ...] | None,
                        kv_aware: bool = True) -> list[WorkerEntry]:
         cands = self.table.candidates(req.model, time.monotonic(), tried, roles)
+        route_attributes(self.cfg, req, cands, roles)
         if self.static is not None:
             return self.static.order(cands)
         if kv_aware and self.ranker is not None:

@@ -19,6 +19,7 @@ from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import EncodeReply, EncodeRequest, ImageEmbedding, ImagePromptForm
 from moebus.shared.service import Service
 from moebus.shared.subjects import Queues
+from moebus.shared.tracing import Attr, annotate
 
 from .cache import ByteLRU
 from .config import EncoderConfig
@@ -91,6 +92,8 @@ class EncoderService(Service):
         raws = await asyncio.gather(*(self.fetcher.bytes_of(im) for im in req.images))
         out = await asyncio.gather(*(self._one(raw, i) for i, raw in enumerate(raws)))
         hits = sum(hit for _, hit in out)
+        annotate({Attr.MODEL: req.model, "moebus.images": len(req.images), "moebus.encoder.cache_hits": hits,
+                  "moebus.encoder.tokens": sum(e.num_tokens for e, _ in out)})
         form = self.encoder.prompt_form()
         return EncodeReply(images=[e for e, _ in out], cache_hits=hits,
                            form=ImagePromptForm(placeholder_token_id=form.placeholder_token_id,

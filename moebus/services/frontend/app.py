@@ -7,12 +7,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from opentelemetry.trace import SpanKind, TracerProvider
+from opentelemetry.trace import TracerProvider
 
 from moebus import __version__
 from moebus.shared.errors import ServiceError
 from moebus.shared.logs import request_scope
-from moebus.shared.tracing import current_trace_id
+from moebus.shared.tracing import TRACE_ID_HEADER, trace_id_of
 
 from .access import REQUEST_ID_HEADER, AccessLog
 from .chat import chat_completions
@@ -24,6 +24,7 @@ from .messages_api import count_tokens, messages
 from .openapi import openapi_document
 from .responses import responses
 from .service import FrontendService
+from .spans import http_span, http_status
 from .tenants import bearer
 from .tokens import detokenize, tokenize
 
@@ -53,6 +54,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
 async def _request_id_header(request: web.Request, resp: web.StreamResponse) -> None:
     if (rec := request.get(RECORD)) is not None:
         resp.headers[REQUEST_ID_HEADER] = rec.request_id
+        if rec.trace_id:
+            resp.headers[TRACE_ID_HEADER] = rec.trace_id
 
 
 def _failed(request: web.Request, err: APIError) -> web.Response:
@@ -146,10 +149,13 @@ async def tracing_middleware(request: web.Request, handler: Handler) -> web.Stre
     if fe is None:
         return await handler(request)
     # Continue the client's trace if it sent a traceparent; every bus hop below joins this span.
-    with fe.tracing.consume(f"{request.method} {request.path}", dict(request.headers), kind=SpanKind.SERVER):
-        if (rec := request.get(RECORD)) is not None:
-            rec.trace_id = current_trace_id()
-        return await handler(request)
+    rec = request.get(RECORD)
+    with http_span(fe.tracing, request, rec.request_id if rec else None) as span:
+        if rec is not None:
+            rec.trace_id = trace_id_of(span)  # X-Trace-Id (_request_id_header), the access line
+        resp = await handler(request)
+        http_status(span, resp.status)
+        return resp
 
 
 def _model_card(name: str, cfg: FrontendConfig) -> dict:
@@ -208,8 +214,8 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def create_app(cfg: FrontendConfig, tracer_provider: TracerProvider | None = None) -> web.Application:
-    app = web.Application(middlewares=[access_middleware, errors_middleware, per_client_middleware(cfg.max_concurrent_per_client),
-                                       auth_middleware, tracing_middleware],
+    app = web.Application(middlewares=[access_middleware, tracing_middleware, errors_middleware,
+                                       per_client_middleware(cfg.max_concurrent_per_client), auth_middleware],
                           client_max_size=cfg.limits.max_body_bytes)
     app[CONFIG] = cfg
     app[ACCESS] = AccessLog()

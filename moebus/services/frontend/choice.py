@@ -2,6 +2,7 @@
 stop strings when the frontend detokenizes, logprobs, finish reason, token counts."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from moebus.shared.bus import Bus
@@ -27,6 +28,10 @@ class Detok:
     read_offset: int = 0
     held: str = ""
     matched: str | None = None  # the stop string that ended the choice
+    calls: int = 0  # tokenizer calls so far, their first start and last end (ns) and total wait: its span
+    first_ns: int = 0
+    last_ns: int = 0
+    busy_ns: int = 0
 
     def __post_init__(self) -> None:
         self.context = list(self.context[-_CONTEXT:])
@@ -37,8 +42,11 @@ class Detok:
         self.window += token_ids
         req = DetokenizeRequest(model=self.model, token_ids=self.window, read_offset=self.read_offset,
                                 held=self.held, stop=self.stop, include_stop=self.include_stop, finished=finished)
+        started = time.time_ns()
         reply = await self.bus.request(self.subjects.tokenizer_detokenize, req, DetokenizeReply, self.timeout,
                                        wait_for_responders_s=self.wait_s, idempotent=True)
+        self.calls, self.last_ns = self.calls + 1, time.time_ns()
+        self.first_ns, self.busy_ns = self.first_ns or started, self.busy_ns + self.last_ns - started
         self.window = self.window[reply.prefix_offset:]
         self.read_offset = reply.read_offset - reply.prefix_offset
         self.held = reply.held

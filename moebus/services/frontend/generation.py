@@ -36,6 +36,7 @@ from moebus.shared.messages import AbortRequest, GenerateAccepted, GenerateReque
 from moebus.shared.messages.generate import ReplayRequest, ResumedChoice
 
 from .ordering import ChunkOrder
+from .spans import stage_span
 
 if TYPE_CHECKING:
     from .router import StreamRouter
@@ -227,6 +228,11 @@ class Generation:
         return got
 
     async def _migrate(self, failed: str | None, reason: ErrorCode) -> None:
+        with stage_span(self.router.bus.tracing, "migrate", reason=reason.value, failed_worker=failed,
+                        attempt=self.req.attempt + 1):
+            await self._move(failed, reason)
+
+    async def _move(self, failed: str | None, reason: ErrorCode) -> None:
         """Rerun the open choices on another worker from the tokens the client already has."""
         for worker in self._workers():  # alive after all (a NATS blip looks like a death)? stop the old attempt
             await self.router.bus.publish(self.router.subjects.worker_abort(worker),
@@ -252,7 +258,8 @@ class Generation:
         """Forget the request; if it is still running (client gone, stop string), abort it on its worker."""
         self.router.unregister(self)
         if (self.open or self._cut) and self.worker_id:
-            for worker in self._workers():
-                await self.router.bus.publish(self.router.subjects.worker_abort(worker),
-                                              AbortRequest(request_id=self.request_id))
+            with stage_span(self.router.bus.tracing, "abort", generation_id=self.request_id, cut=self._cut):
+                for worker in self._workers():
+                    await self.router.bus.publish(self.router.subjects.worker_abort(worker),
+                                                  AbortRequest(request_id=self.request_id))
             self.router.aborts.inc()

@@ -30,6 +30,7 @@ from .images import image_input
 from .latency import Latencies, TimedChoice
 from .readiness import WorkerWatch
 from .router import StreamRouter
+from .spans import finish_generation, generation_span
 from .tenants import KeyRing, Tenant
 
 
@@ -140,6 +141,19 @@ class FrontendService(Service):
     @asynccontextmanager
     async def generation(self, model: str, prompt_ids: list[int], params: SamplingOptions,
                          images: list[ImageEmbedding] = (), tenant: Tenant | None = None) -> AsyncIterator[Generation]:
+        """`_generation` inside its `generate <model>` span (spans.py)."""
+        before, gen = self.latencies.current.get(), None
+        with generation_span(self.tracing, model, len(prompt_ids), params) as span:
+            try:
+                async with self._generation(model, prompt_ids, params, images, tenant) as gen:
+                    yield gen
+            finally:
+                clock = self.latencies.current.get()
+                finish_generation(self.tracing, span, gen, clock if clock is not before else None)
+
+    @asynccontextmanager
+    async def _generation(self, model: str, prompt_ids: list[int], params: SamplingOptions,
+                          images: list[ImageEmbedding] = (), tenant: Tenant | None = None) -> AsyncIterator[Generation]:
         """A routed generation, aborted on its worker if we leave early (client gone, error); it
         holds its tenant's tokens and a place in the capacity until it ends (admission.py)."""
         if not prompt_ids:

@@ -13,6 +13,7 @@ from moebus.shared.messages import DetokenizeReply, DetokenizeRequest, RenderRep
 from moebus.shared.service import Service
 from moebus.shared.stop_strings import apply_stops, matched_stop
 from moebus.shared.subjects import Queues
+from moebus.shared.tracing import Attr, annotate
 
 from .config import TokenizerConfig
 from .detok import decode_step
@@ -58,8 +59,8 @@ class TokenizerService(Service):
         s = self.subjects
         await self.bus.subscribe(s.tokenizer_render, RenderRequest, self.render, queue=Queues.TOKENIZER,
                                  endpoint="render")
-        await self.bus.subscribe(s.tokenizer_detokenize, DetokenizeRequest, self.detokenize,
-                                 queue=Queues.TOKENIZER, endpoint="detokenize")
+        await self.bus.subscribe(s.tokenizer_detokenize, DetokenizeRequest, self.detokenize,  # a call per chunk:
+                                 queue=Queues.TOKENIZER, endpoint="detokenize", traced=False)  # no span per token
 
     def _check_model(self, model: str) -> None:
         if model != self.served_model:
@@ -91,6 +92,8 @@ class TokenizerService(Service):
             raise context_length_exceeded(req.max_prompt_tokens, len(ids), param)
         self._renders.inc()
         self._prompt_tokens.inc(len(ids))
+        annotate({Attr.MODEL: req.model, Attr.INPUT_TOKENS: len(ids), "moebus.images": len(req.images),
+                  "moebus.chat": req.messages is not None})
         return RenderReply(prompt_token_ids=ids, prompt_text=text, eos_token_ids=list(self.tok.eos_token_ids),
                            image_offsets=offsets)
 

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moebus.shared.messages import GenerateRequest
+
+if TYPE_CHECKING:
+    from .spans import RequestSpans
 
 
 @dataclass(slots=True)
@@ -18,3 +21,4 @@ class Active:
     started: bool = False  # some token went out: no longer safe to hand back for a rerun
     first_token: int | None = None  # stage prefill: the token streamed, handed to the decode worker
     last_chunk_at: float = 0.0  # when its latest chunk went out (inter-token latency)
+    spans: RequestSpans | None = None  # its spans here, when traced (spans.py)

@@ -54,9 +54,19 @@ class Prefilled:
 
     request_id: str
     payload: Any
+    extract_ns: tuple[int, int] = (0, 0)  # when the extraction ran (wall clock, ns): its span
 
 
-OnOutputs = Callable[[Sequence[EngineOutput], list[AddFailed], list[Prefilled]], None]
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """One engine step (wall clock, ns) and how many outputs it made: the spans of its requests."""
+
+    started_ns: int
+    ended_ns: int
+    outputs: int
+
+
+OnOutputs = Callable[[Sequence[EngineOutput], list[AddFailed], list[Prefilled], StepTiming], None]
 _STOP = object()
 
 
@@ -180,7 +190,9 @@ class EngineLoop:
                     cmd = self._cmds.get_nowait()
             except queue.Empty:
                 pass
+            started_ns = time.time_ns()
             outputs = engine.step() if lockstep or engine.has_unfinished_requests() else []
+            step = StepTiming(started_ns, time.time_ns(), len(outputs))
             if engine.failed_steps_in_a_row >= self.max_failed_steps:
                 raise RuntimeError(f"{engine.failed_steps_in_a_row} engine steps in a row failed")
             if self.kv is not None and outputs:
@@ -188,7 +200,7 @@ class EngineLoop:
             prefilled = self._extract_prefilled(outputs) if self._prefill_only else []
             self.stats = dict(engine.stats())
             if outputs or failed or prefilled:
-                self._loop.call_soon_threadsafe(self._on_outputs, outputs, failed, prefilled)
+                self._loop.call_soon_threadsafe(self._on_outputs, outputs, failed, prefilled, step)
 
     def _extract_prefilled(self, outputs: Sequence[EngineOutput]) -> list[Prefilled]:
         done: list[Prefilled] = []
@@ -198,13 +210,13 @@ class EngineLoop:
             self._prefill_only.discard(out.request_id)
             if out.finished:
                 continue  # ended at its first token: nothing to hand over
-            payload = None
+            payload, started_ns = None, time.time_ns()
             try:
                 payload = self.kv.extract(self.engine, out.request_id)
             except Exception:  # the decode worker then recomputes the prompt
                 log.warning("KV extraction of %s failed", out.request_id, exc_info=True)
             self.engine.abort_request(out.request_id)
-            done.append(Prefilled(out.request_id, payload))
+            done.append(Prefilled(out.request_id, payload, (started_ns, time.time_ns())))
         return done
 
     def _apply(self, cmd: tuple, failed: list[AddFailed]) -> None:

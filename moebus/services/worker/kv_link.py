@@ -39,13 +39,14 @@ log = logging.getLogger(__name__)
 
 class WorkerKVLink:
     def __init__(self, cfg: WorkerConfig, nc: NATS, instance_id: str, loop: EngineLoop, kv: EngineKV,
-                 on_corrupt: Callable[[int], None] | None = None, metrics: Metrics | None = None) -> None:
+                 on_corrupt: Callable[[int], None] | None = None, metrics: Metrics | None = None,
+                 tracing: Tracing | None = None) -> None:
         """on_corrupt(n): n blocks that arrived (transfer or broker) failed their checksum;
         metrics: where KV transfer bytes and seconds (by direction: send, receive) are counted."""
         self.cfg, self.nc, self.instance_id, self.loop, self.kv = cfg, nc, instance_id, loop, kv
         self.on_corrupt = on_corrupt
         self.subjects = Subjects(cfg.subject_prefix)
-        self.bus = Bus(nc, Tracing("worker"))  # typed requests and trace headers on the service's connection
+        self.bus = Bus(nc, tracing or Tracing("worker"))  # typed requests and trace headers on the service's connection
         self.receiver: KVTransport | None = None
         self._senders: dict[str, KVTransport] = {}
         self.index: KVBrokerClient | None = None

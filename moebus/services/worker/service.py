@@ -46,12 +46,13 @@ from .active import Active
 from .config import WorkerConfig
 from .counters import RequestCounters
 from .demand import Demand
-from .engine_loop import AddFailed, EngineLoop, Prefilled
+from .engine_loop import AddFailed, EngineLoop, Prefilled, StepTiming
 from .engine_metrics import EngineMetrics
 from .engines import engine_params, make_engine
 from .outputs import chunk_from_output
 from .quarantine import Quarantine
 from .replay import ReplayBuffer
+from .spans import RequestSpans
 from .split import SplitStages
 from .stats_log import StatsLine
 
@@ -152,7 +153,8 @@ class WorkerService(Service):
             from .kv_link import WorkerKVLink
 
             self.link = WorkerKVLink(self.cfg, self.bus.nc, i, self._loop, self.kv,
-                                     on_corrupt=lambda n: corrupt.labels("transfer").inc(n), metrics=self.metrics)
+                                     on_corrupt=lambda n: corrupt.labels("transfer").inc(n), metrics=self.metrics,
+                                     tracing=self.tracing)
             await self.link.start()
             self.spawn(self.link.run(self.cfg.heartbeat_interval_s))
             await self.bus.subscribe(s.worker_handoff(i), Handoff, self.split.on_handoff, concurrent=False,
@@ -223,6 +225,7 @@ class WorkerService(Service):
         params = engine_params(req.params, self.toy)  # ValueError -> 400
         a = Active(req, self.tracing.inject(), time.monotonic(), params, seq=[0] * req.params.n,
                    open={c.index for c in req.resume} if req.resume else set(range(req.params.n)))
+        a.spans = RequestSpans.begin(self.tracing, req, self.instance_id)  # None unless this request is traced
         self._active[req.request_id] = a
         self.replay.open(req.request_id, req.attempt)
         if req.stage == "decode":
@@ -258,10 +261,12 @@ class WorkerService(Service):
         self.quarantine.done(req.request_id)
         self._loop.abort(req.request_id)
         self.request_counts.inc("aborted")
+        if a.spans is not None:
+            a.spans.end("aborted")
 
     # ---- engine side -----------------------------------------------------------------------
     def _on_outputs(self, outputs: Sequence[EngineOutput], failed: list[AddFailed],
-                    prefilled: list[Prefilled] = ()) -> None:
+                    prefilled: list[Prefilled] = (), step: StepTiming | None = None) -> None:
         for f in failed:
             self.fail(f.request_id, ErrorCode.BAD_REQUEST, f.error, retryable=False, counter="failed")
         tok = self._loop.tokenizer
@@ -282,6 +287,8 @@ class WorkerService(Service):
                 if chunk.finished:
                     self.split.finished_at_first_token(a)
             a.seq[i] += 1
+            if a.spans is not None:
+                a.spans.chunk(chunk, step)
             now = time.monotonic()
             if not a.started:
                 a.started = True
@@ -303,6 +310,8 @@ class WorkerService(Service):
                     self._beat_soon()
             self.send(a.req.reply_to, chunk, a.trace_headers)
         for p in prefilled:
+            if (a := self._active.get(p.request_id)) is not None and a.spans is not None:
+                a.spans.extracted(p)
             self.split.prefilled(p)
         self._m_queue.set(self.queued())
 
@@ -346,6 +355,8 @@ class WorkerService(Service):
         if a is not None:
             self.quarantine.done(rid)
             self.request_counts.inc(outcome)
+            if a.spans is not None:
+                a.spans.end(outcome)
             self.replay.finish(rid)
         return a
 
@@ -357,6 +368,8 @@ class WorkerService(Service):
         if a is None:
             return
         self.quarantine.done(rid)
+        if a.spans is not None:
+            a.spans.end(counter, code.value)
         if a.req.stage == "prefill":
             self.split.cancelled(a)
         if self._loop is not None and self._loop.failed is None:
@@ -380,6 +393,8 @@ class WorkerService(Service):
 
     def inject(self, a: Active, first_token: int, payload: Any) -> None:
         """A decode half: admit the request prefilled elsewhere (payload None: recompute its prompt)."""
+        if a.spans is not None:
+            a.spans.injecting()
         self._loop.inject(a.req.request_id, a.req.prompt_token_ids, first_token, a.params, payload, a.req.images)
 
     async def _publisher(self) -> None:

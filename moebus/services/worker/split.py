@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,6 +26,7 @@ from moebus.shared.subjects import Subjects
 
 from .active import Active
 from .engine_loop import Prefilled
+from .spans import nbytes, record
 
 if TYPE_CHECKING:
     from .kv_link import WorkerKVLink
@@ -87,8 +89,10 @@ class SplitStages:
             await asyncio.wait(set(self._sending), timeout=max(timeout_s, 2.0))  # even past the grace
 
     async def _hand_over(self, a: Active, payload: Any) -> None:
-        spec = a.req.kv_transfer
+        spec, started = a.req.kv_transfer, time.time_ns()
         sent = await self.host.link.send(payload, spec)
+        record(a, "kv.send", started, **{"moebus.kv.bytes": nbytes(payload), "moebus.kv.ok": sent,
+                                         "moebus.decode_worker_id": spec.decode_worker})
         self._handoff(a, Handoff(request_id=a.req.request_id, attempt=a.req.attempt, first_token=a.first_token,
                                  kv_sent=sent))
 
@@ -123,12 +127,15 @@ class SplitStages:
         spec, rid, host = a.req.kv_transfer, a.req.request_id, self.host
         fut: asyncio.Future[Handoff] = asyncio.get_running_loop().create_future()
         self._handoffs[spec.transfer_id] = fut
+        waited = time.time_ns()
         try:
             h: Handoff | None = await asyncio.wait_for(fut, spec.timeout_s)
         except TimeoutError:
             h = None
         finally:
             self._handoffs.pop(spec.transfer_id, None)
+        record(a, "kv.handoff_wait", waited, **{"moebus.prefill_worker_id": spec.prefill_worker,
+                                                "moebus.handed_over": h is not None and h.first_token is not None})
         if host.active(rid) is not a:
             return  # aborted while waiting
         if h is None or h.first_token is None:
@@ -138,6 +145,9 @@ class SplitStages:
         if h.finished:  # the prefill worker's chunk already finished the request
             host.release(rid, "finished")
             return
+        received = time.time_ns()
         payload = await host.link.receive(spec.transfer_id, spec.timeout_s) if h.kv_sent else None
+        record(a, "kv.receive", received, **{"moebus.kv.bytes": nbytes(payload), "moebus.kv.sent": h.kv_sent,
+                                             "moebus.kv.ok": payload is not None})
         if host.active(rid) is a:
             host.inject(a, h.first_token, payload)
