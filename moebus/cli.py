@@ -36,7 +36,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moebus import __version__
+
     parser = argparse.ArgumentParser(prog="moebus", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"moebus {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="run the engine offline on prompts (chat template applied)")
     g.add_argument("--prompt", action="append", help="a prompt; repeat for several")

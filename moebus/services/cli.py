@@ -4,9 +4,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 from pathlib import Path
 
+from moebus.shared.logs import FORMATS, LOG_FORMAT_ENV
+
 from .launcher import SERVICES, up
+from .startup import threads_per_worker
 
 ROLES = ("prefill", "decode")  # `moebus serve decode ...` = `moebus serve worker --role decode ...`
 
@@ -15,10 +19,21 @@ def _up(args: argparse.Namespace) -> int:
     worker = json.loads(args.worker)
     if args.torch_threads:
         worker["torch_threads"] = args.torch_threads
+    engine = json.loads(args.engine)
+    if args.max_model_len is not None:
+        engine["max_model_len"] = args.max_model_len
+    if args.enable_prefix_caching is not None:
+        engine["enable_prefix_caching"] = args.enable_prefix_caching
+    if "torch_threads" not in worker and args.model != "toy":  # the cores split between workers, not shared
+        each = threads_per_worker(args.workers if args.mode == "aggregated" else
+                                  args.prefill_workers + args.decode_workers)
+        if each is not None:
+            worker["torch_threads"] = each
+    os.environ[LOG_FORMAT_ENV] = args.log_format  # every process the launcher starts inherits it
     return up(port=args.port, model=args.model, host=args.host, workers=args.workers,
               served_model_name=args.served_model_name, nats_url=args.nats_url, nats_port=args.nats_port,
               api_keys=args.api_key or [], heartbeat_interval_s=args.heartbeat_interval,
-              max_queued=args.max_queued, engine=json.loads(args.engine), log_dir=args.log_dir,
+              max_queued=args.max_queued, engine=engine, log_dir=args.log_dir,
               metrics_targets_file=args.metrics_targets,
               trace_file=args.trace_file, otlp_endpoint=args.otlp_endpoint, trace_sample=args.trace_sample,
               mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
@@ -76,25 +91,30 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
-    u = subparsers.add_parser("up", help="run nats-server and every service (one process each) on this machine")
-    u.add_argument("--port", type=int, default=8000)
-    u.add_argument("--host", default="0.0.0.0")
+    u = subparsers.add_parser("up", help="run nats-server and every service (one process each) on this machine",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    u.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
+    u.add_argument("--host", default="0.0.0.0", help="address the API listens on")
     u.add_argument("--model", default="smollm2", help='engine model ("smollm2", a checkpoint dir, or "toy")')
-    u.add_argument("--served-model-name", default=None)
+    u.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     u.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a jinja chat template that replaces the model's (function tools are rendered through it; "
                         "default: the model's own, or for smollm2 the shipped one with tool calling)")
-    u.add_argument("--workers", type=int, default=1)
+    u.add_argument("--workers", type=int, default=1,
+                   help="engine worker processes (aggregated mode); the CPU cores are split between them")
     u.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
-    u.add_argument("--nats-port", type=int, default=0)
+    u.add_argument("--nats-port", type=int, default=0, help="port of the nats-server we start (0: a free one)")
     u.add_argument("--api-key", action="append", help="require this bearer key; repeat for several")
     u.add_argument("--keys-file", default=None, help="API keys -> tenants, with limits (docs/tenants.md)")
     u.add_argument("--frontend", default="{}",
                    help='extra FrontendConfig fields as JSON, e.g. \'{"admission": {"max_running": 32}}\'')
-    u.add_argument("--heartbeat-interval", type=float, default=1.0)
+    u.add_argument("--heartbeat-interval", type=float, default=1.0,
+                   help="seconds between each process's heartbeats (a worker silent for 3 is dropped)")
     u.add_argument("--max-queued", type=int, default=128, help="per worker, before answering 429")
     u.add_argument("--engine", default="{}", help='extra EngineConfig fields as JSON, e.g. \'{"max_num_seqs": 8}\'')
-    u.add_argument("--log-dir", default=None)
+    u.add_argument("--log-dir", default=None, help="one <instance>.log per process here (default: this terminal)")
+    u.add_argument("--log-format", choices=FORMATS, default="text",
+                   help="json: one JSON object per line, with request_id and trace_id (docs/observability.md)")
     u.add_argument("--metrics-targets", default=None, metavar="FILE",
                    help="write the Prometheus file_sd targets (every process's /metrics) here; "
                         "default: LOG_DIR/prometheus_targets.json (docs/observability.md)")
@@ -108,8 +128,8 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="share of new requests traced, 0..1 (a client's traceparent keeps its own decision)")
     u.add_argument("--mode", choices=("aggregated", "disaggregated"), default="aggregated",
                    help="disaggregated: separate prefill and decode pools, KV moved between them")
-    u.add_argument("--prefill-workers", type=int, default=1)
-    u.add_argument("--decode-workers", type=int, default=1)
+    u.add_argument("--prefill-workers", type=int, default=1, help="disaggregated mode: prefill workers")
+    u.add_argument("--decode-workers", type=int, default=1, help="disaggregated mode: decode workers")
     u.add_argument("--no-kvbroker", action="store_true", help="no KV broker (no KV-aware routing, no shared tiers)")
     u.add_argument("--encoders", type=int, default=None,
                    help="vision encoder processes (default: 1 for a real model, 0 for toy; 0: images are refused)")
@@ -117,7 +137,13 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="efficientnet-lite0 (default), a SmolVLM/Idefics3 checkpoint dir or an mmproj .gguf")
     u.add_argument("--balancer-policy", choices=("kv", "round_robin", "random"), default="kv",
                    help="routing: KV overlap + load (default), or a baseline to compare against")
-    u.add_argument("--torch-threads", type=int, default=None, help="torch threads per worker process")
+    u.add_argument("--torch-threads", type=int, default=None,
+                   help="torch (OpenMP) threads per worker process (default: the usable cores // the workers)")
+    u.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion tokens per request, in the engines and the frontend's checks "
+                        "(default: the engine's, 8192)")
+    u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of prompt prefixes seen before (default: on)")
     u.add_argument("--worker", default="{}", help='extra WorkerConfig fields as JSON, e.g. \'{"kv_cpu_bytes": 1e9}\'')
     u.add_argument("--autoscale", type=autoscale_bounds, default=None, metavar="MIN:MAX",
                    help="start MIN workers (each pool, disaggregated) and a planner that keeps every pool "
@@ -133,10 +159,11 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
 
     s = subparsers.add_parser("serve", help="run one service in this process",
                               description="Options after the service name go to it; see "
-                                          "`python -m moebus.services.<service> --help`.")
-    s.add_argument("service", choices=(*SERVICES, *ROLES, "kvbroker"))
-    s.add_argument("--nats-url", default=None)
-    s.add_argument("options", nargs=argparse.REMAINDER)
+                                          "`moebus serve <service> --help`.",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("service", choices=(*SERVICES, *ROLES, "kvbroker"), help="the service to run")
+    s.add_argument("--nats-url", default=None, help="the NATS to join (default: the service's, nats://127.0.0.1:4222)")
+    s.add_argument("options", nargs=argparse.REMAINDER, help="the service's own flags (its config fields)")
     s.set_defaults(func=_serve)
 
     k = subparsers.add_parser("keys", help="API keys and tenants in a keys file (docs/tenants.md)")

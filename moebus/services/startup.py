@@ -10,6 +10,7 @@ The toy model needs none of it. `./run` says when it installs (phase 0).
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -83,6 +84,16 @@ def build_kernels(model: str, say: Say) -> None:
 def prepare(model: str, say: Say) -> None:
     prepare_model(model, say)
     build_kernels(model, say)
+
+
+def threads_per_worker(workers: int) -> int | None:
+    """Torch threads for each of `workers` engine processes on this machine: its usable cores split
+    between them (at least one each), so they do not oversubscribe the cores; None for one worker
+    (torch's own default)."""
+    if workers <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // workers)
 
 
 class WaitReporter:

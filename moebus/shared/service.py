@@ -36,11 +36,11 @@ class ServiceConfig(BaseModel):
 
     nats_url: str = "nats://127.0.0.1:4222"  # comma-separated list for a cluster
     instance_id: str | None = None  # default: <service>-<random>
-    subject_prefix: str = "moebus.v1"
-    heartbeat_interval_s: float = 1.0
+    subject_prefix: str = "moebus.v1"  # every subject starts with it (isolates stacks on one NATS)
+    heartbeat_interval_s: float = 1.0  # seconds between heartbeats (watchers drop it after ~3 missed)
     http_port: int | None = None  # probes + /metrics; None: off
-    http_host: str = "0.0.0.0"
-    drain_timeout_s: float = 10.0
+    http_host: str = "0.0.0.0"  # address of the probes / metrics server
+    drain_timeout_s: float = 10.0  # on shutdown, how long the bus connection may take to drain
 
 
 class Empty(Message):
