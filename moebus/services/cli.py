@@ -32,6 +32,7 @@ def _up(args: argparse.Namespace) -> int:
     os.environ[LOG_FORMAT_ENV] = args.log_format  # every process the launcher starts inherits it
     return up(port=args.port, model=args.model, host=args.host, workers=args.workers,
               served_model_name=args.served_model_name, nats_url=args.nats_url, nats_port=args.nats_port,
+              nats_cluster=args.nats_cluster,
               api_keys=args.api_key or [], heartbeat_interval_s=args.heartbeat_interval,
               max_queued=args.max_queued, engine=engine, log_dir=args.log_dir,
               metrics_targets_file=args.metrics_targets,
@@ -104,6 +105,9 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="engine worker processes (aggregated mode); the CPU cores are split between them")
     u.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     u.add_argument("--nats-port", type=int, default=0, help="port of the nats-server we start (0: a free one)")
+    u.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                   help="start N nats-server nodes with routes between them (as deploy/nats.yaml); "
+                        "every process gets all their URLs and moves to another node when its own goes")
     u.add_argument("--api-key", action="append", help="require this bearer key; repeat for several")
     u.add_argument("--keys-file", default=None, help="API keys -> tenants, with limits (docs/tenants.md)")
     u.add_argument("--frontend", default="{}",

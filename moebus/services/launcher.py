@@ -8,12 +8,15 @@ Real models also get a KV broker process (prefix index for KV-aware routing, sha
 pool within MIN..MAX: it starts more workers itself and drains them again (docs/planner.md).
 The bus is locked (`nats_auth`, shared.bus_auth): every process gets its own NATS user, allowed only
 the subjects it needs, by a credentials file named in its environment; this process is the admin.
+`nats_cluster=N` starts N nats-server nodes with routes between them (shared.nats_cluster); every
+process gets all their URLs and moves to another node when its own goes.
+Every child dies with the launcher, even when it is SIGKILLed (shared.lifeline): spawn from a
+thread that lives as long as the stack (up() uses its main thread).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import importlib
 import json
 import logging
@@ -33,7 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.bus_auth import ADMIN, ANY, CREDS_ENV, TLS_CA_ENV, BusUsers, write_credentials
 from moebus.shared.config_cli import to_cli_args
+from moebus.shared.lifeline import die_with_parent
 from moebus.shared.messages import HealthReply
+from moebus.shared.nats_cluster import NatsCluster
 from moebus.shared.nats_server import NatsServer, free_port
 from moebus.shared.service import Empty, ServiceConfig, Stats
 from moebus.shared.subjects import Subjects
@@ -47,6 +52,10 @@ log = logging.getLogger(__name__)
 SERVICES = ("tokenizer", "encoder", "balancer", "worker", "frontend", "planner")
 # Stopped in reverse: the planner first (no new workers; it stops its own), frontends, the broker last.
 STOP_ORDER = ("kvbroker", *SERVICES)
+
+
+class StartupInterrupted(BaseException):  # as KeyboardInterrupt: no `except Exception` swallows it
+    """A signal came (Stack.stopping was set) while the stack was starting."""
 
 
 class StackConfig(BaseModel):
@@ -68,7 +77,9 @@ class StackConfig(BaseModel):
     balancer: dict[str, Any] = {}  # extra BalancerConfig fields
     tokenizer: dict[str, Any] = {}  # extra TokenizerConfig fields (e.g. {"chat_template": "<jinja file>"})
     nats_url: str | None = None  # use a running NATS instead of starting one
-    nats_port: int = 0  # 0: a free port
+    nats_port: int = 0  # 0: a free port (node 0's, in a cluster)
+    nats_cluster: int = Field(1, ge=1)  # nats-server nodes we start (routes between them when > 1)
+    nats_monitor: bool = False  # their HTTP monitoring (/connz: who is connected where), on free ports
     api_keys: list[str] = []
     heartbeat_interval_s: float = 1.0
     max_queued: int = 128
@@ -129,7 +140,8 @@ class Stack:
     on_wait: Callable[[list[str]], None] | None = None  # told, while waiting for ready, who is still starting
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
-        self.nats: NatsServer | None = None
+        self.bus_nodes: NatsCluster | None = None  # the NATS we started (one node, or a cluster)
+        self.stopping = threading.Event()  # set (by a signal): start-up gives up at the next step
         self.procs: dict[str, subprocess.Popen] = {}  # instance id -> process
         self.services: dict[str, str] = {}  # instance id -> service name
         self._launches: dict[str, tuple[str, list[str], dict[str, str] | None]] = {}  # how each was started
@@ -138,6 +150,16 @@ class Stack:
         self.users: BusUsers | None = None  # our NATS's users when auth is on
         self._creds: tempfile.TemporaryDirectory | None = None
         self.metrics_ports: dict[str, tuple[str, int]] = {}  # instance id -> (service, its /metrics port)
+
+    @property
+    def nats(self) -> NatsServer | None:
+        """Our (first) nats-server; None when the stack uses a NATS it did not start."""
+        return self.bus_nodes.nodes[0] if self.bus_nodes is not None and self.bus_nodes.nodes else None
+
+    @property
+    def nats_procs(self) -> dict[str, NatsServer]:
+        """Our nats-server nodes by name (the supervisor restarts them too)."""
+        return {} if self.bus_nodes is None else {f"nats-{i}": n for i, n in enumerate(self.bus_nodes.nodes)}
 
     @property
     def url(self) -> str:
@@ -192,11 +214,17 @@ class Stack:
         if self.cfg.api_keys:  # through the environment: keys stay out of `ps`
             env["MOEBUS_API_KEYS"] = ",".join(self.cfg.api_keys)
         if self.kvbroker_on:
+            self._check_stopping()
             self.spawn_kvbroker(env)
         for service, scfg in self.service_configs():
+            self._check_stopping()
             self.spawn(service, scfg, env)
         self.write_metrics_targets()
         return self
+
+    def _check_stopping(self) -> None:
+        if self.stopping.is_set():
+            raise StartupInterrupted("stopped during start-up")
 
     def metrics_targets(self) -> list[dict[str, Any]]:
         """Prometheus file_sd entries, one per process serving /metrics."""
@@ -216,7 +244,6 @@ class Stack:
 
     def _start_nats(self) -> None:
         c = self.cfg
-        log_file = str(Path(c.log_dir) / "nats.log") if c.log_dir else None
         admin = None
         if c.nats_auth:
             self.users, self._creds = BusUsers(), tempfile.TemporaryDirectory(prefix="moebus-bus-")  # 0700
@@ -225,12 +252,14 @@ class Stack:
                 self._credentials_file(service, scfg.instance_id)
             if self.kvbroker_on:
                 self._credentials_file("kvbroker", "kvbroker-0")
-        self.nats = NatsServer(port=c.nats_port, log_file=log_file, tls_cert=c.nats_tls_cert, tls_key=c.nats_tls_key,
-                               authorization=self.users.authorization() if self.users else None).start()
-        self.services_url = self.nats_url = self.nats.url
+        self.bus_nodes = NatsCluster(
+            c.nats_cluster, log_dir=c.log_dir, ports=[c.nats_port] + [0] * (c.nats_cluster - 1),
+            tls_cert=c.nats_tls_cert, tls_key=c.nats_tls_key, die_with_parent=True, monitor=c.nats_monitor,
+            authorization=self.users.authorization() if self.users else None).start()
+        self.services_url = self.nats_url = self.bus_nodes.url
         if admin is not None:
-            scheme, rest = self.nats.url.split("://")
-            self.nats_url = f"{scheme}://{admin.user}:{admin.password}@{rest}"
+            self.nats_url = ",".join(url.replace("://", f"://{admin.user}:{admin.password}@", 1)
+                                     for url in self.bus_nodes.urls)
 
     def _credentials_file(self, service: str, instance_id: str) -> Path:
         """The credentials file of one process (made with its user on first use); a planner's also
@@ -242,16 +271,17 @@ class Stack:
             if service == "planner":
                 entries[ANY] = self.users.add("worker")
             write_credentials(path, entries)
-            if self.nats is not None:  # a process the server has no user for yet
-                self.nats.reload(self.users.authorization())
+            if self.bus_nodes is not None:  # a process the server has no user for yet
+                self.bus_nodes.reload(self.users.authorization())
         return path
 
     def bus_config(self, name: str) -> BusConfig:
         """A client of this stack in this process (the admin user when auth is on)."""
+        servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
         if self.nats is None:  # not ours: credentials as the environment has them
-            return BusConfig(servers=[self.nats_url], name=name)
+            return BusConfig(servers=servers, name=name)
         tls_ca = self.cfg.nats_tls_ca or self.cfg.nats_tls_cert
-        return BusConfig(servers=[self.nats_url], name=name, credentials=None, tls_ca=tls_ca)
+        return BusConfig(servers=servers, name=name, credentials=None, tls_ca=tls_ca)
 
     @property
     def kvbroker_on(self) -> bool:
@@ -285,15 +315,21 @@ class Stack:
         out = None
         if self.cfg.log_dir:
             out = open(Path(self.cfg.log_dir) / f"{instance_id}.log", "ab")  # noqa: SIM115
-        # Own session: Ctrl-C reaches only the launcher, which then stops everyone in order.
+        # Own session: Ctrl-C reaches only the launcher, which then stops everyone in order; killed
+        # when the launcher is killed (no orphans; why SIGKILL: shared/lifeline.py).
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL))
         self.procs[instance_id], self.services[instance_id] = proc, service
         self._launches[instance_id] = (service, cmd, env)
         return proc
 
     def respawn(self, instance_id: str) -> None:
-        """Start an exited process again: same id, same command line (the supervisor's restart)."""
+        """Start an exited process again: same id, same command line (the supervisor's restart);
+        a nats-server node: same port, routes, users and TLS."""
+        if instance_id in self.nats_procs:
+            assert self.bus_nodes is not None
+            self.bus_nodes.restart(int(instance_id.removeprefix("nats-")))
+            return
         service, cmd, env = self._launches[instance_id]
         self._popen(instance_id, service, cmd, env)
 
@@ -319,6 +355,7 @@ class Stack:
         deadline = time.monotonic() + timeout
         try:
             while pending:
+                self._check_stopping()
                 for instance, service in list(pending.items()):
                     code = self.procs[instance].poll()
                     if code is not None:
@@ -361,6 +398,7 @@ class Stack:
         workers = {i for i, s in self.services.items() if s == "worker"}
         for balancer in (i for i, s in self.services.items() if s == "balancer"):
             while True:
+                self._check_stopping()
                 stats = await bus.request(Subjects().stats("balancer", balancer), Empty(), Stats, timeout=2)
                 if workers <= {w["worker_id"] for w in stats.stats["workers"] if w["ready"]}:
                     break
@@ -374,13 +412,13 @@ class Stack:
     def restart_nats(self, down_s: float) -> None:
         """A bus blip for every process: stop our nats-server, wait down_s, start it again on the
         same port with the same users and TLS (RELIABILITY.md, tests)."""
-        if self.nats is None:
+        if self.bus_nodes is None:
             raise RuntimeError("this stack did not start its NATS")
-        old = self.nats
-        old.stop()
+        for node in self.bus_nodes.nodes:
+            node.stop()
         time.sleep(down_s)
-        auth = self.users.authorization() if self.users else None
-        self.nats = dataclasses.replace(old, store_dir=None, authorization=auth).start()
+        for i in range(len(self.bus_nodes.nodes)):
+            self.bus_nodes.restart(i)
 
     def stop(self, timeout: float = 20.0) -> None:
         # Frontends first (no new work), then the rest; each drains on SIGTERM.
@@ -396,8 +434,8 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self.nats is not None:
-            self.nats.stop()
+        if self.bus_nodes is not None:
+            self.bus_nodes.stop()
         if self._creds is not None:
             self._creds.cleanup()
             self._creds = None
@@ -416,19 +454,33 @@ class Stack:
 
 
 def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
-    """Run the stack until SIGINT/SIGTERM; a process that crashes is restarted (supervisor.py), one
-    that keeps crashing stops the stack."""
+    """Run the stack until SIGINT/SIGTERM, which may come at any moment (during start-up too: it
+    stops what started and returns 0); a process that crashes (nats-server included) is restarted
+    (supervisor.py), one that keeps crashing stops the stack."""
     cfg = StackConfig(port=port, model=model, **opts)
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     stack = Stack(cfg)
+    stop, preparing = stack.stopping, threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()  # start() and wait_ready() look at it every step
+        if preparing.is_set():  # a conversion or a kernel build: interrupted where it is (both clean up)
+            preparing.clear()
+            raise StartupInterrupted("stopped during start-up")
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        say = say_to()
-        prepare(model, say)  # [1/4] model conversion, [2/4] kernel builds: once, here, not in every worker
-        say(f"[3/4] starting {len(stack.service_configs())} processes")
-        stack.on_wait = WaitReporter(say)  # [4/4] warm-up: who is still loading or warming up
-        stack.start()
-        stack.wait_ready()
+        try:
+            say = say_to()
+            preparing.set()
+            prepare(model, say)  # [1/4] model conversion, [2/4] kernel builds: once, here, not in every worker
+            preparing.clear()
+            say(f"[3/4] starting {len(stack.service_configs())} processes")
+            stack.on_wait = WaitReporter(say)  # [4/4] warm-up: who is still loading or warming up
+            stack.start()
+            stack.wait_ready()
+        except StartupInterrupted:
+            print("moebus: stopped during start-up", file=sys.stderr, flush=True)
+            return 0
         pools = f"{cfg.workers} worker(s)" if cfg.mode == "aggregated" else \
             f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)"
         if cfg.autoscale is not None:

@@ -1,5 +1,7 @@
 """What `moebus up` does when one of its processes exits: restart it, with backoff, under the
 same instance id and command line; give up (and stop the stack, loudly) when one crashes too often.
+nats-server nodes too (same port, users and routes): meanwhile every client rides out the outage
+as it does a NATS restart (RELIABILITY.md), and in a cluster moves to another node.
 
 A worker that exits 0 was drained on purpose (the planner's scale-in, or an operator's `drain`
 message) and stays down; anything else that exits is restarted. Its clients ride out the gap:
@@ -31,6 +33,9 @@ class Supervised(Protocol):
     @property
     def services(self) -> Mapping[str, str]: ...
 
+    @property
+    def nats_procs(self) -> Mapping[str, Process]: ...  # the nats-server nodes it started, by name
+
     def respawn(self, instance_id: str) -> None: ...
 
     def forget(self, instance_id: str) -> None: ...
@@ -55,11 +60,11 @@ class Supervisor:
     def check(self) -> str | None:
         """One pass over the processes; a reason to give up, or None."""
         now = self.clock()
-        for instance, proc in list(self.stack.procs.items()):
+        for instance, proc in [*self.stack.nats_procs.items(), *self.stack.procs.items()]:
             code = proc.poll()
             if code is None:
                 continue
-            if code == 0 and self.stack.services[instance] == "worker":
+            if code == 0 and self.stack.services.get(instance) == "worker":
                 log.info("%s drained and exited", instance)
                 self.stack.forget(instance)
                 continue

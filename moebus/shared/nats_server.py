@@ -2,12 +2,15 @@
 
 `authorization` (shared.bus_auth.BusUsers.authorization()) turns on users and per-user subject
 permissions; `tls_cert`/`tls_key` (PEM files) make clients speak TLS. Both live in the config file,
-private to this user (0600 in a 0700 directory), never on the command line.
+private to this user (0600 in a 0700 directory), never on the command line. `cluster` makes it one
+node of a cluster (shared.nats_cluster starts them). `die_with_parent`: the server stops when the
+thread that started it dies, even by SIGKILL (shared.lifeline; the launcher's).
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -19,8 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
+from .lifeline import die_with_parent
+
 # Prompts up to the context (and their replies) fit with room to spare; the bus refuses anything
 # larger (shared.bus: PAYLOAD_TOO_LARGE). nats-server warns above 8 MiB and refuses above 64 MiB.
+# deploy/nats.yaml says the same ("8MB": MiB in nats-server's units; tests/services/test_deploy.py).
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 
 
@@ -40,6 +46,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class ClusterRoutes:
+    """A node's part of a cluster: its route port, its peers' route ports, and the routes' own
+    user (a route port takes no client users: without one, any local process could join)."""
+
+    name: str
+    server_name: str
+    port: int
+    peers: tuple[int, ...]  # the other nodes' route ports (same host)
+    user: str = "route"
+    password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+
+    def config(self, host: str) -> str:
+        auth = {"user": self.user, "password": self.password}
+        routes = [f"nats://{self.user}:{self.password}@{host}:{p}" for p in self.peers]
+        return (f"cluster: {{name: {json.dumps(self.name)}, listen: {json.dumps(f'{host}:{self.port}')}, "
+                f"authorization: {json.dumps(auth)}, routes: {json.dumps(routes)}, connect_retries: 120}}")
+
+
 @dataclass
 class NatsServer:
     port: int = 0  # 0: pick a free one
@@ -51,6 +76,9 @@ class NatsServer:
     authorization: dict | None = field(default=None, repr=False)  # None: anyone may connect and do anything
     tls_cert: str | None = None  # server certificate (PEM); with tls_key, clients must use TLS
     tls_key: str | None = None
+    cluster: ClusterRoutes | None = None  # one node of a cluster: its route port and its peers
+    die_with_parent: bool = False
+    monitor_port: int | None = None  # nats-server's HTTP monitoring (/connz, /routez); 0: a free port
     _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, init=False, repr=False)
 
@@ -58,9 +86,15 @@ class NatsServer:
     def url(self) -> str:
         return f"{'tls' if self.tls_cert else 'nats'}://{self.host}:{self.port}"
 
+    def poll(self) -> int | None:
+        """The server process's exit code; None while it runs (or before start)."""
+        return None if self._proc is None else self._proc.poll()
+
     def config(self) -> str:
         """nats-server's config file (JSON values are valid in its format)."""
         lines = [f"max_payload: {self.max_payload}"]  # max_payload has no command-line flag
+        if self.cluster is not None:
+            lines += [f"server_name: {json.dumps(self.cluster.server_name)}", self.cluster.config(self.host)]
         if self.authorization is not None:
             lines.append(f"authorization: {json.dumps(self.authorization)}")
         if self.tls_cert or self.tls_key:
@@ -78,13 +112,17 @@ class NatsServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="moebus-nats-")
         conf = self._write_config()
         args = [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port)]
+        if self.monitor_port is not None:
+            self.monitor_port = self.monitor_port or free_port(self.host)
+            args += ["-m", str(self.monitor_port)]
         if self.jetstream:
             if self.store_dir is None:
                 self.store_dir = self._tmp.name
             args += ["-js", "-sd", self.store_dir]
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         # Own session: a Ctrl-C meant for our parent must not kill the bus under draining services.
-        self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=die_with_parent(signal.SIGKILL) if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

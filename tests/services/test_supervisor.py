@@ -31,6 +31,7 @@ class FakeStack:
     procs: dict[str, FakeProc] = field(default_factory=dict)
     services: dict[str, str] = field(default_factory=dict)
     respawned: list[str] = field(default_factory=list)
+    nats_procs: dict[str, FakeProc] = field(default_factory=dict)
 
     def respawn(self, instance_id: str) -> None:
         self.respawned.append(instance_id)
