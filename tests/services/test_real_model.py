@@ -98,3 +98,54 @@ async def test_cancelled_stream_frees_kv_blocks(stack: Stack) -> None:
     assert stats["aborted"] == before["aborted"] + 1 and stats["active_requests"] == 0
     # Blocks of the aborted request are free again (the prefix cache may keep cached ones: they are evictable).
     assert stats["engine"]["kv_blocks_free"] >= before["engine"]["kv_blocks_free"]
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"tz": {"type": "string", "enum": ["CET", "UTC"]}}, "required": ["tz"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+
+
+@pytest.mark.slow  # constrained decoding on the real model: ~30 s a request on a loaded 2-core box
+async def test_required_and_named_tool_choices_are_constrained(stack: Stack) -> None:
+    import jsonschema
+
+    c = client(stack)
+    named = await c.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=40, temperature=0,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and named.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    # required, streamed: the SDK's deltas put back together make calls that validate against their tool
+    stream = await c.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=60,
+                                             temperature=0, tool_choice="required", parallel_tool_calls=False,
+                                             stream=True)
+    names, args, finish = {}, {}, None
+    async for chunk in stream:
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            if tc.id:
+                names[tc.index] = tc.function.name
+            args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and names
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for i, name in names.items():
+        jsonschema.validate(json.loads(args[i]), schemas[name])
+
+
+@pytest.mark.slow  # constrained decoding on the real model: ~30 s a request on a loaded 2-core box
+async def test_anthropic_messages_with_a_forced_tool(stack: Stack) -> None:
+    import anthropic
+    import jsonschema
+
+    c = anthropic.AsyncAnthropic(base_url=stack.url, api_key="none", max_retries=0)
+    m = await c.messages.create(model="smollm2", max_tokens=40, messages=ASK, extra_body={"temperature": 0},
+                                tools=[{"name": "get_weather", "input_schema": WEATHER}],
+                                tool_choice={"type": "tool", "name": "get_weather"})
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER)
