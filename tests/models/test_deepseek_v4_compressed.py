@@ -162,3 +162,25 @@ def test_kv_spec_per_layer_kind(model):
     kv = caches(model, 1)
     assert kv[1][3].shape[1:] == (BLOCK // 4, model.config.head_dim)  # CSA entries: 4 per block
     assert kv[2][3].shape[1:] == (1, model.config.head_dim)  # HCA entries: one block in two holds one
+
+
+def test_yarn_compress_rope_matches_hf(tmp_path):
+    """The released checkpoints scale the compress rope with YaRN (HF pins attention_factor 1)."""
+    from transformers import DeepseekV4ForCausalLM as HFModel
+
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    path = write_tiny_deepseek_v4(tmp_path, seed=5, rope_parameters=yarn, compress_rope_theta=1000.0,
+                                  max_position_embeddings=512, **OVERRIDES)
+    hf = HFModel.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    config, state = read_hf_checkpoint(path)
+    args = DeepseekV4Args.from_hf_config(config)
+    assert args.compress_rope.yarn_factor == 16.0 and args.compress_rope.theta == 1000.0
+    assert args.rope_theta == 10000.0
+    torch.testing.assert_close(args.compress_rope.inv_freq(args.rope_dim), hf.model.rotary_emb.compress_inv_freq,
+                               atol=0, rtol=0)
+    ours = DeepseekV4ForCausalLM(args).eval()
+    ours.load_weights(state)
+    ids = prompt(100, seed=8)
+    diff = (run(ours, ids, [0], [100], caches(ours, 1)) - hf_logits(hf, ids)).abs().max().item()
+    print(f"max abs logit diff vs HF with a YaRN compress rope: {diff:.3e}")
+    assert diff < TOL

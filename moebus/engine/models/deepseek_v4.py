@@ -29,10 +29,10 @@ from torch import nn
 from moebus.engine.attention import AttentionMetadata, CachePlane, KVCacheSpec
 from moebus.engine.models.deepseek_v4_attention import DeepseekV4Attention, RMSNorm
 from moebus.engine.models.deepseek_v4_compressor import Compressor, CompressPlan, Indexer, build_plan
+from moebus.engine.models.deepseek_v4_rope import RopeSpec
 from moebus.engine.models.hf_checkpoint import is_mtp_key, to_hf_names
 from moebus.engine.models.hyper_connections import HyperConnection, HyperHead
 from moebus.engine.models.moe import SCORING_FUNCS, MoE
-from moebus.kernels import rotary_cos_sin
 
 ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_KINDS = ("hash_moe", "moe")
@@ -64,6 +64,7 @@ class DeepseekV4Args:
     layer_types: list[str] | None = None  # per layer, one of ATTENTION_KINDS
     compress_rates: dict[str, int] | None = None  # tokens per compressed entry, per compressed kind
     compress_rope_theta: float = 160000.0  # RoPE base of the compressed layers ("compress" rope)
+    compress_rope_scaling: dict | None = None  # HF's rope_parameters["compress"] when not plain (YaRN)
     index_n_heads: int = 64  # lightning indexer query heads
     index_head_dim: int = 128
     index_topk: int = 512  # compressed entries each CSA query attends
@@ -127,6 +128,14 @@ class DeepseekV4Args:
     def rope_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def main_rope(self) -> RopeSpec:
+        return RopeSpec(self.rope_theta)
+
+    @property
+    def compress_rope(self) -> RopeSpec:
+        return RopeSpec.from_hf(self.compress_rope_scaling or {}, self.compress_rope_theta)
+
     @classmethod
     def from_hf_config(cls, config: dict) -> DeepseekV4Args:
         """Read an HF config.json dict, folding in the legacy keys HF also accepts."""
@@ -147,10 +156,12 @@ class DeepseekV4Args:
         cfg["compress_rates"] = rates or None
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         compress_rope = rope.get("compress") if isinstance(rope.get("compress"), dict) else rope
-        if compress_rope.get("rope_type", compress_rope.get("type", "default")) != "default":
-            raise NotImplementedError(f"rope_type {compress_rope.get('rope_type')!r} for compressed layers")
-        if isinstance(rope.get("compress"), dict):
-            cfg["compress_rope_theta"] = rope["compress"].get("rope_theta", cfg.get("compress_rope_theta"))
+        # a flat rope dict's rope_theta is the main one; HF gives the compress rope compress_rope_theta
+        theta = compress_rope.get("rope_theta") if "compress" in rope else None
+        cfg["compress_rope_theta"] = theta or cfg.get("compress_rope_theta") or default["compress_rope_theta"]
+        compress_rope = {**compress_rope, "rope_theta": cfg["compress_rope_theta"]}
+        spec = RopeSpec.from_hf(compress_rope, cfg["compress_rope_theta"])
+        cfg["compress_rope_scaling"] = None if spec.yarn_factor is None else compress_rope
         main_rope = (cfg.get("rope_parameters") or {}).get("main")
         if isinstance(main_rope, dict):  # HF's nested form wins over the flat keys
             if main_rope.get("rope_type", "default") != "default":
@@ -175,10 +186,10 @@ def _compressor(a: DeepseekV4Args, kind: str) -> Compressor | None:
     if kind == "sliding_attention":
         return None
     rate, csa = a.compress_rates[kind], kind == "compressed_sparse_attention"
-    comp = Compressor(a.hidden_size, a.head_dim, rate, csa, a.rope_dim, a.compress_rope_theta, a.rms_norm_eps)
+    comp = Compressor(a.hidden_size, a.head_dim, rate, csa, a.rms_norm_eps)
     if csa:
         comp.indexer = Indexer(a.hidden_size, a.q_lora_rank, a.index_n_heads, a.index_head_dim, rate,
-                               a.index_topk, a.rope_dim, a.compress_rope_theta, a.rms_norm_eps)
+                               a.index_topk, a.rms_norm_eps)
     return comp
 
 
@@ -215,6 +226,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, config: DeepseekV4Args):
         super().__init__()
         self.config = config
+        self.main_rope, self.compress_rope = config.main_rope, config.compress_rope
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.hc_head = HyperHead(config.hidden_size, config.hc_mult, config.hc_eps, config.rms_norm_eps)
@@ -244,12 +256,14 @@ class DeepseekV4ForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         c = self.config
         x = self.embed_tokens(input_ids)
-        rope = [rotary_cos_sin(positions, c.rope_dim, c.rope_theta, x.dtype)]
+        rope = [self.main_rope.cos_sin(positions, c.rope_dim, x.dtype)]
         kinds = set(c.layer_types) - {"sliding_attention"}
         if kinds:
-            rope.append(rotary_cos_sin(positions, c.rope_dim, c.compress_rope_theta, x.dtype))
+            rope.append(self.compress_rope.cos_sin(positions, c.rope_dim, x.dtype))
         plans = {k: build_plan(meta, positions, c.compress_rates[k], k == "compressed_sparse_attention")
                  for k in kinds}
+        for plan in plans.values():
+            plan.cos, plan.sin = self.compress_rope.cos_sin(plan.positions, c.rope_dim, x.dtype)
         step = V4Step(meta, positions, rope, plans)
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -29,7 +29,7 @@ from torch import nn
 
 from moebus.engine.attention import AttentionMetadata
 from moebus.engine.models.deepseek_v4_attention import RMSNorm
-from moebus.kernels import apply_rotary, rotary_cos_sin
+from moebus.kernels import apply_rotary
 from moebus.kernels.compressor import compress_windows
 from moebus.kernels.indexer_topk import indexer_topk
 
@@ -47,6 +47,8 @@ class CompressPlan:
     entry_rows: torch.Tensor  # [E] entries row of every complete entry of every sequence, by sequence
     row_start: torch.Tensor  # [T] offset of each query row's sequence in entry_rows
     row_visible: torch.Tensor  # [T] entries a query sees: (position + 1) // rate
+    cos: torch.Tensor | None = None  # [W, rope_dim/2] compress rope at `positions` (set by the model)
+    sin: torch.Tensor | None = None
 
 
 def build_plan(meta: AttentionMetadata, positions: torch.Tensor, rate: int, overlap: bool) -> CompressPlan:
@@ -82,12 +84,10 @@ class Compressor(nn.Module):
     """Pools `rate` tokens into one `head_dim` entry (HF's kv_proj / gate_proj / position_bias /
     kv_norm). With `overlap`, the projections are 2*head_dim wide: [Ca | Cb]."""
 
-    def __init__(self, hidden_size: int, head_dim: int, rate: int, overlap: bool, rope_dim: int,
-                 rope_theta: float, eps: float):
+    def __init__(self, hidden_size: int, head_dim: int, rate: int, overlap: bool, eps: float):
         super().__init__()
         width = 2 * head_dim if overlap else head_dim
         self.head_dim, self.rate, self.overlap = head_dim, rate, overlap
-        self.rope_dim, self.rope_theta = rope_dim, rope_theta
         self.kv_proj = nn.Linear(hidden_size, width, bias=False)
         self.gate_proj = nn.Linear(hidden_size, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
@@ -123,8 +123,7 @@ class Compressor(nn.Module):
         else:
             kv, gate = g[..., :hd], g[..., hd:]
         entry = self.kv_norm(compress_windows(kv, gate, bias))
-        cos, sin = rotary_cos_sin(plan.positions, self.rope_dim, self.rope_theta, entry.dtype)
-        entry = apply_rotary(entry[:, None], entry[:, None], cos, sin)[0][:, 0]
+        entry = apply_rotary(entry[:, None], entry[:, None], plan.cos, plan.sin)[0][:, 0]
         entry_cache.view(-1, hd).index_copy_(0, plan.dst, entry.to(entry_cache.dtype))
 
 
@@ -139,8 +138,8 @@ class Indexer(Compressor):
     queries from the attention's low-rank q residual; picks the top `topk` entries per query."""
 
     def __init__(self, hidden_size: int, q_lora_rank: int, num_heads: int, head_dim: int, rate: int,
-                 topk: int, rope_dim: int, rope_theta: float, eps: float):
-        super().__init__(hidden_size, head_dim, rate, True, rope_dim, rope_theta, eps)
+                 topk: int, eps: float):
+        super().__init__(hidden_size, head_dim, rate, True, eps)
         self.num_heads, self.topk = num_heads, topk
         self.q_b_proj = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(hidden_size, num_heads)
