@@ -137,3 +137,38 @@ def test_a_chat_template_file_replaces_the_models(tmp_path) -> None:
     assert cfgs["tokenizer"].chat_template == str(path.resolve())
     with pytest.raises(SystemExit):
         _tokenizer(SimpleNamespace(chat_template=str(tmp_path / "missing.jinja")))
+
+
+@pytest.mark.parametrize("cls", ["hermes", "array"])
+def test_parsers_give_the_same_calls_however_the_text_is_cut(cls: str) -> None:
+    """Any split of the text into deltas: the same content and calls, the argument pieces adding up
+    to each call's arguments, each call's start before its pieces."""
+    import random
+
+    from moebus.services.frontend.tool_parsers import CallArgs, CallArray, CallStart, HermesParser
+
+    text = CALLS.replace('"Paris"', '"Pa\\"r}is]"') if cls == "hermes" else \
+        '[{"name": "get_weather", "arguments": {"city": "Pa\\"r}is]", "n": [1, {"a": null}]}}, ' \
+        '{"name": "get_time", "arguments": {}}]'
+    rng, whole = random.Random(7), None
+    for _ in range(50):
+        p = HermesParser() if cls == "hermes" else CallArray()
+        outs, i = [], 0
+        while i < len(text):
+            k = rng.randint(1, 9)
+            outs += p.feed(text[i:i + k])
+            i += k
+        outs += p.finish()
+        got = (p.content, [(c.name, json.loads(c.arguments), c.complete) for c in p.calls])
+        whole = whole or got
+        assert got == whole
+        pieces: dict[int, str] = {}
+        for o in outs:
+            if isinstance(o, CallStart):
+                assert o.index not in pieces
+                pieces[o.index] = ""
+            elif isinstance(o, CallArgs):
+                pieces[o.index] += o.fragment
+        assert [pieces[k] for k in sorted(pieces)] == [c.arguments for c in p.calls]
+    assert [c[0] for c in whole[1]] == ["get_weather", "get_time"] and all(c[2] for c in whole[1])
+    assert whole[1][0][1]["city"] == 'Pa"r}is]'

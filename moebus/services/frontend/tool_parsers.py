@@ -90,7 +90,11 @@ class _Emitter:
     def args(self, index: int | None, fragment: str) -> None:
         if index is not None and fragment:
             self.calls[index].arguments += fragment
-            self._outs.append(CallArgs(index, fragment))
+            last = self._outs[-1] if self._outs else None
+            if isinstance(last, CallArgs) and last.index == index:  # one piece per step, not per character
+                last.fragment += fragment
+            else:
+                self._outs.append(CallArgs(index, fragment))
 
     def take(self) -> list[Out]:
         outs, self._outs = self._outs, []
