@@ -47,11 +47,11 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
             return ([s.worker_generate(ANY), s.worker_abort(ANY), s.balancer_worker_lost, s.kvbroker_query],
                     [s.balancer_route, s.heartbeat_all("worker")])
         case "worker":  # receives only its own work; sends streams, handoffs and KV, never generate
-            return ([s.frontend_stream(ANY, ANY), s.worker_handoff(ANY), s.kvtransfer_push_all, s.kvbroker_events,
-                     s.kvbroker_query, s.kvbroker_get, s.kvbroker_put],
-                    [s.worker_generate(i), s.worker_abort(i), s.worker_handoff(i), s.worker_abort_all,
-                     s.worker_replay(i), s.kvtransfer_push_all if i == ANY else s.kvtransfer_push(i),
-                     s.balancer_worker_lost])
+            return ([s.frontend_stream(ANY, ANY), s.worker_handoff(ANY), s.worker_handoff_beat(ANY),
+                     s.kvtransfer_push_all, s.kvbroker_events, s.kvbroker_query, s.kvbroker_get, s.kvbroker_put],
+                    [s.worker_generate(i), s.worker_abort(i), s.worker_handoff(i), s.worker_handoff_beat(i),
+                     s.worker_abort_all, s.worker_replay(i), s.kvtransfer_push_all if i == ANY else s.kvtransfer_push(i),
+                     s.balancer_worker_lost, s.heartbeat_all("frontend")])  # frontend beats: leases.py
         case "kvbroker":  # a get's blocks go to the reply address the worker named (a worker inbox)
             return ([inbox("worker", ">"), s.kvtransfer_push_all],
                     [s.kvbroker_events, s.kvbroker_query, s.kvbroker_get, s.kvbroker_put, s.kvbroker_stats,

@@ -89,6 +89,10 @@ class Subjects:
         """Prefill -> decode worker: the first token of a split request."""
         return self._s("worker", "handoff", instance_id)
 
+    def worker_handoff_beat(self, instance_id: str) -> str:
+        """Prefill -> decode worker: the split requests still being prefilled or handed over."""
+        return self._s("worker", "handoffbeat", instance_id)
+
     def worker_replay(self, instance_id: str) -> str:
         """Chunks this worker already sent for a request, again (the frontend lost some in a bus blip)."""
         return self._s("worker", "replay", instance_id)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import json
 import time
 import zlib
 
@@ -19,7 +20,7 @@ from moebus.kvtransport import (
     ShmKVTransport,
     ShmTransportConfig,
 )
-from moebus.kvtransport.nats import H_BYTES, H_CRC, H_ID, H_SEQ, H_TOTAL
+from moebus.kvtransport.nats import H_BYTES, H_CRC, H_ID, H_SEQ, H_TOTAL, H_WANT
 
 
 def make_payload(num_blocks: int = 5, layers: int = 4, heads: int = 3, dim: int = 64, seed: int = 0) -> KVPayload:
@@ -57,24 +58,26 @@ def test_payload_bytes_and_chunks_round_trip_bitwise():
 async def test_nats_transport_round_trip_and_throughput(nats_server):
     a, b = await nats.connect(nats_server.url), await nats.connect(nats_server.url)
     try:
-        small = NatsTransportConfig(chunk_bytes=16 * 1024, window=3)
+        small = NatsTransportConfig(chunk_bytes=16 * 1024, grant_bytes=48 * 1024, credit_bytes=64 * 1024)
         rx = await NatsKVTransport(b, "moebus.v1.kvtransfer.push.test-rx", small).start()
         tx = NatsKVTransport(a, None, small)
         p = make_payload()
-        await tx.send(p, rx.address, "t-small")  # many chunks, several acked windows
+        await tx.send(p, rx.address, "t-small")  # many chunks, several grants
         assert (await rx.receive("t-small", 5)).equal(p)
 
         big = make_payload(num_blocks=64, layers=30, seed=1)  # ~40 MB
         tx_big = NatsKVTransport(a, None, NatsTransportConfig())
+        rx_big = await NatsKVTransport(b, "moebus.v1.kvtransfer.push.test-rx-big").start()  # default credit
         t0 = time.perf_counter()
-        recv = asyncio.create_task(rx.receive("t-big", 30))
-        await tx_big.send(big, rx.address, "t-big")
+        recv = asyncio.create_task(rx_big.receive("t-big", 30))
+        await tx_big.send(big, rx_big.address, "t-big")
         got = await recv
         dt = time.perf_counter() - t0
         assert got.equal(big)
         print(f"\nNATS KV transfer: {big.nbytes / 1e6:.1f} MB in {dt * 1e3:.0f} ms = {big.nbytes / dt / 1e6:.0f} MB/s "
               f"({tx_big.chunk_size() // 1024} KiB chunks)")
         await rx.close()
+        await rx_big.close()
     finally:
         await a.close()
         await b.close()
@@ -91,6 +94,8 @@ async def test_nats_transport_failures(nats_server):
             await rx.receive("never", timeout=0.2)
         body = bytes(make_payload().to_bytes())  # one chunk with a wrong checksum
         hdr = {H_ID: "bad", H_SEQ: "0", H_TOTAL: "1", H_BYTES: str(len(body)), H_CRC: str(zlib.crc32(body) ^ 1)}
+        grant = await nc.request(rx.address, b"", timeout=2, headers={H_ID: "bad", H_WANT: str(len(body))})
+        assert json.loads(grant.data) == {"ok": True, "grant": len(body), "capacity": NatsTransportConfig().credit_bytes}
         reply = await nc.request(rx.address, body, timeout=2, headers=hdr)
         assert b'"ok": false' in reply.data and b"checksum" in reply.data
         with pytest.raises(KVTransferError, match="checksum"):

@@ -33,7 +33,8 @@ def attend_window_and_entries(q: torch.Tensor, k_cache: torch.Tensor, entries: t
                               extra_valid: torch.Tensor, scale: float, sinks: torch.Tensor,
                               batch_invariant: bool = False) -> torch.Tensor:
     """q [T, H, D]; k_cache [num_blocks, bs, 1, D]; entries [num_blocks, rows, D]; slots/slot_valid
-    [T, W]; extra/extra_valid [T, X] entries rows. Returns [T, H, D] in q's dtype."""
+    [T, W]; extra/extra_valid [T, X] entries rows, each row's valid ones first. Returns [T, H, D] in
+    q's dtype."""
     t, h, d = q.shape
     flat_k, flat_e = k_cache.view(-1, d), entries.view(-1, d)
     keys_per_row = slots.shape[1] + extra.shape[1]
@@ -41,11 +42,15 @@ def attend_window_and_entries(q: torch.Tensor, k_cache: torch.Tensor, entries: t
     valid = torch.cat([slot_valid, extra_valid], dim=1)
     sink = sinks.float().view(1, h, 1)
     out = q.new_empty(t, h, d)
+    n_extra = extra_valid.sum(dim=1).tolist() if batch_invariant else None
     for c0 in range(0, t, chunk):
         c1 = min(t, c0 + chunk)
-        keys = torch.cat([flat_k[slots[c0:c1]], flat_e[extra[c0:c1]]], dim=1).float()  # [c, K, D]
+        ex, ok = extra[c0:c1], valid[c0:c1]
+        if n_extra is not None:  # one row: only its own entries (the valid ones lead), never the batch's padding
+            ex, ok = ex[:, :n_extra[c0]], ok[:, :slots.shape[1] + n_extra[c0]]
+        keys = torch.cat([flat_k[slots[c0:c1]], flat_e[ex]], dim=1).float()  # [c, K, D]
         scores = torch.einsum("chd,ckd->chk", q[c0:c1].float(), keys) * scale
-        scores.masked_fill_(~valid[c0:c1, None, :], float("-inf"))
+        scores.masked_fill_(~ok[:, None, :], float("-inf"))
         probs = torch.cat([scores, sink.expand(c1 - c0, -1, -1)], dim=-1).softmax(dim=-1)[..., :-1]
         out[c0:c1] = torch.einsum("chk,ckd->chd", probs, keys).to(out.dtype)
     return out

@@ -26,8 +26,9 @@ REPLAY_TIMEOUT_S = 2.0
 
 class StreamRouter:
     def __init__(self, bus: Bus, subjects: Subjects, instance_id: str, cfg: FrontendConfig,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, incarnation: str = "") -> None:
         self.bus, self.subjects, self.instance_id, self.cfg = bus, subjects, instance_id, cfg
+        self.incarnation = incarnation  # our process's (workers abort our requests when it dies)
         self._gens: dict[str, Generation] = {}
         self.migrations = metrics.counter("migrations_total", "Requests moved to another worker: why, and whether "
                                           "they went on from tokens already sent (resumed) or from the start (fresh)",
@@ -52,7 +53,8 @@ class StreamRouter:
             images: list[ImageEmbedding] | None = None, priority: int = 0) -> Generation:
         req = GenerateRequest(request_id=request_id, model=model, prompt_token_ids=prompt_token_ids, params=params,
                               reply_to=self.subjects.frontend_stream(self.instance_id, request_id),
-                              images=images or [], priority=priority)
+                              images=images or [], priority=priority, frontend_id=self.instance_id,
+                              frontend_incarnation=self.incarnation)
         return Generation(self, req)
 
     def register(self, gen: Generation) -> None:

@@ -55,7 +55,8 @@ class FrontendService(Service):
         self.admission = Admission(cfg.admission, m)
 
     async def setup(self) -> None:
-        self.router = StreamRouter(self.bus, self.subjects, self.instance_id, self.cfg, self.metrics)
+        self.router = StreamRouter(self.bus, self.subjects, self.instance_id, self.cfg, self.metrics,
+                                   incarnation=self.incarnation)
         await self.router.start()
         self.workers = WorkerWatch(self.bus, self.subjects)
         await self.workers.start()

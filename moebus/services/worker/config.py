@@ -21,6 +21,14 @@ class WorkerConfig(ServiceConfig):
     # Prefill/decode split: what the balancer routes here (any worker still runs whole requests).
     role: Literal["both", "prefill", "decode"] = "both"
     kv_transport: Literal["nats", "shm"] = "nats"  # how KV reaches this decode worker (shm: same host)
+    # NATS KV moves on a connection of its own; the bytes in flight to this worker, all transfers
+    # together (credit, kvtransport/credit.py), far below nats-server's 64 MiB MaxPending.
+    kv_credit_bytes: int = Field(16 * 1024 * 1024, ge=1024 * 1024)
+    # A prefill worker names the split requests it holds to their decode workers every
+    # handoff_beat_s; a decode half whose prefill half goes unnamed for handoff_lost_s is given up
+    # as the prefill worker's fault (retryable: the frontend moves the request on).
+    handoff_beat_s: float = Field(1.0, gt=0)
+    handoff_lost_s: float = Field(6.0, gt=0)
     # KV broker: publish prefix-cache events (KV-aware routing); a local CPU tier; sharing its
     # blocks through the broker's tiers (needs kv_cpu_bytes > 0).
     kv_events: bool = True
@@ -33,6 +41,9 @@ class WorkerConfig(ServiceConfig):
     # requests' together (0: none kept), and how long after a request ends.
     replay_max_bytes: int = Field(64 * 1024 * 1024, ge=0)
     replay_grace_s: float = Field(30.0, ge=0)
+    # A frontend unheard for this long (while we could hear) or restarted has its requests aborted
+    # here (leases.py): a dead frontend's streams have no reader. 0: never.
+    frontend_lease_s: float = Field(10.0, ge=0)
     # Before it reports ready, the worker runs one short generation on each new engine: C kernels
     # compile and every step path runs once, so the first user request is not the one that waits.
     warmup: bool = True

@@ -1,7 +1,12 @@
 """Asyncio side of a worker's KV features: the transports of a prefill/decode split, the KV
 broker's index (events) and shared tiers (put/get). Every broker call degrades (None / [] /
 False): a dead broker or tier only means recomputing, never a lost request. The broker protocol
-itself is shared.kv_client (torch-free); KVBlockClient adds what only a worker has: KV blocks."""
+itself is shared.kv_client (torch-free); KVBlockClient adds what only a worker has: KV blocks.
+
+KV moves on a NATS connection of its own (`kv_bus`), not the service's: bulk bytes never queue
+behind or ahead of heartbeats, hand-offs and token chunks, and a KV stall can cost no control
+message. Every NATS transfer to this worker draws on one credit pool of cfg.kv_credit_bytes
+(kvtransport/credit.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,10 +27,10 @@ from moebus.kvtransport import (
     ShmKVTransport,
     ShmTransportConfig,
 )
-from moebus.shared.bus import Bus
+from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.kv_client import KVBrokerClient
 from moebus.shared.kv_hashing import stable_block_hashes
-from moebus.shared.messages import KVTransferSpec
+from moebus.shared.messages import HandoffBeat, KVTransferSpec
 from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
@@ -47,6 +52,7 @@ class WorkerKVLink:
         self.on_corrupt = on_corrupt
         self.subjects = Subjects(cfg.subject_prefix)
         self.bus = Bus(nc, tracing or Tracing("worker"))  # typed requests and trace headers on the service's connection
+        self.kv_bus: Bus | None = None  # the connection KV bytes move on (start)
         self.receiver: KVTransport | None = None
         self._senders: dict[str, KVTransport] = {}
         self.index: KVBrokerClient | None = None
@@ -59,17 +65,25 @@ class WorkerKVLink:
                          "tier_fetched_blocks": 0, "tier_shared_blocks": 0,
                          "kv_corrupt_blocks": 0}  # failed their checksum on arrival: dropped, recomputed
 
+    def transport_config(self) -> NatsTransportConfig:
+        credit = self.cfg.kv_credit_bytes
+        return NatsTransportConfig(credit_bytes=credit, grant_bytes=min(4 * 1024 * 1024, credit))
+
     async def start(self) -> None:
+        # Same servers and credentials (its bus user is this instance's) as the service's connection.
+        servers = [s.strip() for s in self.cfg.nats_url.split(",") if s.strip()]
+        self.kv_bus = await Bus.connect(BusConfig(servers=servers, name=self.instance_id), Tracing("worker"))
         if self.cfg.role != "prefill":  # decode workers (and "both", as spare decoders) receive KV
             if self.cfg.kv_transport == "shm":
                 self.receiver = ShmKVTransport(ShmTransportConfig(address=f"moebus-kv-{self.instance_id}"))
             else:
-                self.receiver = await NatsKVTransport(self.nc, self.subjects.kvtransfer_push(self.instance_id)).start()
+                self.receiver = await NatsKVTransport(self.kv_bus.nc, self.subjects.kvtransfer_push(self.instance_id),
+                                                      self.transport_config()).start()
         if self.cfg.kv_events:
             self.index = KVBrokerClient(self.bus, self.instance_id, self.subjects)
         if self.cfg.kv_share and self.kv.store is not None:
-            self.broker = await KVBlockClient(self.bus, self.instance_id, self.subjects,
-                                              on_corrupt=self._corrupt).start()
+            self.broker = await KVBlockClient(self.bus, self.instance_id, self.subjects, on_corrupt=self._corrupt,
+                                              kv_nc=self.kv_bus.nc, credit_bytes=self.cfg.kv_credit_bytes).start()
 
     async def close(self) -> None:
         for t in (self.receiver, self.broker, *self._senders.values()):
@@ -78,6 +92,9 @@ class WorkerKVLink:
                     await t.close()
                 except Exception:
                     log.debug("closing a KV transport failed", exc_info=True)
+        if self.kv_bus is not None:
+            self.kv_bus.closing = True
+            await self.kv_bus.nc.close()
 
     @property
     def address(self) -> str | None:
@@ -90,7 +107,8 @@ class WorkerKVLink:
     # ---- prefill -> decode -----------------------------------------------------------------
     def _sender(self, kind: str) -> KVTransport:
         if kind not in self._senders:
-            self._senders[kind] = ShmKVTransport() if kind == "shm" else NatsKVTransport(self.nc, None)
+            self._senders[kind] = (ShmKVTransport() if kind == "shm" else
+                                   NatsKVTransport(self.kv_bus.nc if self.kv_bus else self.nc, None))
         return self._senders[kind]
 
     async def send(self, payload: KVPayload | None, spec: KVTransferSpec) -> bool:
@@ -108,6 +126,11 @@ class WorkerKVLink:
         self.counters["kv_sent"] += 1
         self._observe("send", payload, started)
         return True
+
+    async def beat(self, decode_worker: str, transfer_ids: list[str]) -> None:
+        """Tell a decode worker which of its split requests this (prefill) worker still holds."""
+        await self.bus.publish(self.subjects.worker_handoff_beat(decode_worker),
+                               HandoffBeat(worker_id=self.instance_id, transfer_ids=transfer_ids))
 
     def _observe(self, direction: str, payload: KVPayload, started: float) -> None:
         if self._m_bytes is not None:
@@ -194,15 +217,20 @@ class KVBlockClient(KVBrokerClient):
     put_blocks -> False and get_blocks -> [] when the broker is gone: the caller recomputes."""
 
     def __init__(self, bus: Bus, holder: str, subjects: Subjects = Subjects(), timeout_s: float = 2.0,
-                 chunk_bytes: int = 512 * 1024, on_corrupt: Callable[[int], None] | None = None) -> None:
-        """on_corrupt(n): n fetched blocks failed their checksum (dropped with all after them)."""
+                 chunk_bytes: int = 512 * 1024, on_corrupt: Callable[[int], None] | None = None,
+                 kv_nc: NATS | None = None, credit_bytes: int = 16 * 1024 * 1024) -> None:
+        """on_corrupt(n): n fetched blocks failed their checksum (dropped with all after them);
+        kv_nc: the connection blocks move on (default: the bus's); credit_bytes: what may be in
+        flight to this client's inbox."""
         super().__init__(bus, holder, subjects, timeout_s)
-        self._tcfg = NatsTransportConfig(chunk_bytes=chunk_bytes, ack_timeout_s=timeout_s)
+        self._tcfg = NatsTransportConfig(chunk_bytes=chunk_bytes, ack_timeout_s=timeout_s, credit_bytes=credit_bytes,
+                                         grant_bytes=max(chunk_bytes, min(4 * 1024 * 1024, credit_bytes)))
         self.on_corrupt = on_corrupt
+        self.kv_nc = kv_nc or bus.nc
 
     async def start(self) -> Self:
         if self.transport is None:
-            self.transport = await NatsKVTransport(self.bus.nc, self.bus.nc.new_inbox(), self._tcfg).start()
+            self.transport = await NatsKVTransport(self.kv_nc, self.kv_nc.new_inbox(), self._tcfg).start()
         return self
 
     async def close(self) -> None:

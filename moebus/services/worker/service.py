@@ -32,6 +32,7 @@ from moebus.shared.messages import (
     GenerateAccepted,
     GenerateRequest,
     Handoff,
+    HandoffBeat,
     Heartbeat,
     KVInfo,
     Load,
@@ -49,6 +50,7 @@ from .demand import Demand
 from .engine_loop import AddFailed, EngineLoop, Prefilled, StepTiming
 from .engine_metrics import EngineMetrics
 from .engines import engine_params, make_engine
+from .leases import FrontendLeases
 from .outputs import chunk_from_output
 from .quarantine import Quarantine
 from .replay import ReplayBuffer
@@ -75,12 +77,13 @@ class WorkerService(Service):
         self._factory: Callable[[], EnginePort] = engine_factory or (lambda: make_engine(cfg))
         self.kv: EngineKV | None = None  # real engines: engine-thread KV hooks
         self.link: WorkerKVLink | None = None  # transports, broker index and tiers
-        self.split = SplitStages(self)
+        self.split = SplitStages(self, cfg.handoff_beat_s, cfg.handoff_lost_s)
         self.quarantine = Quarantine(self._add)  # suspects (their engine broke before) run alone
         self._beat_pending = False
         self._active: dict[str, Active] = {}
         self._outbox: asyncio.Queue[tuple[str, TokenChunk | Handoff, bytes, dict[str, str]] | None] = asyncio.Queue()
         self.replay = ReplayBuffer(cfg.replay_max_bytes, cfg.replay_grace_s)
+        self.leases = FrontendLeases(cfg.frontend_lease_s)  # a dead frontend's requests are aborted
         self._loop: EngineLoop | None = None
         self._generate_sub: Subscription | None = None
         m = self.metrics
@@ -161,6 +164,9 @@ class WorkerService(Service):
                                      endpoint="handoff")
             await self.bus.subscribe(s.balancer_worker_lost, WorkerLost, self.split.on_worker_lost, concurrent=False,
                                      endpoint="worker_lost")
+            await self.bus.subscribe(s.worker_handoff_beat(i), HandoffBeat, self.split.on_beat, concurrent=False,
+                                     endpoint="handoff_beat", traced=False)
+            self.spawn(self.split.run_beats())
         self._generate_sub = await self.bus.subscribe(s.worker_generate(i), GenerateRequest, self.generate,
                                                       concurrent=False, endpoint="generate")
         await self.bus.subscribe(s.worker_abort(i), AbortRequest, self.abort, concurrent=False, endpoint="abort")
@@ -168,6 +174,18 @@ class WorkerService(Service):
                                  endpoint="abort_all")
         await self.bus.subscribe(s.worker_replay(i), ReplayRequest, self.on_replay, concurrent=False,
                                  endpoint="replay")
+        await self.bus.subscribe(s.heartbeat_all("frontend"), Heartbeat, self._on_frontend_beat, concurrent=False,
+                                 endpoint="frontend_heartbeat", traced=False)
+        self.spawn(self.leases.run(self.bus, lambda: [a.req for a in self._active.values()],
+                                   self._frontend_lost, max(self.cfg.heartbeat_interval_s, 0.5)))
+
+    async def _frontend_lost(self, rid: str) -> None:
+        # Ended with a retryable error rather than silently: were the frontend alive after all (its
+        # beats cut off from us alone), it moves the request on instead of waiting for it.
+        self.fail(rid, ErrorCode.UNAVAILABLE, "its frontend is gone (lease lost)", retryable=True, counter="aborted")
+
+    async def _on_frontend_beat(self, beat: Heartbeat, _: Msg) -> None:
+        self.leases.observe(beat, time.monotonic())
 
     def _warm_up(self, engine: EnginePort) -> None:
         """One short greedy generation, on the engine thread before the engine is ready (engine_loop.py)."""
@@ -228,6 +246,8 @@ class WorkerService(Service):
         a.spans = RequestSpans.begin(self.tracing, req, self.instance_id)  # None unless this request is traced
         self._active[req.request_id] = a
         self.replay.open(req.request_id, req.attempt)
+        if req.frontend_id:
+            self.leases.hold((req.frontend_id, req.frontend_incarnation), time.monotonic())
         if req.stage == "decode":
             a.seq[0] = 1  # the prefill worker sent chunk 0 (the first token)
             self.spawn(self.split.start_decode(a))

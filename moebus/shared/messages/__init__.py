@@ -6,6 +6,7 @@ from .generate import (
     GenerateAccepted,
     GenerateRequest,
     Handoff,
+    HandoffBeat,
     KVTransferSpec,
     SamplingOptions,
     StructuredOptions,
@@ -36,7 +37,7 @@ from .tokenizer import (
 
 __all__ = [
     "AbortRequest", "ChatMessage", "ContentPart", "DetokenizeReply", "DetokenizeRequest", "GenerateAccepted",
-    "GenerateRequest", "Handoff", "HealthReply", "Heartbeat", "KVInfo", "KVTransferSpec", "Load", "RenderReply", "RenderRequest",
+    "GenerateRequest", "Handoff", "HandoffBeat", "HealthReply", "Heartbeat", "KVInfo", "KVTransferSpec", "Load", "RenderReply", "RenderRequest",
     "SamplingOptions", "StructuredOptions", "TokenChunk", "TokenLogprob", "TopLogprob",
     "WorkerLost",
     # planner

@@ -79,6 +79,10 @@ class GenerateRequest(Message):
     resume: list[ResumedChoice] = []
     images: list[ImageEmbedding] = []  # encoder rows for the prompt's image placeholders (offsets set)
     priority: int = 0  # its tenant's: the engine queue runs lower first (frontend/tenants.py)
+    # The frontend streaming it and that process's life (Heartbeat.incarnation): the worker aborts
+    # the request when that frontend dies (worker/leases.py). Empty: nobody's lease.
+    frontend_id: str = ""
+    frontend_incarnation: str = ""
 
     def hash_token_ids(self) -> list[int]:
         """The prompt as KV block hashes see it: image placeholders carry their image's hash."""
@@ -138,6 +142,15 @@ class Handoff(Message):
     first_token: int | None = None  # None: the prefill failed; the decode worker hands back
     finished: bool = False  # the request ended at its first token: nothing to decode
     kv_sent: bool = False  # the KV payload went out (else: recompute the prompt)
+
+
+class HandoffBeat(Message):
+    """Prefill -> decode worker, every beat: the split requests (transfer ids) it still holds,
+    queued, prefilling or handing over. A decode half whose prefill half goes unnamed for the
+    decode worker's `handoff_lost_s` gives it up (retryable: the frontend moves it on)."""
+
+    worker_id: str
+    transfer_ids: list[str] = []
 
 
 class AbortRequest(Message):
