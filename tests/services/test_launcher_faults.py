@@ -90,8 +90,8 @@ def test_sigterm_during_start_up_stops_everything(tmp_path) -> None:
 @pytest.mark.parametrize("when", ["start-up", "serving a 3-node NATS cluster"])
 async def test_a_sigkilled_launcher_leaves_no_orphans(when: str, tmp_path) -> None:
     port = free_port()
-    proc = up("--workers", "2", *(["--nats-cluster", "3"] if "cluster" in when else []), port=port,
-              stderr=tmp_path / "stderr")
+    cluster = ["--nats-cluster", "3", "--frontend", json.dumps({"limits": {"max_body_bytes": 12 * 2**20}})]
+    proc = up("--workers", "2", *(cluster if "cluster" in when else []), port=port, stderr=tmp_path / "stderr")
     try:
         if when == "start-up":
             deadline = time.monotonic() + 60
@@ -104,6 +104,7 @@ async def test_a_sigkilled_launcher_leaves_no_orphans(when: str, tmp_path) -> No
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
             r = await client.chat.completions.create(model="toy", messages=CHAT, max_tokens=3)
             assert r.choices[0].message.content == "Hel"
+            await refuses_a_prompt_over_the_bus_limit(client)
         kids = descendants(proc.pid)
         if "cluster" in when:
             assert sum("nats-server" in cmd for cmd in kids.values()) == 3
@@ -113,6 +114,17 @@ async def test_a_sigkilled_launcher_leaves_no_orphans(when: str, tmp_path) -> No
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def refuses_a_prompt_over_the_bus_limit(client: openai.AsyncOpenAI) -> None:
+    """Item 3: a prompt over the bus's max payload (under the HTTP body limit) is refused with a
+    413 before it is published, and the stack goes on serving."""
+    with pytest.raises(openai.APIStatusError) as e:
+        await client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "x" * (9 * 2**20)}])
+    assert e.value.status_code == 413 and e.value.body["code"] == "payload_too_large"
+    assert f"at most {DEFAULT_MAX_PAYLOAD}" in e.value.message
+    r = await client.chat.completions.create(model="toy", messages=CHAT, max_tokens=2)
+    assert r.choices[0].message.content == "He"
 
 
 async def streams(client: openai.AsyncOpenAI, n: int) -> list[asyncio.Task]:
@@ -144,11 +156,7 @@ async def test_up_restarts_what_dies_and_keeps_serving(tmp_path) -> None:
     try:
         await until_healthy(url, proc)
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        # Item 3: a prompt over the bus's max payload (under the HTTP body limit) is refused before it is sent.
-        with pytest.raises(openai.APIStatusError) as e:
-            await client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "x" * (9 * 2**20)}])
-        assert e.value.status_code == 413 and e.value.body["code"] == "payload_too_large"
-        assert f"at most {DEFAULT_MAX_PAYLOAD}" in e.value.message
+        await refuses_a_prompt_over_the_bus_limit(client)
         for victim in ("nats-server", "--instance-id worker-0", "--instance-id tokenizer-0", "--instance-id frontend-0"):
             kids = descendants(proc.pid)
             pid = pid_of(kids, victim)
