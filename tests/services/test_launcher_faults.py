@@ -77,7 +77,10 @@ def test_sigterm_during_start_up_stops_everything(tmp_path) -> None:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
         out, _ = proc.communicate(timeout=60)
+        print(f"\nSIGTERM during start-up ({len(kids)} children up): exited {proc.returncode} "
+              f"after {time.monotonic() - t0:.2f}s")
         err = (tmp_path / "stderr").read_text()
         assert proc.returncode == 0, err[-2000:]
         assert "stopped during start-up" in err and "moebus up: http" not in out  # it never got to ready
@@ -110,7 +113,9 @@ async def test_a_sigkilled_launcher_leaves_no_orphans(when: str, tmp_path) -> No
             assert sum("nats-server" in cmd for cmd in kids.values()) == 3
         proc.kill()
         proc.wait(10)
+        t0 = time.monotonic()
         until_gone(kids, 10)  # each killed by the kernel when its parent died (shared/lifeline.py)
+        print(f"\nlauncher SIGKILLed during {when}: its {len(kids)} children gone after {time.monotonic() - t0:.2f}s")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -127,15 +132,20 @@ async def refuses_a_prompt_over_the_bus_limit(client: openai.AsyncOpenAI) -> Non
     assert r.choices[0].message.content == "He"
 
 
-async def streams(client: openai.AsyncOpenAI, n: int) -> list[asyncio.Task]:
-    """n streams, each past its first characters when this returns."""
+async def streams(client: openai.AsyncOpenAI, n: int, gaps: list[float] | None = None) -> list[asyncio.Task]:
+    """n streams, each past its first characters when this returns; each one's longest wait between
+    two chunks goes to `gaps` when it ends."""
     texts: list[list[str]] = [[] for _ in range(n)]
 
     async def one(out: list[str]) -> str:
         s = await client.chat.completions.create(model="toy", messages=CHAT, stream=True, max_tokens=200)
+        times = []
         async for c in s:
             if c.choices and c.choices[0].delta.content:
                 out.append(c.choices[0].delta.content)
+                times.append(time.monotonic())
+        if gaps is not None:
+            gaps.append(max(b - a for a, b in zip(times, times[1:], strict=False)))
         return "".join(out)
 
     tasks = [asyncio.create_task(one(t)) for t in texts]
@@ -160,7 +170,8 @@ async def test_up_restarts_what_dies_and_keeps_serving(tmp_path) -> None:
         for victim in ("nats-server", "--instance-id worker-0", "--instance-id tokenizer-0", "--instance-id frontend-0"):
             kids = descendants(proc.pid)
             pid = pid_of(kids, victim)
-            tasks = await streams(client, 6)
+            gaps: list[float] = []
+            tasks = await streams(client, 6, gaps)
             t0 = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             if victim.endswith("frontend-0"):  # its clients' connections go with it
@@ -175,7 +186,8 @@ async def test_up_restarts_what_dies_and_keeps_serving(tmp_path) -> None:
             await until_healthy(url, proc)
             r = await client.chat.completions.create(model="toy", messages=CHAT, max_tokens=500)
             assert r.choices[0].message.content == TOY_REPLY
-            print(f"\n{victim} SIGKILLed: restarted and serving again after {time.monotonic() - t0:.1f}s")
+            print(f"\n{victim} SIGKILLed: restarted and serving again after {time.monotonic() - t0:.1f}s; longest "
+                  f"pause of its 6 streams: {max(gaps, default=0):.2f}s (a token every 0.05 s)")
         if_nats = [cmd for cmd in descendants(proc.pid).values() if "nats-server" in cmd]
         assert len(if_nats) == 1 and "-p" in if_nats[0]
         kids = descendants(proc.pid)
