@@ -39,13 +39,14 @@ class ToyTokenizer:
         self.chat_template = chat_template  # jinja text that replaces the toy's own format
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, **kwargs: object) -> str:
+        """kwargs (chat_template_kwargs, reasoning_effort) reach a template file, as in the real tokenizer."""
         if self.chat_template is not None:
             import jinja2.sandbox
 
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
             return env.from_string(self.chat_template).render(messages=messages, tools=tools,
-                                                              add_generation_prompt=add_generation_prompt)
+                                                              add_generation_prompt=add_generation_prompt, **kwargs)
         text = f"<|tools|>\n{json.dumps(tools)}\n" if tools else ""
         text += "".join(f"<|{m['role']}|>\n{m.get('content') or ''}{json.dumps(m['tool_calls']) if m.get('tool_calls') else ''}"
                         f"\n" for m in messages)

@@ -98,7 +98,8 @@ class _Recording(ToyEngine):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: object, priority: int = 0,
                     **kw: object) -> None:
-        self.seen.append(priority)
+        if not request_id.startswith("warmup-"):  # the worker's own, before it is ready
+            self.seen.append(priority)
         return super().add_request(request_id, prompt_token_ids, params, priority, **kw)
 
 

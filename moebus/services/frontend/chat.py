@@ -64,7 +64,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
         return await pump_sse(request, fe, stream, _ChatChunks(choices, params.logprobs is not None, tools),
                               base=base, groups=[choices], n_prompt=len(prompt), include_usage=body.include_usage,
-                              started=started)
+                              started=started, continuous_usage=body.continuous_usage)
 
 
 def _message(ts: ToolStream, plan: ToolPlan) -> dict:

@@ -32,12 +32,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if isinstance(p, str):
             r = await fe.render(RenderRequest(model=body.model, prompt=p))
             prompts.append((r.prompt_token_ids, p))
-        elif body.echo:
-            raise bad_request("echo needs text prompts", param="echo")
         else:  # the tokenizer checks the ids against the vocabulary
             fe.check_context(len(p), params.max_tokens, "prompt")
             r = await fe.render(RenderRequest(model=body.model, prompt_token_ids=p))
-            prompts.append((r.prompt_token_ids, ""))
+            echo = await fe.detokenize_all(body.model, r.prompt_token_ids) if body.echo else ""
+            prompts.append((r.prompt_token_ids, echo))
         fe.check_context(len(prompts[-1][0]), params.max_tokens, "prompt")
     started = time.monotonic()
     async with AsyncExitStack() as stack:
@@ -70,7 +69,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         fmt = _CompletionChunks([c for cs in groups for c in cs], [p[1] for p in prompts] if body.echo else None,
                                 body.n, want_lp)
         return await pump_sse(request, fe, stream, fmt, base=base, groups=groups, n_prompt=n_prompt,
-                              include_usage=body.include_usage, started=started)
+                              include_usage=body.include_usage, started=started,
+                              continuous_usage=body.continuous_usage)
 
 
 @dataclass(slots=True)

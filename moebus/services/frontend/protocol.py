@@ -47,7 +47,7 @@ _NO_EFFECT = frozenset({"store", "metadata", "service_tier", "guided_decoding_ba
 
 class StreamOptions(_Req):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (not supported: a 400)
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk too (with include_usage)
 
 
 class ImageURL(_Req):
@@ -202,9 +202,6 @@ class _Sampling(GuidedFields):
             raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= {name} ({max_tokens})")
         if self.min_tokens > (most := limits_of(info).max_model_len):
             raise ParamError("min_tokens", f"min_tokens must be <= {most}, the model's maximum context length")
-        if self.stream_options and self.stream_options.continuous_usage_stats:
-            raise ParamError("stream_options.continuous_usage_stats", "continuous_usage_stats is not supported; "
-                             "include_usage gives the usage in the last chunk")
         self._check_extra()
         return self
 
@@ -235,6 +232,10 @@ class _Sampling(GuidedFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class ChatCompletionRequest(_Sampling):
@@ -341,6 +342,14 @@ class CompletionRequest(_Sampling):
         if v is not None and v > (most := limits_of(info).max_logprobs):
             raise ValueError(f"must be <= {most}")
         return v
+
+    @model_validator(mode="after")
+    def _echo(self) -> CompletionRequest:
+        # OpenAI's echo + logprobs includes the prompt tokens' logprobs, which the engine does not compute.
+        if self.echo and self.logprobs is not None:
+            raise ParamError("echo", "echo with logprobs needs the prompt's logprobs, which this server does not "
+                             "compute; ask for one of them")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""

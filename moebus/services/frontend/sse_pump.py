@@ -42,8 +42,9 @@ class ChunkFormat(Protocol):
 
 async def pump_sse(request: web.Request, fe: FrontendService, stream: AsyncIterator[Event], fmt: ChunkFormat, *,
                    base: dict, groups: Sequence[list[ChoiceState]], n_prompt: int, include_usage: bool,
-                   started: float) -> web.StreamResponse:
-    """Stream `stream` as chunks `{**base, "choices": [entry]}`; `groups`: the choices of each prompt."""
+                   started: float, continuous_usage: bool = False) -> web.StreamResponse:
+    """Stream `stream` as chunks `{**base, "choices": [entry]}`; `groups`: the choices of each prompt.
+    continuous_usage (vLLM's stream_options.continuous_usage_stats): every chunk carries the usage so far."""
     try:  # errors before the first token keep their HTTP status
         first = await anext(stream, None)
     except ServiceError as e:
@@ -52,8 +53,11 @@ async def pump_sse(request: web.Request, fe: FrontendService, stream: AsyncItera
     sse = SSE(request)
     await sse.open()
     extra = {"usage": None} if include_usage else {}
+    choices = [c for cs in groups for c in cs]
 
     async def send(entry: dict) -> None:
+        if continuous_usage:
+            extra["usage"] = usage(n_prompt, choices, sum(cs[0].num_cached_tokens for cs in groups))
         await sse.send({**base, "choices": [entry], **extra})
 
     for entry in fmt.preamble():
@@ -74,7 +78,6 @@ async def pump_sse(request: web.Request, fe: FrontendService, stream: AsyncItera
             rec.error = f"in-band {err.status} {err.code}: {err.message}"[:500]
         await sse.send(err.body())
         return await sse.close()
-    choices = [c for cs in groups for c in cs]
     fe.m_tokens.inc(sum(c.num_tokens for c in choices))
     if include_usage:
         cached = sum(cs[0].num_cached_tokens for cs in groups)
