@@ -11,7 +11,6 @@ planner exits (and, on Linux, when it dies), so none outlives it.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from moebus.shared.bus import Bus
 from moebus.shared.config_cli import to_cli_args
+from moebus.shared.lifeline import die_with_parent
 from moebus.shared.messages import HealthReply
 from moebus.shared.messages.planner import PoolName
 from moebus.shared.service import Empty
@@ -113,7 +113,7 @@ class LocalActuator:
             out = open(Path(self.cfg.log_dir) / f"{instance}.log", "ab")  # noqa: SIM115
         # Own session: a Ctrl-C meant for the launcher does not reach workers past the planner.
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent(signal.SIGTERM))  # a drain
         self.children[instance] = _Child(proc, pool, self._seq, out)
         self._seq += 1
         log.info("started %s (pid %d)", instance, proc.pid)
