@@ -40,12 +40,6 @@ ID_PREFIX: dict[PoolName, str] = {"both": "worker", "prefill": "prefill", "decod
 DRAIN_RETRY_S = 30.0  # a drained worker still seen this long after the request gets asked again
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM (a drain) when the planner dies, even by SIGKILL (Linux)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class _Fields(BaseModel):
     """Any WorkerConfig fields, rendered as its flags by the one flag formatter (config_cli)."""
 
