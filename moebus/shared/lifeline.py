@@ -17,7 +17,6 @@ Caveats, both handled here or by the callers:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -33,7 +32,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
         return None
     # Resolved here, in the parent: the child (forked, maybe from a threaded parent) only makes
     # two system calls, no dlopen or imports.
-    prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # this process's symbols: libc's prctl among them
     parent = os.getpid()
 
     def preexec() -> None:
