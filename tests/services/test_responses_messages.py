@@ -77,10 +77,12 @@ async def test_responses_function_calls_and_tool_outputs(calls_stack) -> None:
 
 @pytest.mark.parametrize(("extra", "param"), [({"previous_response_id": "resp_1"}, "previous_response_id"),
                                               ({"store": True}, "store"),
-                                              ({"tool_choice": "required"}, "tool_choice")])
+                                              ({"tool_choice": "required"}, "tool_choice"),
+                                              ({"tools": [{"type": "function", "name": ""}]}, "tools.0.name"),
+                                              ({"input": []}, "input")])
 async def test_responses_what_it_cannot_do_is_a_400(stack, extra: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        await stack.client().responses.create(model="toy", input="hi", **extra)
+        await stack.client().responses.create(model="toy", **{"input": "hi", **extra})
     assert e.value.body["param"] == param
 
 
@@ -135,5 +137,8 @@ async def test_messages_errors_in_anthropics_shape(stack) -> None:
         await c.messages.create(model="toy", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
                                 tool_choice={"type": "tool", "name": "nope"}, tools=A_TOOLS)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError):  # found by fuzzing: was a 500
+        await c.messages.create(model="toy", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                                tools=[{"name": "bad name", "input_schema": {"type": "object"}}])
     with pytest.raises(anthropic.NotFoundError):
         await c.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])

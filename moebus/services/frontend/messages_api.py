@@ -21,7 +21,7 @@ from .fields import ParamError, _Req, limits_of
 from .keys import FRONTEND
 from .rendering import ChatPrompt, render_chat
 from .tool_parsers import CallArgs, CallStart, Text
-from .tools import FunctionDef, ToolPlan
+from .tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
 from .turn import NamedSSE, Turn, open_turn
 
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -72,9 +72,11 @@ class AMessage(_Req):
 
 
 class ATool(_Req):
-    name: str
-    description: str | None = None
+    name: FunctionName
+    description: Description = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+    _schema = field_validator("input_schema")(check_parameters)
 
 
 class AToolChoice(_Req):

@@ -8,7 +8,7 @@ import time
 from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from moebus.shared.messages import ChatMessage, SamplingOptions, StructuredOptions
 
@@ -20,7 +20,7 @@ from .keys import FRONTEND
 from .protocol import ToolCallTurn
 from .rendering import ChatPrompt
 from .tool_parsers import Call, CallArgs, CallStart, Text
-from .tools import FunctionDef, ToolPlan
+from .tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
 from .turn import NamedSSE, Turn, open_turn
 
 
@@ -48,10 +48,12 @@ class InputItem(_Req):
 
 class FunctionTool(_Req):
     type: Literal["function"] = "function"
-    name: str
-    description: str | None = None
+    name: FunctionName
+    description: Description = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    _schema = field_validator("parameters")(check_parameters)
 
 
 class _NamedChoice(_Req):
@@ -69,7 +71,7 @@ class _TextConfig(_Req):
 
 class ResponsesRequest(_Req):
     model: str = Field(max_length=256)
-    input: str | list[InputItem]
+    input: str | list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | _NamedChoice | None = None

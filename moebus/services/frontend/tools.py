@@ -9,7 +9,7 @@ choice's text back into content and calls (tool_parsers.py; `auto` uses the mode
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -21,18 +21,23 @@ from .tool_parsers import PARSERS, CallArray, HermesParser, NamedCall, PlainText
 
 MAX_TOOLS = 128
 Mode = Literal["none", "auto", "required", "named"]
+# OpenAI's rule for function names: letters, digits, _ . : -, at most 64 (every API's tools use it)
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+Description = Annotated[str | None, Field(None, max_length=8192)]
+
+
+def check_parameters(v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+    """A tool's parameters: a JSON schema within the deployment's bounds (guided.check_schema)."""
+    return None if v is None else check_schema(v, info)
 
 
 class FunctionDef(_Req):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")  # OpenAI's: letters, digits, _ . : -, at most 64
-    description: str | None = Field(None, max_length=8192)
+    name: FunctionName
+    description: Description = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
 
-    @field_validator("parameters")
-    @classmethod
-    def _schema(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
-        return None if v is None else check_schema(v, info)
+    _schema = field_validator("parameters")(check_parameters)
 
     def for_template(self) -> dict:
         return {"type": "function", "function": self.model_dump(exclude_none=True)}
