@@ -122,7 +122,7 @@ class WorkerService(Service):
 
     def stats(self) -> dict[str, Any]:
         engine = dict(self._loop.stats) if self._loop else {}
-        kv = dict(self.link.counters) if self.link is not None else {}
+        kv = {**self.link.counters, "handoffs_lost": self.split.lost} if self.link is not None else {}
         return {"engine": engine, "active_requests": len(self._active), "queued": self.queued(), "role": self.cfg.role,
                 "kv": kv, **self.counters}
 
