@@ -14,6 +14,7 @@ from moebus.engine.sampling import SamplingParams
 KINDS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
          "compressed_sparse_attention"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+KV_BLOCKS = 64  # 1024 tokens: enough for every test here, and quick to allocate
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +36,14 @@ def tokens(llm: LLM, ps: list[list[int]], params: SamplingParams = GREEDY) -> li
 @pytest.fixture(scope="module")
 def alone(ckpt):
     """Each prompt alone on a cold engine without prefix caching, whole prompt in one step."""
-    llm = LLM(ckpt, tokenizer="smollm2", enable_prefix_caching=False, max_num_batched_tokens=4096)
+    llm = LLM(ckpt, tokenizer="smollm2", enable_prefix_caching=False, max_num_batched_tokens=4096, num_kv_blocks=KV_BLOCKS)
     return lambda ps: [tokens(llm, [p])[0] for p in ps]
 
 
 def test_batched_and_chunked_prefill_match_alone(ckpt, alone):
     ps = prompts(1, (100, 37, 140))
     expected = alone(ps)
-    llm = LLM(ckpt, tokenizer="smollm2", enable_prefix_caching=False, max_num_batched_tokens=45)
+    llm = LLM(ckpt, tokenizer="smollm2", enable_prefix_caching=False, max_num_batched_tokens=45, num_kv_blocks=KV_BLOCKS)
     assert tokens(llm, ps) == expected  # 45-token budget: every long prompt is prefilled in chunks
 
 
@@ -51,7 +52,7 @@ def test_prefix_cache_hit_matches_cold_run(ckpt, alone):
     # shares 6 full blocks (96 tokens: 24 CSA and 3 HCA windows) with `base`, then differs
     branch = base[:100] + prompts(3, (30,))[0]
     expected = alone([base, branch])
-    llm = LLM(ckpt, tokenizer="smollm2", max_num_batched_tokens=4096)
+    llm = LLM(ckpt, tokenizer="smollm2", max_num_batched_tokens=4096, num_kv_blocks=KV_BLOCKS)
     assert tokens(llm, [base]) == expected[:1]
     hits = llm.engine.stats()["prefix_cache_hits"]
     assert tokens(llm, [branch]) == expected[1:]
@@ -82,7 +83,7 @@ def test_preemption_recompute_matches_alone(ckpt, alone):
 
 
 def test_deterministic_mode_is_batch_invariant(ckpt):
-    llm = LLM(ckpt, tokenizer="smollm2", deterministic=True, max_num_batched_tokens=4096)
+    llm = LLM(ckpt, tokenizer="smollm2", deterministic=True, max_num_batched_tokens=4096, num_kv_blocks=KV_BLOCKS)
     ps = prompts(5, (100, 23, 70))
     p = SamplingParams(temperature=0.8, seed=11, max_tokens=6, logprobs=1)
     # alone, the 70-token prompt sees 2 HCA entries at most; in the crowd others see 3
@@ -90,3 +91,18 @@ def test_deterministic_mode_is_batch_invariant(ckpt):
     crowd = llm.generate(ps * 2, p)[2].outputs[0]
     assert crowd.token_ids == alone_out.token_ids
     assert crowd.logprobs == alone_out.logprobs  # bitwise: same floats
+
+
+def test_speculative_drafts_leave_greedy_output_unchanged(ckpt):
+    """Rejected n-gram drafts write K, compressor rows and entries past the accepted tokens (some
+    close windows); the next step rewrites them before any query can see them."""
+    motif = prompts(6, (12,))[0]
+    ps = [motif * 8 + motif[:5], prompts(7, (97,))[0]]  # a repetitive prompt draws n-gram drafts
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    plain = LLM(ckpt, tokenizer="smollm2", enable_prefix_caching=False, num_kv_blocks=KV_BLOCKS)
+    expected = [tokens(plain, [p], params)[0] for p in ps]
+    llm = LLM(ckpt, tokenizer="smollm2", enable_prefix_caching=False, num_speculative_tokens=3,
+              num_kv_blocks=KV_BLOCKS)
+    assert tokens(llm, ps, params) == expected
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted < stats.num_draft_tokens  # some were rejected
