@@ -62,8 +62,8 @@ async def burst(url: str, texts: list[str], max_tokens: int) -> list[dict[str, f
 
 
 def slow_consumers(log_dir: str) -> int:
-    p = Path(log_dir) / "nats.log"
-    return p.read_text(errors="replace").count("Slow Consumer Detected") if p.exists() else 0
+    """In nats-server's log (nats.log; nats-<i>.log per node of a launcher that runs a cluster)."""
+    return sum(p.read_text(errors="replace").count("Slow Consumer Detected") for p in Path(log_dir).glob("nats*.log"))
 
 
 def main() -> None:
