@@ -186,11 +186,9 @@ def _compressor(a: DeepseekV4Args, kind: str) -> Compressor | None:
     if kind == "sliding_attention":
         return None
     rate, csa = a.compress_rates[kind], kind == "compressed_sparse_attention"
-    comp = Compressor(a.hidden_size, a.head_dim, rate, csa, a.rms_norm_eps)
-    if csa:
-        comp.indexer = Indexer(a.hidden_size, a.q_lora_rank, a.index_n_heads, a.index_head_dim, rate,
-                               a.index_topk, a.rms_norm_eps)
-    return comp
+    indexer = Indexer(a.hidden_size, a.q_lora_rank, a.index_n_heads, a.index_head_dim, rate, a.index_topk,
+                      a.rms_norm_eps) if csa else None
+    return Compressor(a.hidden_size, a.head_dim, rate, csa, a.rms_norm_eps, indexer)
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -247,7 +245,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 specs.append(KVCacheSpec(1, c.head_dim, c.head_dim, sliding_window=c.sliding_window))
                 continue
             planes = [CachePlane(1, comp.src_dim), CachePlane(comp.rate, c.head_dim)]
-            if isinstance(getattr(comp, "indexer", None), Indexer):
+            if comp.indexer is not None:
                 planes += [CachePlane(1, comp.indexer.src_dim), CachePlane(comp.rate, c.index_head_dim)]
             specs.append(KVCacheSpec(1, c.head_dim, 0, sliding_window=c.sliding_window, planes=tuple(planes)))
         return specs

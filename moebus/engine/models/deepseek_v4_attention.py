@@ -17,6 +17,8 @@ the same way, so the layer computes exactly the HF function.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -24,6 +26,9 @@ from moebus.engine.attention import AttentionMetadata, attend
 from moebus.engine.batch_invariant import tiled
 from moebus.engine.models.deepseek_v4_sparse_attention import attend_window_and_entries, window_slots
 from moebus.kernels import apply_rotary, rms_norm
+
+if TYPE_CHECKING:  # the compressor module imports RMSNorm from here
+    from moebus.engine.models.deepseek_v4_compressor import Compressor, CompressPlan
 
 
 class RMSNorm(nn.Module):
@@ -48,7 +53,7 @@ class DeepseekV4Attention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, rope_dim: int, q_lora_rank: int,
                  o_groups: int, o_lora_rank: int, sliding_window: int, eps: float,
-                 compressor: nn.Module | None = None):
+                 compressor: Compressor | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -88,7 +93,7 @@ class DeepseekV4Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, ...], positions: torch.Tensor | None = None,
-                plan=None) -> torch.Tensor:
+                plan: CompressPlan | None = None) -> torch.Tensor:
         """x [T, H]; cos/sin [T, rope_dim/2] at each token's position (the compress rope in a
         compressed layer); positions [T] and the step's CompressPlan of this layer's kind for those."""
         T = x.shape[0]
@@ -117,7 +122,8 @@ class DeepseekV4Attention(nn.Module):
 
     def _attend_compressed(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_residual: torch.Tensor,
                            cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                           kv_cache: tuple[torch.Tensor, ...], positions: torch.Tensor, plan) -> torch.Tensor:
+                           kv_cache: tuple[torch.Tensor, ...], positions: torch.Tensor,
+                           plan: CompressPlan) -> torch.Tensor:
         """Cache (k, v (empty: K=V is read from k), src, entries[, indexer src, indexer keys])."""
         k_cache, _, src, entries, *index_planes = kv_cache
         k_cache.view(-1, self.head_dim).index_copy_(0, meta.slot_mapping, kv.flatten(1).to(k_cache.dtype))

@@ -82,9 +82,11 @@ def build_plan(meta: AttentionMetadata, positions: torch.Tensor, rate: int, over
 
 class Compressor(nn.Module):
     """Pools `rate` tokens into one `head_dim` entry (HF's kv_proj / gate_proj / position_bias /
-    kv_norm). With `overlap`, the projections are 2*head_dim wide: [Ca | Cb]."""
+    kv_norm). With `overlap`, the projections are 2*head_dim wide: [Ca | Cb]. A CSA layer's
+    compressor carries its `indexer` (HF's module path: compressor.indexer)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, rate: int, overlap: bool, eps: float):
+    def __init__(self, hidden_size: int, head_dim: int, rate: int, overlap: bool, eps: float,
+                 indexer: Indexer | None = None):
         super().__init__()
         width = 2 * head_dim if overlap else head_dim
         self.head_dim, self.rate, self.overlap = head_dim, rate, overlap
@@ -92,6 +94,7 @@ class Compressor(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
         self.kv_norm = RMSNorm(head_dim, eps)
+        self.indexer = indexer
 
     @property
     def src_dim(self) -> int:
