@@ -140,5 +140,9 @@ async def test_messages_errors_in_anthropics_shape(stack) -> None:
     with pytest.raises(anthropic.BadRequestError):  # found by fuzzing: was a 500
         await c.messages.create(model="toy", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
                                 tools=[{"name": "bad name", "input_schema": {"type": "object"}}])
+    with pytest.raises(anthropic.BadRequestError) as e:
+        await c.messages.create(model="toy", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                                extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert "thinking" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         await c.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])

@@ -125,6 +125,14 @@ class MessagesRequest(_Conversation):
     top_k: int | None = Field(None, ge=1)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None  # extended thinking: not supported (a 400 when enabled)
+
+    @field_validator("thinking")
+    @classmethod
+    def _thinking(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v and v.get("type") not in (None, "disabled"):
+            raise ValueError("extended thinking is not supported by this server")
+        return v
 
     def sampling(self, plan: ToolPlan) -> SamplingOptions:
         return SamplingOptions(temperature=1.0 if self.temperature is None else self.temperature,
