@@ -172,3 +172,10 @@ def test_parsers_give_the_same_calls_however_the_text_is_cut(cls: str) -> None:
         assert [pieces[k] for k in sorted(pieces)] == [c.arguments for c in p.calls]
     assert [c[0] for c in whole[1]] == ["get_weather", "get_time"] and all(c[2] for c in whole[1])
     assert whole[1][0][1]["city"] == 'Pa"r}is]'
+
+
+def test_every_stream_satisfies_the_protocol() -> None:
+    from moebus.services.frontend.tool_parsers import PARSERS, CallArray, NamedCall, PlainText, ToolStream
+
+    for make in (PlainText, NamedCall, CallArray, *PARSERS.values()):
+        assert isinstance(make(), ToolStream)

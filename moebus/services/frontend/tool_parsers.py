@@ -15,7 +15,7 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(slots=True)
@@ -51,6 +51,7 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+@runtime_checkable
 class ToolStream(Protocol):
     """One choice's text -> content and calls. `content` and `calls` hold what was emitted so far."""
 
@@ -341,7 +342,8 @@ class HermesParser(_Emitter):
         return self.take()
 
 
-PARSERS: dict[str, type[HermesParser]] = {"hermes": HermesParser}
+# tool_choice auto: parser name -> its ToolStream class (made with new_id and max_calls)
+PARSERS: dict[str, Callable[..., ToolStream]] = {"hermes": HermesParser}
 
 
 def _partial_suffix(text: str, tag: str) -> int:
