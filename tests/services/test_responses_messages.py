@@ -146,3 +146,12 @@ async def test_messages_errors_in_anthropics_shape(stack) -> None:
     assert "thinking" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         await c.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_messages_take_the_key_as_x_api_key(nats_server) -> None:
+    async with toy_stack(nats_server.url, frontend={"api_keys": ["sk-right"]}) as s:
+        ask = {"model": "toy", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+        ok = anthropic.AsyncAnthropic(base_url=s.base_url, api_key="sk-right", max_retries=0)
+        assert (await ok.messages.create(**ask)).usage.output_tokens == 3
+        with pytest.raises(anthropic.AuthenticationError):
+            await anthropic.AsyncAnthropic(base_url=s.base_url, api_key="sk-wrong", max_retries=0).messages.create(**ask)
