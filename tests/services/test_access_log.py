@@ -45,6 +45,7 @@ async def test_request_id_echoed_or_made_on_every_response(stack: ToyStack, capl
     assert (ok.status, ok.path, ok.model, ok.prompt_tokens, ok.completion_tokens) == (
         200, "/v1/chat/completions", "toy", usage["prompt_tokens"], 3)
     assert 0 < ok.ttft_s <= ok.total_s and ok.error is None
+    assert ok.generations.startswith("gen-")  # the id the worker knew it by
     assert lines[made].status == 200 and lines[made].completion_tokens == 3
     bad = lines["mine-2"]
     assert bad.status == 404 and bad.error.startswith("model_not_found: The model 'nope'")

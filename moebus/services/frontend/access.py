@@ -38,9 +38,12 @@ class RequestRecord:
     completion_tokens: int = 0
     first_token_at: float | None = None
     error: str | None = None  # the reason of a 4xx/5xx
+    generations: list[str] = field(default_factory=list)  # the ids workers know it by (their log lines')
 
-    def generation(self, prompt_tokens: int, completion_tokens: int, first_token_at: float | None) -> None:
+    def generation(self, request_id: str, prompt_tokens: int, completion_tokens: int,
+                   first_token_at: float | None) -> None:
         """One generation of this request ended (a completions request may run several)."""
+        self.generations.append(request_id)
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
         if first_token_at is not None and (self.first_token_at is None or first_token_at < self.first_token_at):
@@ -77,7 +80,7 @@ class AccessLog:
                   "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
                   "ttft_s": None if rec.first_token_at is None else round(rec.first_token_at - rec.started, 4),
                   "total_s": round(now - rec.started, 4), "request_id": rec.request_id, "trace_id": rec.trace_id,
-                  "error": rec.error}
+                  "error": rec.error, "generations": ",".join(rec.generations) or None}
         if rec.path in _PROBES:  # scraped every few seconds: not worth a line each at INFO
             level = logging.DEBUG
         else:

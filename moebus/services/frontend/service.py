@@ -178,5 +178,5 @@ class FrontendService(Service):
                 await gen.close()
                 clock.close()
                 if (rec := self.access.record()) is not None:
-                    rec.generation(len(prompt_ids), clock.n_tokens, clock.first_at)
+                    rec.generation(gen.request_id, len(prompt_ids), clock.n_tokens, clock.first_at)
                 self.m_inflight.set(len(self.router))
