@@ -3,7 +3,7 @@ Messages): render the conversation, generate, and read the text back through the
 ToolStream, one list of outs per step. Each API turns the outs into its own events and body."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -15,7 +15,7 @@ from moebus.shared.messages import SamplingOptions
 
 from .choice import ChoiceState
 from .errors import APIError
-from .events import Delta, events
+from .events import Delta, Event, events
 from .generation import Generation
 from .keys import FRONTEND, TENANT
 from .rendering import ChatPrompt, render_chat
@@ -29,7 +29,7 @@ class Turn:
     choice: ChoiceState
     tools: ToolStream
     prompt_tokens: int
-    _events: AsyncIterator
+    _events: AsyncIterator[Event]
 
     @property
     def request_id(self) -> str:
@@ -53,7 +53,7 @@ class Turn:
 
 @asynccontextmanager
 async def open_turn(request: web.Request, model: str, prompt: ChatPrompt, params: SamplingOptions, plan: ToolPlan,
-                    new_id=new_call_id, param: str = "messages") -> AsyncIterator[Turn]:
+                    new_id: Callable[[], str] = new_call_id, param: str = "messages") -> AsyncIterator[Turn]:
     fe = request.app[FRONTEND]
     ids, images = await render_chat(fe, model, prompt, params.max_tokens, param)
     async with fe.generation(model, ids, params, images, request.get(TENANT)) as gen:
