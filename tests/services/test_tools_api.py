@@ -101,18 +101,25 @@ async def test_tools_and_calls_reach_the_template() -> None:
     assert text.startswith("<|tools|>\n" + json.dumps([TOOLS[0]])) and '"arguments": {"a": 1}' in text
 
 
+# SmolLM2-135M-Instruct's own template, as its GGUF carries it (tokenizer.chat_template)
+SMOLLM2_GGUF_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>'"
+    " + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt"
+    " %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
 def test_the_shipped_smollm2_template_renders_tools_and_tool_turns() -> None:
     pytest.importorskip("torch")
-    from moebus.engine.tokenizer import load_tokenizer
+    from moebus.engine.tokenizer import Tokenizer, shipped_template
 
-    try:
-        tok = load_tokenizer("smollm2")
-    except Exception:
-        pytest.skip("the embedded SmolLM2 GGUF is not available")
+    tok = Tokenizer(None, [], chat_template=shipped_template("smollm2_tools"))
+    own = Tokenizer(None, [], chat_template=SMOLLM2_GGUF_TEMPLATE)
     plain = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(plain) == (  # the GGUF's own template's text, unchanged without tools
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    for conv in (plain, [{"role": "system", "content": "S"}, *plain, {"role": "assistant", "content": "a\n b"}],
+                 [*plain, {"role": "assistant", "content": ""}, {"role": "user", "content": "more"}]):
+        for prompt in (True, False):  # without tools: the GGUF's own text
+            assert tok.apply_chat_template(conv, prompt) == own.apply_chat_template(conv, prompt)
     history = [*plain, {"role": "assistant", "tool_calls": [{"function": {"name": "get_weather",
                                                                           "arguments": {"city": "Paris"}}}]},
                {"role": "tool", "content": "21 C"}]
