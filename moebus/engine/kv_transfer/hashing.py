@@ -13,5 +13,6 @@ def kv_namespace(engine: Any) -> str:
     """Blocks are only interchangeable between engines with the same model, dtype, block size
     and cache layout; the namespace keys the first hash of every chain."""
     cfg = engine.config
-    shapes = ",".join(f"{tuple(k.shape[1:])}/{tuple(v.shape[1:])}" for k, v in engine.kv_caches)
+    # a layer's cache is (k, v, *planes): DeepSeek-V4's compressed layers add compressor planes
+    shapes = ",".join("/".join(str(tuple(t.shape[1:])) for t in layer) for layer in engine.kv_caches)
     return f"{cfg.model}|{cfg.dtype}|{cfg.block_size}|{shapes}"
