@@ -15,6 +15,11 @@ class EngineConfig:
     model: str = "smollm2"  # embedded default, a .gguf path, or an HF-layout checkpoint dir
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "float32"
+    # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 linear layers run on the file's blocks, dequantized inside the
+    # kernels (~5.6x fewer weight bytes per decoded token: single-stream latency); "dense": the
+    # weights dequantized to dtype at load (oneDNN's packed GEMMs: faster from ~16 rows a step on
+    # AVX2, so the throughput default). See BENCHMARKS.md, "Single-stream decode on the GGUF's blocks".
+    weight_format: str = "dense"
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes
@@ -32,6 +37,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
+        if self.weight_format not in ("dense", "gguf"):
+            raise ValueError("weight_format must be dense or gguf")
         if self.block_size < 1 or self.max_model_len < 1:
             raise ValueError("block_size and max_model_len must be >= 1")
         if self.async_scheduling and self.num_speculative_tokens:

@@ -1,4 +1,5 @@
-"""Linear layers with oneDNN-prepacked weights on CPU (fp32 and bf16).
+"""Linear layers on CPU: oneDNN-prepacked weights (fp32 and bf16), and GGUF-quantized blocks
+(QuantLinear, at the end).
 
 `F.linear` on the plain [out, in] weight re-lays the weight out on every call (bf16) or goes to
 MKL's sgemm (fp32); oneDNN's matmul on a weight reordered once into its blocked layout is faster:
@@ -16,6 +17,14 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moebus.kernels.quant_matmul import (
+    GGML_TYPES,
+    check_weight,
+    cpu_function,
+    quant_matmul,
+    quant_matmul_cpu_unchecked,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +106,34 @@ def pack_linears(model: nn.Module, row_hint: int = 64) -> int:
         model.lm_head = _packed(emb.weight, None, row_hint)
         n += 1
     return n
+
+
+class QuantLinear(nn.Module):
+    """A bias-free linear layer on GGUF weight-only quantized blocks (kernels/quant_matmul.py): the
+    weight stays quantized in memory and is dequantized inside the GEMV/GEMM, so a decode step
+    reads 4.5-8.5 bits per weight instead of 32. Output in x's dtype, computed in float32."""
+
+    batch_invariant = False  # make_batch_invariant sets it: then every row count takes one kernel path
+
+    def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int) -> None:
+        super().__init__()
+        check_weight(qweight, qtype, in_features)
+        self.qtype, self.in_features, self.out_features = qtype, in_features, qweight.shape[0]
+        self.register_buffer("qweight", qweight.contiguous())
+        self._cpu_fn = cpu_function()  # checked here once, so float32 CPU calls go straight to C
+        self._qtype_id = GGML_TYPES[qtype]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        w = self.qweight
+        out = None
+        if self._cpu_fn is not None and flat.dtype == torch.float32 and not flat.is_cuda and not w.is_cuda:
+            out = quant_matmul_cpu_unchecked(self._cpu_fn, flat, w, self._qtype_id, self.batch_invariant)
+        if out is None:
+            out = quant_matmul(flat, w, self.qtype, one_path=self.batch_invariant)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"

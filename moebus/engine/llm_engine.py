@@ -70,7 +70,7 @@ class LLMEngine:
         n-gram lookup (config.num_speculative_tokens sets how many tokens it may propose)."""
         self.config = config
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, config.torch_dtype, config.device)
+        loaded = load_model(config.model, config.torch_dtype, config.device, config.weight_format)
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model)

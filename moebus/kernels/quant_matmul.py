@@ -18,6 +18,8 @@ Results are the reference's (float32 GEMM on the dequantized weight) up to summa
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -119,7 +121,29 @@ def quant_matmul_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, *, block_m
 
 
 def cpu_kernel_available() -> bool:
-    return library("quant_matmul_cpu.c").get() is not None
+    return cpu_function() is not None
+
+
+def cpu_function() -> Callable[..., int] | None:
+    lib = library("quant_matmul_cpu.c").get()
+    if lib is None:
+        return None
+    fn = lib.quant_matmul_f32
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _CPU_ARGTYPES, I32
+    return fn
+
+
+def quant_matmul_cpu_unchecked(fn: Callable[..., int], x: torch.Tensor, w: torch.Tensor, qtype_id: int,
+                               one_path: bool) -> torch.Tensor | None:
+    """The C call alone, for callers that checked once what quant_matmul_cpu checks per call (a
+    batch-1 decode step makes ~120 of these calls: Python work per call is per-token latency)."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    status = fn(qtype_id, x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), m, n, k, out.data_ptr(), n,
+                _NO_TILES if one_path else CPU_TILED_MIN_ROWS)
+    return out if status == 0 else None
 
 
 def quant_matmul_cpu(x: torch.Tensor, w: torch.Tensor, qtype: str, *, one_path: bool = False) -> torch.Tensor | None:
@@ -129,18 +153,8 @@ def quant_matmul_cpu(x: torch.Tensor, w: torch.Tensor, qtype: str, *, one_path: 
             and w.device.type == "cpu" and w.is_contiguous() and qtype in GGML_TYPES):
         return None
     check_weight(w, qtype, x.shape[1])
-    lib = library("quant_matmul_cpu.c").get()
-    if lib is None:
-        return None
-    fn = lib.quant_matmul_f32
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _CPU_ARGTYPES, I32
-    m, k = x.shape
-    n = w.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32)
-    status = fn(GGML_TYPES[qtype], x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), m, n, k, out.data_ptr(),
-                out.stride(0), _NO_TILES if one_path else CPU_TILED_MIN_ROWS)
-    return out if status == 0 else None
+    fn = cpu_function()
+    return None if fn is None else quant_matmul_cpu_unchecked(fn, x, w, GGML_TYPES[qtype], one_path)
 
 
 def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, *, one_path: bool = False) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Converted-GGUF cache: parsing a GGUF costs seconds per process, so the first load writes an
 HF-layout copy (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) that later
-loads (every service process) read in well under a second."""
+loads (every service process) read in well under a second. The GGUF blocks of the quantized
+tensors are cached beside it on first use (gguf_blocks.safetensors), for weight_format "gguf"."""
 from __future__ import annotations
 
 import hashlib
@@ -10,6 +11,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moebus.engine.loader.gguf_file import GGUFCheckpoint
@@ -51,3 +54,23 @@ def converted_dir(gguf_path: str | Path, progress: Callable[[int, int], None] | 
 
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+BLOCKS_FILE = "gguf_blocks.safetensors"
+
+
+def quantized_blocks(gguf_path: str | Path) -> dict[str, tuple[str, torch.Tensor]]:
+    """HF name -> (GGUF type, uint8 blocks [rows, bytes]) of this GGUF's Q4_0/Q4_1/Q8_0 tensors
+    (GGUFCheckpoint.quantized_blocks), cached in its converted directory; the types ride in the
+    safetensors metadata."""
+    out_dir = converted_dir(gguf_path)
+    path = out_dir / BLOCKS_FILE
+    if not path.exists():
+        blocks = GGUFCheckpoint.open(gguf_path).quantized_blocks()
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".safetensors")
+        os.close(fd)
+        save_file({k: v for k, (_, v) in blocks.items()}, tmp, metadata={k: t for k, (t, _) in blocks.items()})
+        os.replace(tmp, path)  # atomic: a concurrent loader sees no file or a whole one
+    with safe_open(str(path), "pt") as f:
+        types = f.metadata() or {}
+        return {k: (types[k], f.get_tensor(k)) for k in f.keys()}

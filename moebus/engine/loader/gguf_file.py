@@ -12,6 +12,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 EMBEDDED_MODEL = "smollm2"
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # GGUF types served as blocks (kernels/quant_matmul.py)
 
 
 def embedded_gguf_path() -> Path:
@@ -90,6 +91,25 @@ class GGUFCheckpoint:
             progress(len(self.reader.tensors), len(self.reader.tensors))
         return out
 
+    def quantized_blocks(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """HF name -> (type, uint8 [rows, blocks bytes]) for the 2-D tensors stored in a type the
+        quant_matmul kernels take (Q4_0, Q4_1, Q8_0): the file's own bytes, q/k rows un-permuted
+        as in state_dict (a row's blocks move with it)."""
+        cfg = self.hf_config()
+        out: dict[str, tuple[str, torch.Tensor]] = {}
+        for t in self.reader.tensors:
+            qtype = t.tensor_type.name
+            if qtype not in QUANT_TYPES or len(t.shape) != 2:
+                continue
+            w = np.asarray(t.data, dtype=np.uint8)
+            name = _hf_name(t.name)
+            if name.endswith("self_attn.q_proj.weight"):
+                w = _unpermute(w, int(cfg["num_attention_heads"]))
+            elif name.endswith("self_attn.k_proj.weight"):
+                w = _unpermute(w, int(cfg["num_key_value_heads"]))
+            out[name] = (qtype, torch.from_numpy(np.array(w, copy=True)))
+        return out
+
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -119,4 +139,4 @@ def string_list(values: object) -> list[str]:
     return [v if isinstance(v, str) else bytes(v).decode("utf-8") for v in values]
 
 
-__all__ = ["GGUFCheckpoint", "GGUFValueType", "embedded_gguf_path", "EMBEDDED_MODEL", "string_list"]
+__all__ = ["GGUFCheckpoint", "GGUFValueType", "embedded_gguf_path", "EMBEDDED_MODEL", "QUANT_TYPES", "string_list"]

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from moebus.engine.loader.gguf_cache import converted_dir
+from moebus.engine.loader.gguf_cache import converted_dir, quantized_blocks
 from moebus.engine.loader.gguf_file import EMBEDDED_MODEL, embedded_gguf_path
 
 
@@ -60,10 +60,23 @@ def resolve(model: str | Path) -> Path:
     return embedded_gguf_path() if str(model) == EMBEDDED_MODEL else Path(model)
 
 
-def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+WEIGHT_FORMATS = ("dense", "gguf")
+
+
+def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               weight_format: str = "dense") -> LoadedModel:
+    """weight_format: "dense" dequantizes a GGUF's weights to `dtype`; "gguf" serves its Q4_0/Q4_1/
+    Q8_0 linear layers from the file's blocks (engine.cpu_linear.QuantLinear; Llama only)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, not {weight_format!r}")
     path = resolve(model)
+    quantized = None
     if path.suffix == ".gguf":
+        if weight_format == "gguf":
+            quantized = quantized_blocks(path)
         path = converted_dir(path)
+    elif weight_format == "gguf":
+        raise ValueError(f"{model}: weight_format 'gguf' needs a .gguf model")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{model}: expected `smollm2`, a .gguf file or a dir with config.json")
     cfg = json.loads((path / "config.json").read_text())
@@ -77,7 +90,10 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: st
     with torch.device("meta"):  # weights come from the checkpoint: skip random init
         net = _build(arch, cfg)
     net = net.to_empty(device=device).to(dtype)
-    net.load_weights({k: v.to(dtype) for k, v in state.items()})
+    if quantized and arch == "LlamaForCausalLM":
+        net.load_weights({k: v.to(dtype) for k, v in state.items()}, quantized=quantized)
+    else:
+        net.load_weights({k: v.to(dtype) for k, v in state.items()})
     for name, buf in net.named_buffers():
         if buf.is_meta or not torch.isfinite(buf.float()).all():
             raise RuntimeError(f"{arch}: buffer {name} must be a loaded weight or built in load_weights")

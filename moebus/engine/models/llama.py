@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
+from moebus.engine.cpu_linear import QuantLinear
 from moebus.engine.multimodal import MMEmbeds
 from moebus.kernels import apply_rotary, fused_add_rms_norm, rms_norm, rotary_cos_sin, silu_and_mul
 
@@ -132,22 +133,31 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Called as a module so a packed head (engine.cpu_linear, also for tied embeddings) is used.
+        # Called as a module so a packed or quantized head (engine.cpu_linear, also for tied
+        # embeddings) is used.
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights; q/k/v and gate/up are fused here to cut kernel launches."""
+    def load_weights(self, state_dict: dict[str, torch.Tensor],
+                     quantized: dict[str, tuple[str, torch.Tensor]] | None = None) -> None:
+        """Load HF-named weights; q/k/v and gate/up are fused here to cut kernel launches.
+        `quantized` (HF name -> (GGUF type, blocks)): linear layers whose parts are all there in one
+        type become QuantLinear on those blocks (their dense copies in state_dict are dropped), and
+        a tied LM head runs on the embedding's blocks (the dense embedding stays for lookups)."""
         sd = dict(state_dict)
+        if quantized:
+            self._quantize_linears(sd, quantized)
         own = dict(self.named_parameters())
         for i in range(self.args.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = [sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            sd[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
-            gu = [sd.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-            sd[p + "mlp.gate_up_proj.weight"] = torch.cat(gu)
+            if p + "self_attn.q_proj.weight" in sd:  # else quantized
+                qkv = [sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+                sd[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
+            if p + "mlp.gate_proj.weight" in sd:
+                gu = [sd.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+                sd[p + "mlp.gate_up_proj.weight"] = torch.cat(gu)
         if self.args.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         loaded = set()
@@ -162,3 +172,26 @@ class LlamaForCausalLM(nn.Module):
         missing = set(own) - loaded
         if missing:
             raise KeyError(f"missing weights: {sorted(missing)[:5]}")
+
+    def _quantize_linears(self, sd: dict[str, torch.Tensor], quantized: dict[str, tuple[str, torch.Tensor]]) -> None:
+        def swap(parent: nn.Module, attr: str, names: list[str]) -> None:
+            parts = [quantized.get(n) for n in names]
+            if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+                return  # not all quantized, or in mixed types: stays dense
+            layer = getattr(parent, attr)
+            blocks = torch.cat([p[1] for p in parts]).to(layer.weight.device)
+            setattr(parent, attr, QuantLinear(blocks, parts[0][0], layer.in_features))
+            for n in names:
+                sd.pop(n, None)
+
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            swap(layer.self_attn, "qkv_proj", [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+            swap(layer.self_attn, "o_proj", [p + "self_attn.o_proj.weight"])
+            swap(layer.mlp, "gate_up_proj", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
+            swap(layer.mlp, "down_proj", [p + "mlp.down_proj.weight"])
+        if self.lm_head is not None:
+            swap(self, "lm_head", ["lm_head.weight"])
+        elif "model.embed_tokens.weight" in quantized:
+            qtype, blocks = quantized["model.embed_tokens.weight"]
+            self.lm_head = QuantLinear(blocks.to(self.embed_tokens.weight.device), qtype, self.args.hidden_size)

@@ -1,8 +1,10 @@
 /* Row-wise CPU kernels: fused residual-add + RMSNorm, SwiGLU (silu(gate) * up), neox rotary.
  * Semantics are those of the torch references in kernels/rmsnorm.py, silu_mul.py, rotary.py:
  * float32 math, one rounding to the storage type at the end (and of the residual sum, which the
- * norm then reads back rounded, as an unfused model would). Rows run in parallel (OpenMP);
- * every row's last dim is contiguous, row strides are in elements. */
+ * norm then reads back rounded, as an unfused model would). Rows run in parallel (OpenMP), a
+ * single row on the calling thread: a batch-1 decode step would otherwise wake the pool for one
+ * row of work several times a layer. Every row's last dim is contiguous, row strides are in
+ * elements. */
 #include "cpu_common.h"
 
 #define MAXN 16384
@@ -11,7 +13,7 @@
 /* out = rmsnorm(x [+ residual]) * w; with a residual, res_out = x + residual (rounded). */
 INLINE void rms_norm_impl(enum dtype t, const void *x, int64_t xs, const void *res, int64_t rs,
                           const void *w, void *out, void *res_out, int64_t rows, int n, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         float v[MAXN];
         const int es = t == F32 ? 4 : 2;
@@ -38,7 +40,7 @@ INLINE void rms_norm_impl(enum dtype t, const void *x, int64_t xs, const void *r
  * converted to float32 buffers first so that every loop is a plain vectorizable float loop. */
 INLINE void silu_mul_impl(enum dtype t, const void *x, int64_t xs, void *out, int64_t rows, int inter,
                           int has_limit, float limit) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         float g[MAXN], u[MAXN];
         const int es = t == F32 ? 4 : 2;
@@ -64,7 +66,7 @@ INLINE void silu_mul_impl(enum dtype t, const void *x, int64_t xs, void *out, in
 /* out [T, H, D] (contiguous) = x rotated on its first 2*half channels; cos/sin [T, half] fp32. */
 INLINE void rotary_impl(enum dtype t, const void *x, int64_t xs_t, int64_t xs_h, const float *cos_,
                         const float *sin_, int64_t cs, void *out, int64_t T, int H, int D, int half) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T > 1)
     for (int64_t tok = 0; tok < T; tok++) {
         float v[MAXD_ROT], o[MAXD_ROT];
         const int es = t == F32 ? 4 : 2;

@@ -334,7 +334,7 @@ static inline __attribute__((always_inline)) void decode_one(
              void *out, int64_t o_sb, int64_t o_sh, int B, int Hq, int Hkv, int D, int Dv, int bs,  \
              int window, float scale) {                                                              \
         if (Hq > MAXHQ || D > MAXD || Dv > MAXD || Hq % Hkv) return 1;                              \
-        _Pragma("omp parallel for schedule(dynamic, 1)") for (int b = 0; b < B; b++) {               \
+        _Pragma("omp parallel for schedule(dynamic, 1) if (B > 1)") for (int b = 0; b < B; b++) {    \
             const char *qb = (const char *)q + b * q_sb * ES;                                           \
             char *ob = (char *)out + b * o_sb * ES;                                                      \
             /* constant head dims let the compiler unroll the row loops fully (~1.5x) */                \

@@ -1,0 +1,158 @@
+"""Single-stream decode latency (c=1 TPOT) on the same GGUF: moebus dense fp32, moebus on the GGUF
+blocks (weight_format="gguf"), and llama.cpp through llama-cpp-python, in alternating rounds.
+
+    python loadtest/bench_single_stream.py                     # moebus dense, moebus gguf
+    python loadtest/bench_single_stream.py --llama-python /work/peers/llamacpp-venv/bin/python
+
+Each run is a fresh process: one request of --prompt-len random tokens, then --output-len greedy
+tokens (EOS ignored); TPOT = (time of the last token - time of the first) / (output-len - 1), in
+process (no HTTP on either side). llama.cpp: `Llama.eval` per token and numpy's argmax of its
+logits, n_threads = --threads. Every run gets OMP_WAIT_POLICY=PASSIVE (as
+loadtest/peers/serve_llamacpp.sh: on a shared box spinning OpenMP threads stall each other). Prints
+the CPU flags, a measured read bandwidth and the bytes each system's weights take per token (the
+bound: bytes / bandwidth), then per-run TPOTs and the medians with their spread. Installs nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randint(100, 49000) for _ in range(n)]
+
+
+def run_moebus(fmt: str, prompt_len: int, out_len: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from moebus.engine.config import EngineConfig
+    from moebus.engine.llm_engine import LLMEngine
+    from moebus.engine.sampling import SamplingParams
+
+    eng = LLMEngine(EngineConfig(weight_format=fmt, max_num_seqs=1))
+    # Bytes a decode step reads: every weight once (a tied head through lm_head, which pack_linears
+    # or the gguf format set), but not the embedding table (a lookup) nor oneDNN's packed copies.
+    seen, weight_bytes = set(), 0
+    for mod in eng.model.modules():
+        for name, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+            if mod is eng.model.embed_tokens or name == "packed" or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            weight_bytes += t.numel() * t.element_size()
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
+    tpots = []
+    for rep in range(2):  # the first warms the kernels up; the second is measured
+        eng.add_request(f"r{rep}", _prompt(prompt_len, rep), params)
+        stamps = []
+        while eng.has_unfinished_requests():
+            if any(o.new_token_ids for o in eng.step()):
+                stamps.append(time.perf_counter())
+        tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    return {"tpot_ms": 1000 * tpots[-1], "weight_bytes": weight_bytes}
+
+
+def run_llamacpp(gguf: str, prompt_len: int, out_len: int, threads: int) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512, verbose=False)
+    tpots = []
+    for rep in range(2):
+        llm.reset()
+        llm.eval(_prompt(prompt_len, rep))
+        stamps = []
+        for _ in range(out_len):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            stamps.append(time.perf_counter())
+            llm.eval([tok])
+        tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    return {"tpot_ms": 1000 * tpots[-1], "weight_bytes": os.path.getsize(gguf), "version": llama_cpp.__version__}
+
+
+def read_bandwidth_gbs(threads: int) -> float:
+    """Best of 5 sums over a 512 MiB float32 tensor (much larger than any cache)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(128 << 20)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def cpu_summary() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+    return f"{model}, {os.cpu_count()} cpus, flags: {' '.join(f for f in FLAGS if f in flags) or 'none of ' + ','.join(FLAGS)}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gguf", default=None, help="default: the embedded SmolLM2-135M-Instruct Q4_1")
+    ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: no llama.cpp)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        kind, _, arg = a.worker.partition(":")
+        res = (run_llamacpp(arg, a.prompt_len, a.output_len, a.threads) if kind == "llamacpp"
+               else run_moebus(arg, a.prompt_len, a.output_len, a.threads))
+        print("RESULT " + json.dumps(res))
+        return
+    if a.gguf is None:
+        from moebus.engine.loader.gguf_file import embedded_gguf_path
+
+        a.gguf = str(embedded_gguf_path())
+    systems = {"moebus dense fp32": [sys.executable, "moebus:dense"], "moebus gguf": [sys.executable, "moebus:gguf"]}
+    if a.llama_python:
+        systems["llama.cpp"] = [a.llama_python, f"llamacpp:{a.gguf}"]
+    print(cpu_summary())
+    print(f"read bandwidth ({a.threads} threads, 512 MiB sum): {read_bandwidth_gbs(a.threads):.1f} GB/s")
+    results: dict[str, list[dict]] = {s: [] for s in systems}
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    for rnd in range(a.rounds):
+        for name, (py, worker) in systems.items():
+            cmd = [py, __file__, "--worker", worker, "--prompt-len", str(a.prompt_len), "--output-len",
+                   str(a.output_len), "--threads", str(a.threads)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                  cwd=Path(__file__).parent.parent, timeout=1800)
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                print(f"round {rnd + 1} {name}: failed\n{proc.stderr[-2000:]}")
+                continue
+            res = json.loads(line[7:])
+            load = os.getloadavg()[0]
+            results[name].append(res)
+            print(f"round {rnd + 1} {name}: TPOT {res['tpot_ms']:.2f} ms (load {load:.2f})", flush=True)
+    print(f"\n| system | weight bytes / token | TPOT ms, median (min-max) over {a.rounds} rounds | tok/s |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, rs in results.items():
+        if not rs:
+            continue
+        t = [r["tpot_ms"] for r in rs]
+        med = statistics.median(t)
+        print(f"| {name} | {rs[0]['weight_bytes'] / 1e6:.0f} MB | {med:.2f} ({min(t):.2f}-{max(t):.2f}) | "
+              f"{1000 / med:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
