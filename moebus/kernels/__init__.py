@@ -11,6 +11,7 @@ reference everywhere else. The references are vectorized: they are the productio
 | fused_moe.py | `fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None)`; `moe_align` (token grouping); C kernel for <= 256 tokens |
 | argmax.py | `row_argmax(x[B, N]) -> [B]` int64 (first maximum, NaN wins: torch's `max(dim=1).indices`) |
 | lm_head_argmax.py | `lm_head_argmax(x[M, K], w[N, K], panels=None) -> [M]` int64: greedy tokens from the LM head without the logits (`pack_panels(w)`: the C kernel's weight layout) |
+| quant_matmul.py | `quant_matmul(x[M, K], w, qtype) -> [M, N]`: GGUF Q4_0/Q4_1/Q8_0 blocks `w` (uint8 [N, K/32 * block bytes]) dequantized inside the GEMV/GEMM; C kernel on CPU |
 | mhc.py | `hc_mix(mix, base, scale, n, iters, eps) -> (pre, post, comb)` (mHC gates + Sinkhorn mixture), `hc_merge(streams, block_out, post, comb)`, `hc_pre(streams, fn, base, scale, n, iters, hc_eps, norm_eps)` (the whole pre-block: a C kernel on CPU, no Triton twin; elsewhere the reference, its GEMM on the tensor cores and its mixing in `hc_mix`) |
 | compressor.py | `compress_windows(kv, gate, bias) -> [N, C]` (DeepSeek-V4 KV compressor: softmax-gated pooling of each window's slots) |
 | indexer_topk.py | `indexer_topk(q, weights, keys, start, n_visible, k, scale) -> [R, k]` (DeepSeek-V4 lightning indexer; Triton scores + torch's sort, C scores + heap) |
@@ -33,6 +34,7 @@ from .mhc import (
     hc_pre_ref,
 )
 from .paged_attention import paged_attention_decode, paged_attention_decode_ref, paged_attention_decode_triton
+from .quant_matmul import quant_matmul, quant_matmul_ref, quant_matmul_triton
 from .rmsnorm import (
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -53,6 +55,7 @@ __all__ = [
     "lm_head_argmax", "lm_head_argmax_ref", "lm_head_argmax_triton", "pack_panels",
     "hc_merge", "hc_merge_ref", "hc_merge_triton", "hc_mix", "hc_mix_ref", "hc_mix_triton", "hc_pre", "hc_pre_ref",
     "paged_attention_decode", "paged_attention_decode_ref", "paged_attention_decode_triton",
+    "quant_matmul", "quant_matmul_ref", "quant_matmul_triton",
     "rms_norm", "rms_norm_ref", "rms_norm_triton",
     "silu_and_mul", "silu_and_mul_ref", "silu_and_mul_triton",
 ]
