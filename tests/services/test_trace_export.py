@@ -13,11 +13,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from moebus.cli import main as cli_main
+from moebus.devmodel.toy import TOY_REPLY
 from moebus.shared.nats_server import free_port
 from moebus.shared.trace_export import JsonlSpanExporter, TraceConfig, build_provider, flush_provider
 from moebus.shared.tracing import Tracing, make_tracer_provider
 
-from .conftest import toy_stack
+from .conftest import toy_stack, wait_for
 
 MESSAGES = [{"role": "user", "content": "tell me a story"}]
 
@@ -143,3 +144,56 @@ async def test_otlp_export_reaches_a_collector() -> None:
     assert [s.name for _, s in spans] == ["prefill"]
     attrs = {a.key: a.value.string_value for a in spans[0][0].attributes}
     assert attrs["service.name"] == "moebus-worker" and attrs["service.instance.id"] == "worker-7"
+
+
+async def test_a_client_gone_mid_stream_traces_the_abort(nats_server) -> None:
+    memory = InMemorySpanExporter()
+    provider = make_tracer_provider("stack", [SimpleSpanProcessor(memory)])
+    async with toy_stack(nats_server.url, engine={"step_delay_s": 0.03}, tracer_provider=provider) as stack:
+        raw = await stack.client().chat.completions.with_raw_response.create(
+            model="toy", messages=MESSAGES, max_tokens=200, stream=True)
+        trace_id = raw.headers["x-trace-id"]
+        stream, got = raw.parse(), 0
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.close()  # the client goes away
+        await wait_for(lambda: stack.workers[0].counters["aborted"] == 1)
+        await wait_for(lambda: any(s.name == "decode" for s in memory.get_finished_spans()))
+    spans = [s for s in memory.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id]
+    by_name = {s.name: s for s in spans}
+    gen = by_name["generate toy"]
+    (abort,) = [s for s in spans if s.name == "abort" and s.parent.span_id == gen.context.span_id]  # the frontend's
+    worker_abort = [s for s in spans if s.name == "abort" and s is not abort]
+    assert [s.parent.span_id for s in worker_abort] == [abort.context.span_id]  # the worker's handler of it
+    decode = by_name["decode"]
+    assert decode.attributes["moebus.outcome"] == "aborted" and 0 < decode.attributes["gen_ai.usage.output_tokens"] < 200
+
+
+async def test_a_migration_is_in_the_requests_trace(nats_server) -> None:
+    memory = InMemorySpanExporter()
+    provider = make_tracer_provider("stack", [SimpleSpanProcessor(memory)])
+    async with toy_stack(nats_server.url, workers=2, engine={"step_delay_s": 0.06},  # the reply outlasts the 2 s grace
+                         tracer_provider=provider) as stack:
+        raw = await stack.client().chat.completions.with_raw_response.create(
+            model="toy", messages=MESSAGES, max_tokens=120, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, "min_tokens": 120})
+        trace_id, stream, text = raw.headers["x-trace-id"], raw.parse(), ""
+        async for chunk in stream:
+            text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+            if len(text) > 3 and not any(w.draining for w in stack.workers):
+                holder = next(w for w in stack.workers if w._active)
+                asyncio.get_running_loop().create_task(holder.shutdown())  # drains: hands the request back
+    spans = [s for s in memory.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id]
+    gen = next(s for s in spans if s.name == "generate toy")
+    (migrate,) = [s for s in spans if s.name == "migrate"]
+    assert migrate.parent.span_id == gen.context.span_id
+    assert migrate.attributes["moebus.reason"] == "draining" and migrate.attributes["moebus.attempt"] == 1
+    route = [s for s in spans if s.name == "route"]
+    assert [r.parent.span_id for r in route] == [gen.context.span_id, migrate.context.span_id]
+    assert {r.attributes["moebus.worker_id"] for r in route} == {"worker-0", "worker-1"}
+    decodes = sorted((s for s in spans if s.name == "decode"), key=lambda s: s.start_time)
+    assert [d.attributes["moebus.outcome"] for d in decodes] == ["handed_back", "finished"]
+    assert gen.attributes["moebus.migrations"] == 1
+    assert text == TOY_REPLY  # nothing lost or repeated across the move
