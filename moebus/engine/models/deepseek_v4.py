@@ -30,6 +30,7 @@ from moebus.engine.attention import AttentionMetadata, CachePlane, KVCacheSpec
 from moebus.engine.models.deepseek_v4_attention import DeepseekV4Attention, RMSNorm
 from moebus.engine.models.deepseek_v4_compressor import Compressor, CompressPlan, Indexer, build_plan
 from moebus.engine.models.deepseek_v4_rope import RopeSpec
+from moebus.engine.models.deepseek_v4_sparse_attention import window_slots
 from moebus.engine.models.hf_checkpoint import is_mtp_key, to_hf_names
 from moebus.engine.models.hyper_connections import HyperConnection, HyperHead
 from moebus.engine.models.moe import SCORING_FUNCS, MoE
@@ -260,8 +261,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             rope.append(self.compress_rope.cos_sin(positions, c.rope_dim, x.dtype))
         plans = {k: build_plan(meta, positions, c.compress_rates[k], k == "compressed_sparse_attention")
                  for k in kinds}
+        window = window_slots(meta, positions, c.sliding_window) if kinds else None  # one gather map per step
         for plan in plans.values():
             plan.cos, plan.sin = self.compress_rope.cos_sin(plan.positions, c.rope_dim, x.dtype)
+            plan.window = window
         step = V4Step(meta, positions, rope, plans)
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -145,6 +145,6 @@ class DeepseekV4Attention(nn.Module):
         extra = plan.entry_rows[idx.clamp(max=n_entries - 1)] if n_entries else idx.new_zeros(idx.shape[0], 0)
         if not n_entries:
             extra_valid = extra_valid[:, :0]
-        slots, slot_valid = window_slots(meta, positions, self.sliding_window)
+        slots, slot_valid = plan.window or window_slots(meta, positions, self.sliding_window)
         return attend_window_and_entries(q, k_cache, entries, slots, slot_valid, extra, extra_valid, self.scale,
                                          self.sinks, self.batch_invariant or meta.batch_invariant)

@@ -49,6 +49,7 @@ class CompressPlan:
     row_visible: torch.Tensor  # [T] entries a query sees: (position + 1) // rate
     cos: torch.Tensor | None = None  # [W, rope_dim/2] compress rope at `positions` (set by the model)
     sin: torch.Tensor | None = None
+    window: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's window_slots (set by the model)
 
 
 def build_plan(meta: AttentionMetadata, positions: torch.Tensor, rate: int, overlap: bool) -> CompressPlan:
