@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moebus.engine.dtype_choice import resolve_dtype
 from moebus.engine.scheduler import SchedulerConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -14,7 +15,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineConfig:
     model: str = "smollm2"  # embedded default, a .gguf path, or an HF-layout checkpoint dir
     tokenizer: str | None = None  # defaults to the model's own
-    dtype: str = "float32"
+    dtype: str = "float32"  # "auto": chosen from the CPU's flags (the CLI's default)
     # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 linear layers run on the file's blocks, dequantized inside the
     # kernels (~5.6x fewer weight bytes per decoded token: single-stream latency); "dense": the
     # weights dequantized to dtype at load (oneDNN's packed GEMMs: faster from ~16 rows a step on
@@ -35,8 +36,10 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":  # from the CPU's flags (bf16 with AVX512-BF16/AMX), logged: dtype_choice
+            self.dtype = resolve_dtype("auto", self.device)
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}")
         if self.weight_format not in ("dense", "gguf"):
             raise ValueError("weight_format must be dense or gguf")
         if self.block_size < 1 or self.max_model_len < 1:

@@ -24,6 +24,8 @@ def _up(args: argparse.Namespace) -> int:
         engine["max_model_len"] = args.max_model_len
     if args.enable_prefix_caching is not None:
         engine["enable_prefix_caching"] = args.enable_prefix_caching
+    if args.model != "toy":  # auto: from the CPU's flags, resolved and logged by each worker's engine
+        engine.setdefault("dtype", args.dtype)
     if "torch_threads" not in worker and args.model != "toy":  # the cores split between workers, not shared
         each = threads_per_worker(args.workers if args.mode == "aggregated" else
                                   args.prefill_workers + args.decode_workers)
@@ -146,6 +148,9 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion tokens per request, in the engines and the frontend's checks "
                         "(default: the engine's, 8192)")
+    u.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="compute dtype of the engines; auto: bfloat16 where the CPU has AVX512-BF16 or AMX, "
+                        "else float32 (moebus/engine/dtype_choice.py)")
     u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of prompt prefixes seen before (default: on)")
     u.add_argument("--worker", default="{}", help='extra WorkerConfig fields as JSON, e.g. \'{"kv_cpu_bytes": 1e9}\'')
