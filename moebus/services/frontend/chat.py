@@ -19,6 +19,7 @@ from .keys import FRONTEND, TENANT
 from .protocol import ChatCompletionRequest
 from .rendering import ChatPrompt, render_chat
 from .sse_pump import pump_sse
+from .tool_parser_deepseek import Reasoning
 from .tool_parsers import CallArgs, CallStart, Out, PlainText, Text, ToolStream
 from .tools import ToolPlan, finish_reason
 
@@ -43,7 +44,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     async with fe.generation(body.model, prompt, params, images, request.get(TENANT)) as gen:
         choices = fe.choices(0, params, prompt, body.model)
-        tools = {c.index: plan.stream() for c in choices}
+        tools = {c.index: plan.stream(template_kwargs=body.template_kwargs()) for c in choices}
         base = {"id": "chatcmpl-" + gen.request_id[4:], "created": int(time.time()), "model": body.model}
         stream = events([(gen, choices)])
         if not body.stream:
@@ -68,9 +69,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _message(ts: ToolStream, plan: ToolPlan) -> dict:
+    reasoning = {"reasoning_content": r} if (r := getattr(ts, "reasoning", None)) else {}  # DeepSeek-V4
     if not ts.calls:
-        return {"role": "assistant", "content": ts.content}
-    return {"role": "assistant", "content": ts.content or None,
+        return {"role": "assistant", "content": ts.content, **reasoning}
+    return {"role": "assistant", "content": ts.content or None, **reasoning,
             "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                            for c in ts.calls]}
 
@@ -127,6 +129,8 @@ def _deltas(outs: list[Out]) -> list[dict]:
                 deltas[-1]["content"] += o.text
             else:
                 deltas.append({"content": o.text})
+        elif isinstance(o, Reasoning):
+            deltas.append({"reasoning_content": o.text})
         elif isinstance(o, CallStart):
             deltas.append({"tool_calls": [{"index": o.index, "id": o.id, "type": "function",
                                            "function": {"name": o.name, "arguments": ""}}]})

@@ -17,6 +17,7 @@ from moebus.shared.messages import StructuredOptions
 
 from .fields import ParamError, _Req
 from .guided import check_schema
+from .tool_parser_deepseek import RECIPE_PARSERS, DeepSeekV4Parser, thinking_of
 from .tool_parsers import PARSERS, CallArray, HermesParser, NamedCall, PlainText, ToolStream, new_call_id
 
 MAX_TOOLS = 128
@@ -82,7 +83,7 @@ class ToolPlan:
             raise ParamError(param, f"tool_choice {mode!r} needs tools")
         if mode == "named" and name not in {t.name for t in tools}:
             raise ParamError(param, f"tool_choice names {name!r}, which is not among the tools")
-        if mode == "auto" and tools and parser not in PARSERS:
+        if mode == "auto" and tools and parser not in PARSERS and parser not in RECIPE_PARSERS:
             raise ParamError(param, f"no tool-call parser {parser!r} for this model")
         return cls(tuple(tools), mode, name, parallel is not False, parser)
 
@@ -102,13 +103,16 @@ class ToolPlan:
             return StructuredOptions(json_schema=calls)
         return None
 
-    def stream(self, new_id: Any = new_call_id) -> ToolStream:
-        """A fresh ToolStream for one choice."""
+    def stream(self, new_id: Any = new_call_id, template_kwargs: dict | None = None) -> ToolStream:
+        """A fresh ToolStream for one choice (template_kwargs: a DeepSeek-V4 prompt's thinking mode)."""
         most = None if self.parallel else 1
         if self.mode == "named":
             return NamedCall(new_id, most, name=self.name or "")
         if self.mode == "required":
             return CallArray(new_id, most)
+        if self.parser in RECIPE_PARSERS:  # every turn: the reasoning is parsed out even without tools
+            return DeepSeekV4Parser(new_id, most, version=self.parser, thinking=thinking_of(template_kwargs or {}),
+                                    parse_calls=self.mode == "auto" and bool(self.tools))
         if self.mode == "auto" and self.tools:
             return PARSERS.get(self.parser, HermesParser)(new_id, most)
         return PlainText(new_id, most)

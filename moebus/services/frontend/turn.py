@@ -58,7 +58,7 @@ async def open_turn(request: web.Request, model: str, prompt: ChatPrompt, params
     ids, images = await render_chat(fe, model, prompt, params.max_tokens, param)
     async with fe.generation(model, ids, params, images, request.get(TENANT)) as gen:
         (choice,) = fe.choices(0, params, ids, model)
-        turn = Turn(gen, choice, plan.stream(new_id), len(ids), events([(gen, [choice])]))
+        turn = Turn(gen, choice, plan.stream(new_id, prompt.template_kwargs), len(ids), events([(gen, [choice])]))
         yield turn
         fe.m_tokens.inc(choice.num_tokens)
 

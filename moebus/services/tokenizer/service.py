@@ -18,6 +18,7 @@ from moebus.shared.tracing import Attr, annotate
 from .config import TokenizerConfig
 from .detok import decode_step
 from .images import encode_with_images, flatten, new_marker
+from .recipe import Recipe, RecipeError, recipe_version, v4_tokenizer_json
 
 _INLINE_CHARS = 8192  # longer prompts are encoded off the event loop
 
@@ -40,6 +41,7 @@ class TokenizerService(Service):
         self.served_model = cfg.served_model_name or cfg.model
         self.tok = tokenizer
         self._skip: frozenset[int] = frozenset()
+        self.recipe: Recipe | None = None  # DeepSeek-V4: conversations render through deepseek-recipe
         self._renders = self.metrics.counter("renders_total", "Prompts rendered")
         self._prompt_tokens = self.metrics.counter("prompt_tokens_total", "Prompt tokens encoded")
 
@@ -53,6 +55,8 @@ class TokenizerService(Service):
     async def setup(self) -> None:
         if self.tok is None:
             self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.model, self.cfg.chat_template)
+        if self.cfg.chat_template is None and (version := recipe_version(self.cfg.model)) is not None:
+            self.recipe = await asyncio.to_thread(Recipe, version, v4_tokenizer_json(self.cfg.model))
         specials = (getattr(self.tok, "all_special_ids", None) or getattr(self.tok, "special_ids", None)
                     or self.tok.eos_token_ids)
         self._skip = frozenset(specials)
@@ -72,7 +76,9 @@ class TokenizerService(Service):
         if req.prompt_token_ids is not None:
             return self._check_ids(req.prompt_token_ids, req.max_prompt_tokens)
         marker, offsets = new_marker(), []
-        if req.messages is not None:
+        if req.messages is not None and self.recipe is not None:
+            text, ids = await self._render_recipe(req)
+        elif req.messages is not None:
             messages, n_images = flatten(req.messages, marker)
             if n_images != len(req.images) or (n_images and req.image_form is None):
                 raise ServiceError(ErrorCode.BAD_REQUEST, f"{n_images} image parts but {len(req.images)} "
@@ -80,7 +86,9 @@ class TokenizerService(Service):
             text = self._apply_template(req, messages)
         else:
             text = req.prompt or ""
-        if req.images:
+        if req.messages is not None and self.recipe is not None:
+            pass  # encoded by the recipe
+        elif req.images:
             ids, offsets = encode_with_images(self.tok, text, marker, req.images, req.image_form)
             text = text.replace(marker, "<image>")
         elif len(text) > _INLINE_CHARS:
@@ -96,6 +104,22 @@ class TokenizerService(Service):
                   "moebus.chat": req.messages is not None})
         return RenderReply(prompt_token_ids=ids, prompt_text=text, eos_token_ids=list(self.tok.eos_token_ids),
                            image_offsets=offsets)
+
+    async def _render_recipe(self, req: RenderRequest) -> tuple[str, list[int]]:
+        """(prompt text, ids) of a V4 conversation, rendered and encoded by deepseek-recipe."""
+        if req.images:
+            raise ServiceError(ErrorCode.BAD_REQUEST, "images are not supported for this model", param="messages")
+        if not req.add_generation_prompt and not req.continue_final_message:
+            raise ServiceError(ErrorCode.BAD_REQUEST, "DeepSeek-V4 prompts always open the assistant turn: "
+                               "add_generation_prompt false needs continue_final_message", param="messages")
+        messages, _ = flatten(req.messages or [], new_marker())
+        try:
+            conv = self.recipe.conversation(messages, req.tools, req.chat_template_kwargs, req.continue_final_message)
+        except RecipeError as e:
+            raise ServiceError(ErrorCode.BAD_REQUEST, f"chat template: {e}", param="messages") from None
+        text = self.recipe.render(conv)
+        ids = await asyncio.to_thread(self.recipe.encode, conv) if len(text) > _INLINE_CHARS else self.recipe.encode(conv)
+        return text, ids
 
     def _apply_template(self, req: RenderRequest, messages: list[dict]) -> str:
         """The chat template's text. continue_final_message: rendered without the generation prompt
