@@ -50,6 +50,11 @@ def recipe_conversation(messages: list[dict], tools: list[dict] | None = None, *
     return dr.ChatCompletionRequest(body).convert(dr.ConversionOptions()).conversation
 
 
+def v4_encoding(v4_dir):
+    """The recipe's V4 prompt encoding with the folder's tokenizer."""
+    return dr.DeepseekV4Encoding().with_tokenizer(dr.Tokenizer.from_file(str(v4_dir / "tokenizer.json")))
+
+
 def run_parser(text: str, step: int = 5, **kw: object) -> tuple[DeepSeekV4Parser, list]:
     ids = iter(f"call_{i}" for i in range(10))
     p = DeepSeekV4Parser(lambda: next(ids), None, **kw)
@@ -148,7 +153,7 @@ async def check_render_is_the_recipes(s: ToyStack, v4_dir, kwargs: dict) -> None
     conv = recipe_conversation(CHAT, TOOLS, **extra)
     enc = dr.DeepseekV4Encoding()
     assert reply.prompt_text == enc.render_conversation(conv).prompt
-    ids = enc.with_tokenizer(dr.Tokenizer.from_file(str(v4_dir / "tokenizer.json"))).encode(conv)
+    ids = v4_encoding(v4_dir).encode(conv)
     assert reply.prompt_token_ids == ids
     assert reply.prompt_text.endswith("<｜Assistant｜></think>" if kwargs.get("thinking") is False
                                       else "<｜Assistant｜><think>")
@@ -164,7 +169,7 @@ async def test_v4_stack_answers_the_sdks(v4_stack, v4_dir):
     for kwargs in ({}, {"thinking": False}, {"reasoning_effort": "max"}):
         await check_render_is_the_recipes(v4_stack, v4_dir, kwargs)
     model = str(v4_dir)
-    enc = dr.DeepseekV4Encoding().with_tokenizer(dr.Tokenizer.from_file(str(v4_dir / "tokenizer.json")))
+    enc = v4_encoding(v4_dir)
     client = v4_stack.client()
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     r = await client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, max_tokens=8, seed=1)
@@ -210,3 +215,26 @@ def test_v4_folder_without_tokenizer_uses_the_packaged_one(tmp_path):
     conv = recipe.conversation([{"role": "user", "content": "Hi"}], None, {"thinking": False})
     assert tok.decode(recipe.encode(conv), skip_special_tokens=False) == recipe.render(conv)
     assert recipe.render(conv) == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
+
+
+@pytest.mark.slow
+def test_moebus_up_serves_the_tiny_v4(v4_dir, tmp_path):
+    """`moebus up --model <dir>` as real processes (NATS with auth, tokenizer, worker, frontend): the
+    launcher picks the DeepSeek parser for the V4 folder, so a default (thinking) chat answer comes
+    back as reasoning_content, and one with thinking off as content."""
+    from openai import OpenAI
+
+    from moebus.services.launcher import Stack, StackConfig
+    from moebus.shared.nats_server import free_port
+
+    cfg = StackConfig(port=free_port(), host="127.0.0.1", model=str(v4_dir), served_model_name="dsv4",
+                      engine={"max_model_len": 2048}, log_dir=str(tmp_path / "logs"), heartbeat_interval_s=0.25)
+    with Stack(cfg) as s:
+        client = OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        msgs = [{"role": "user", "content": "Hi"}]
+        r = client.chat.completions.create(model="dsv4", messages=msgs, max_tokens=8, tools=TOOLS)
+        assert r.usage.prompt_tokens == len(v4_encoding(v4_dir).encode(recipe_conversation(msgs, TOOLS)))
+        assert not r.choices[0].message.content and r.choices[0].message.model_extra["reasoning_content"]
+        r = client.chat.completions.create(model="dsv4", messages=msgs, max_tokens=8,
+                                           extra_body={"chat_template_kwargs": {"thinking": False}})
+        assert r.choices[0].message.content and not r.choices[0].message.model_extra.get("reasoning_content")
