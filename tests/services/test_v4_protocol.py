@@ -32,7 +32,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
                    "required": ["city"]}}}]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris? <think>"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        {"role": "assistant", "content": "", "reasoning_content": "A tool knows.", "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
 
@@ -155,6 +155,7 @@ async def check_render_is_the_recipes(s: ToyStack, v4_dir, kwargs: dict) -> None
     assert reply.prompt_text == enc.render_conversation(conv).prompt
     ids = v4_encoding(v4_dir).encode(conv)
     assert reply.prompt_token_ids == ids
+    assert "<think>A tool knows.</think>" in reply.prompt_text or kwargs.get("thinking") is False
     assert reply.prompt_text.endswith("<｜Assistant｜></think>" if kwargs.get("thinking") is False
                                       else "<｜Assistant｜><think>")
     user_turn = ids[ids.index(128803):ids.index(128804)]  # <｜User｜> .. <｜Assistant｜>: the user wrote "<think>"
@@ -179,6 +180,11 @@ async def test_v4_stack_answers_the_sdks(v4_stack, v4_dir):
     # thinking on (the default): the prompt ends in <think>, so the (noise) text is reasoning
     message = r.choices[0].message
     assert not message.content and message.model_extra["reasoning_content"]
+    # a tool-call turn's reasoning given back is rendered (thinking mode passes it back)
+    r = await client.chat.completions.create(model=model, messages=CHAT, tools=TOOLS, max_tokens=2)
+    assert r.usage.prompt_tokens == len(enc.encode(recipe_conversation(CHAT, TOOLS)))
+    without = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in CHAT]
+    assert len(enc.encode(recipe_conversation(without, TOOLS))) < r.usage.prompt_tokens
     # thinking off, streamed
     stream = await client.chat.completions.create(model=model, messages=msgs, max_tokens=6, stream=True,
                                                   extra_body={"chat_template_kwargs": {"thinking": False}})

@@ -67,6 +67,7 @@ class ChatTurn(_Req):
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCallTurn] | None = None  # an assistant turn's calls
     tool_call_id: str | None = Field(None, max_length=256)  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning, given back (DeepSeek-V4 renders it)
 
     def to_message(self, image_urls: list[str]) -> ChatMessage:
         """The wire message; the URLs of its image parts are appended to image_urls, in order."""
@@ -74,6 +75,7 @@ class ChatTurn(_Req):
         if self.tool_calls:
             msg.tool_calls = [c.for_template() for c in self.tool_calls]
         msg.tool_call_id = self.tool_call_id
+        msg.reasoning_content = self.reasoning_content if self.role == "assistant" else None
         return msg
 
     def _message(self, image_urls: list[str]) -> ChatMessage:

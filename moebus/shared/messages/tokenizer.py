@@ -24,6 +24,7 @@ class ChatMessage(Message):
     # arguments as an object where they parse) and a tool turn's answer to one: for the template.
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning (templates that render it)
 
 
 class RenderRequest(Message):
