@@ -197,6 +197,14 @@ async def test_v4_stack_answers_the_sdks(v4_stack, v4_dir):
     assert resp.status in ("completed", "incomplete")
     sys_user = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert resp.usage.input_tokens == len(enc.encode(recipe_conversation(sys_user)))
+    assert resp.output[0].type == "reasoning" and resp.output[0].content[0].text  # thinking: the noise is reasoning
+    events = [e async for e in await client.responses.create(model=model, input="Hi", max_output_tokens=4,
+                                                               stream=True)]
+    kinds = [e.type for e in events]
+    assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
+    final = events[-1].response
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == deltas
     anth = AsyncAnthropic(base_url=v4_stack.base_url, api_key="none", max_retries=0)
     m = await anth.messages.create(model=model, max_tokens=5, system="Be brief.",
                                    messages=[{"role": "user", "content": "Hi"}])

@@ -19,6 +19,7 @@ from .guided import JsonSchemaFormat
 from .keys import FRONTEND
 from .protocol import ToolCallTurn
 from .rendering import ChatPrompt
+from .tool_parser_deepseek import Reasoning
 from .tool_parsers import Call, CallArgs, CallStart, Text
 from .tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
 from .turn import NamedSSE, Turn, open_turn
@@ -187,7 +188,13 @@ class _Response:
     def items(self) -> list[dict]:
         ts = self.turn.tools
         items = [self.message(ts.content, "completed")] if ts.content or not ts.calls else []
-        return [*items, *(self.call(c, "completed") for c in ts.calls)]
+        thought = [self.reasoning(r, "completed")] if (r := getattr(ts, "reasoning", "")) else []  # DeepSeek-V4
+        return [*thought, *items, *(self.call(c, "completed") for c in ts.calls)]
+
+    def reasoning(self, text: str | None, status: str) -> dict:
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": f"rs_{self.turn.request_id}", "status": status, "summary": [],
+                "content": content}
 
     def message(self, text: str | None, status: str, k: int = 0) -> dict:
         content = [] if text is None else [_text_part(text)]
@@ -238,7 +245,7 @@ class _Events:
     def __init__(self, view: _Response, sse: NamedSSE) -> None:
         self.view, self.sse = view, sse
         self.seq, self.index, self.messages = 0, -1, 0
-        self.open: str | None = None  # "message" or "call"
+        self.open: str | None = None  # "reasoning", "message" or "call"
         self.text = ""
         self.call: Call | None = None
 
@@ -246,9 +253,18 @@ class _Events:
         await self.sse.send({"type": kind, "sequence_number": self.seq, **fields})
         self.seq += 1
 
-    async def out(self, o: Text | CallStart | CallArgs) -> None:
+    async def out(self, o: Text | CallStart | CallArgs | Reasoning) -> None:
         v = self.view
-        if isinstance(o, Text):
+        if isinstance(o, Reasoning):  # one reasoning item, before the answer
+            if self.open != "reasoning":
+                await self.close_item()
+                self.index, self.open = self.index + 1, "reasoning"
+                await self.send("response.output_item.added", output_index=self.index,
+                                item=v.reasoning(None, "in_progress"))
+            self.text += o.text
+            await self.send("response.reasoning_text.delta", item_id=v.reasoning(None, "")["id"],
+                            output_index=self.index, content_index=0, delta=o.text)
+        elif isinstance(o, Text):
             if self.open != "message":
                 await self.close_item()
                 self.index, self.open, self.messages = self.index + 1, "message", self.messages + 1
@@ -278,6 +294,11 @@ class _Events:
                             part=_text_part(self.text))
             await self.send("response.output_item.done", output_index=i,
                             item=v.message(self.text, "completed", self.messages - 1))
+        elif self.open == "reasoning":
+            item = v.reasoning(self.text, "completed")
+            await self.send("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                            text=self.text)
+            await self.send("response.output_item.done", output_index=i, item=item)
         elif self.open == "call" and self.call is not None:
             item = v.call(self.call, "completed")
             await self.send("response.function_call_arguments.done", item_id=item["id"], output_index=i,
