@@ -208,7 +208,19 @@ async def test_v4_stack_answers_the_sdks(v4_stack, v4_dir):
     anth = AsyncAnthropic(base_url=v4_stack.base_url, api_key="none", max_retries=0)
     m = await anth.messages.create(model=model, max_tokens=5, system="Be brief.",
                                    messages=[{"role": "user", "content": "Hi"}])
-    assert m.usage.input_tokens == len(enc.encode(recipe_conversation(sys_user)))
+    no_think = {"thinking": {"type": "disabled"}}  # Anthropic's default: V4 renders with thinking off
+    assert m.usage.input_tokens == len(enc.encode(recipe_conversation(sys_user, **no_think)))
+    assert [b.type for b in m.content] == ["text"]
+    m = await anth.messages.create(model=model, max_tokens=5, messages=[{"role": "user", "content": "Hi"}],
+                                   thinking={"type": "enabled", "budget_tokens": 1024})
+    assert m.content[0].type == "thinking" and m.content[0].thinking
+    assert m.usage.input_tokens == len(enc.encode(recipe_conversation(sys_user[1:])))
+    events = [e async for e in await anth.messages.create(
+        model=model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}], stream=True,
+        thinking={"type": "enabled", "budget_tokens": 1024})]
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts[0] == "thinking" and any(e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+                                           for e in events)
     # the recipe's refusals are the client's 400s
     with pytest.raises(BadRequestError, match="bogus"):
         await client.chat.completions.create(model=model, messages=msgs, max_tokens=4, reasoning_effort="bogus")

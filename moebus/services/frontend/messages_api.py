@@ -20,6 +20,7 @@ from .errors import APIError, bad_request
 from .fields import ParamError, _Req, limits_of
 from .keys import FRONTEND
 from .rendering import ChatPrompt, render_chat
+from .tool_parser_deepseek import RECIPE_PARSERS, Reasoning
 from .tool_parsers import CallArgs, CallStart, Text
 from .tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
 from .turn import NamedSSE, Turn, open_turn
@@ -125,14 +126,10 @@ class MessagesRequest(_Conversation):
     top_k: int | None = Field(None, ge=1)
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # extended thinking: not supported (a 400 when enabled)
+    thinking: dict[str, Any] | None = None  # extended thinking: DeepSeek-V4 only (else a 400 when enabled)
 
-    @field_validator("thinking")
-    @classmethod
-    def _thinking(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and v.get("type") not in (None, "disabled"):
-            raise ValueError("extended thinking is not supported by this server")
-        return v
+    def thinks(self) -> bool:
+        return bool(self.thinking) and self.thinking.get("type") not in (None, "disabled")
 
     def sampling(self, plan: ToolPlan) -> SamplingOptions:
         return SamplingOptions(temperature=1.0 if self.temperature is None else self.temperature,
@@ -180,6 +177,10 @@ async def _messages(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, MessagesRequest, fe.cfg.limits)
     fe.check_model(body.model)
     plan, prompt = _prepare(body, fe.cfg.tool_call_parsers.get(body.model, "hermes"))
+    if plan.parser in RECIPE_PARSERS:  # off unless asked for, as Anthropic's models
+        prompt.template_kwargs = {"thinking": body.thinks()}
+    elif body.thinks():
+        raise bad_request("extended thinking is not supported by this model", param="thinking")
     params = body.sampling(plan)
     async with open_turn(request, body.model, prompt, params, plan, new_id=_tool_id) as turn:
         if not body.stream:
@@ -209,7 +210,8 @@ def _input(arguments: str) -> dict:
 def _blocks(turn: Turn) -> list[dict]:
     ts = turn.tools
     text = [{"type": "text", "text": ts.content}] if ts.content or not ts.calls else []
-    return [*text, *({"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
+    thought = [{"type": "thinking", "thinking": r, "signature": ""}] if (r := getattr(ts, "reasoning", "")) else []
+    return [*thought, *text, *({"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
                      for c in ts.calls)]
 
 
@@ -247,7 +249,15 @@ async def _stream(request: web.Request, body: MessagesRequest, turn: Turn) -> we
         outs = first
         while outs is not None:
             for o in outs:
-                if isinstance(o, Text):
+                if isinstance(o, Reasoning):  # DeepSeek-V4 with thinking enabled
+                    if kind != "thinking":
+                        await stop_block()
+                        index, kind = index + 1, "thinking"
+                        await sse.send({"type": "content_block_start", "index": index,
+                                        "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+                    await sse.send({"type": "content_block_delta", "index": index,
+                                    "delta": {"type": "thinking_delta", "thinking": o.text}})
+                elif isinstance(o, Text):
                     if kind != "text":
                         await stop_block()
                         index, kind = index + 1, "text"

@@ -25,7 +25,7 @@ class Reasoning:
 
 
 def thinking_of(kwargs: dict) -> bool:
-    t = kwargs.get("thinking", True)
+    t = kwargs.get("thinking", kwargs.get("enable_thinking", True))
     return t.get("type") != "disabled" if isinstance(t, dict) else bool(t)
 
 

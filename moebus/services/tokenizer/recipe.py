@@ -35,9 +35,9 @@ def recipe_version(model: str | Path) -> str | None:
 
 
 def thinking_of(kwargs: dict) -> bool:
-    """chat_template_kwargs `thinking` (a bool, or Anthropic/DeepSeek's {"type": "enabled"}); on by
-    default, as in the recipe."""
-    t = kwargs.get("thinking", True)
+    """chat_template_kwargs `thinking` (a bool, or Anthropic/DeepSeek's {"type": "enabled"}) or Qwen's
+    `enable_thinking`; on by default, as in the recipe."""
+    t = kwargs.get("thinking", kwargs.get("enable_thinking", True))
     return t.get("type") != "disabled" if isinstance(t, dict) else bool(t)
 
 
