@@ -80,11 +80,12 @@ async def test_response_format_json(stack: ToyStack) -> None:
 
 async def test_completions(stack: ToyStack) -> None:
     client = stack.client()
-    r = await client.completions.create(model="toy", prompt=["a", "b"], n=2, max_tokens=4, logprobs=1, echo=True)
+    r = await client.completions.create(model="toy", prompt=["a", "b"], n=2, max_tokens=4, echo=True)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert [c.text for c in r.choices] == ["aHell", "aHell", "bHell", "bHell"]
-    assert r.choices[0].logprobs.tokens == ["H", "e", "l", "l"] and r.choices[0].logprobs.text_offset[0] == 1
     assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 16
+    r = await client.completions.create(model="toy", prompt="a", max_tokens=4, logprobs=1)
+    assert r.choices[0].logprobs.tokens == ["H", "e", "l", "l"] and r.choices[0].logprobs.text_offset[0] == 0
     r = await client.completions.create(model="toy", prompt=[100, 101], max_tokens=2)  # token ids
     assert r.choices[0].text == "He"
     stream = await client.completions.create(model="toy", prompt="x", max_tokens=5, stream=True,
