@@ -215,6 +215,11 @@ async def test_v4_stack_answers_the_sdks(v4_stack, v4_dir):
                                    thinking={"type": "enabled", "budget_tokens": 1024})
     assert m.content[0].type == "thinking" and m.content[0].thinking
     assert m.usage.input_tokens == len(enc.encode(recipe_conversation(sys_user[1:])))
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, None):  # count_tokens renders as messages does
+        count = await anth.messages.count_tokens(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                 **({"thinking": thinking} if thinking else {}))
+        extra = {} if thinking else no_think
+        assert count.input_tokens == len(enc.encode(recipe_conversation(sys_user[1:], **extra)))
     events = [e async for e in await anth.messages.create(
         model=model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}], stream=True,
         thinking={"type": "enabled", "budget_tokens": 1024})]

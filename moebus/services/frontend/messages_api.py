@@ -92,6 +92,10 @@ class _Conversation(_Req):
     system: str | list[Block] | None = None
     tools: list[ATool] | None = None
     tool_choice: AToolChoice | None = None
+    thinking: dict[str, Any] | None = None  # extended thinking: DeepSeek-V4 only (else a 400 when enabled)
+
+    def thinks(self) -> bool:
+        return bool(self.thinking) and self.thinking.get("type") not in (None, "disabled")
 
     @field_validator("messages")
     @classmethod
@@ -126,10 +130,6 @@ class MessagesRequest(_Conversation):
     top_k: int | None = Field(None, ge=1)
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # extended thinking: DeepSeek-V4 only (else a 400 when enabled)
-
-    def thinks(self) -> bool:
-        return bool(self.thinking) and self.thinking.get("type") not in (None, "disabled")
 
     def sampling(self, plan: ToolPlan) -> SamplingOptions:
         return SamplingOptions(temperature=1.0 if self.temperature is None else self.temperature,
@@ -167,9 +167,14 @@ def anthropic_error(e: APIError | ServiceError) -> web.Response:
 def _prepare(body: _Conversation, parser: str) -> tuple[ToolPlan, ChatPrompt]:
     try:
         plan = body.plan(parser)
-        return plan, body.prompt(plan)
+        prompt = body.prompt(plan)
     except ParamError as e:
         raise bad_request(str(e), param=e.param) from None
+    if plan.parser in RECIPE_PARSERS:  # off unless asked for, as Anthropic's models
+        prompt.template_kwargs = {"thinking": body.thinks()}
+    elif body.thinks():
+        raise bad_request("extended thinking is not supported by this model", param="thinking")
+    return plan, prompt
 
 
 async def _messages(request: web.Request) -> web.StreamResponse:
@@ -177,10 +182,6 @@ async def _messages(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, MessagesRequest, fe.cfg.limits)
     fe.check_model(body.model)
     plan, prompt = _prepare(body, fe.cfg.tool_call_parsers.get(body.model, "hermes"))
-    if plan.parser in RECIPE_PARSERS:  # off unless asked for, as Anthropic's models
-        prompt.template_kwargs = {"thinking": body.thinks()}
-    elif body.thinks():
-        raise bad_request("extended thinking is not supported by this model", param="thinking")
     params = body.sampling(plan)
     async with open_turn(request, body.model, prompt, params, plan, new_id=_tool_id) as turn:
         if not body.stream:
