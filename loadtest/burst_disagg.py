@@ -1,8 +1,9 @@
 """Issue #23 item 2: the disaggregated KV burst. 2 prefill + 2 decode workers on the real
 SmolLM2 model (as `moebus up --mode disaggregated` runs it), 20 concurrent ~450-token prompts
 the prefill workers have already cached, so their KV hand-offs land on the decode workers at
-once; repeated --rounds times. Counts nats-server's slow-consumer disconnects (its log) and
-stalled streams (a failure, or a silence between chunks longer than --stall-s).
+once; repeated --rounds times. Counts nats-server's slow-consumer disconnects (its log), failed
+streams (an error, or fewer tokens than asked) and stalled ones (a silence after the first token
+longer than --stall-s); the time to the first token (queueing for prefill) is reported apart.
 
     flock /tmp/moebus-bench.lock .venv/bin/python loadtest/burst_disagg.py --rounds 10
 """
@@ -33,15 +34,18 @@ def prompt(i: int, words: int) -> str:
 
 
 async def one(c: openai.AsyncOpenAI, text: str, max_tokens: int) -> dict[str, float]:
-    t0 = last = time.perf_counter()
-    gap = 0.0
+    t0 = time.perf_counter()
+    last: float | None = None  # the first chunk's arrival on
+    gap = ttft = 0.0
     out = {"ok": 0.0, "prompt_tokens": 0.0, "cached": 0.0}
     try:
         s = await c.completions.create(model="smollm2", prompt=text, max_tokens=max_tokens, temperature=0, stream=True,
                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         async for ch in s:
             now = time.perf_counter()
-            gap, last = max(gap, now - last), now
+            if last is None:
+                ttft = now - t0
+            gap, last = max(gap, now - (last or now)), now
             if ch.usage is not None:
                 out["prompt_tokens"] = ch.usage.prompt_tokens
                 d = ch.usage.prompt_tokens_details
@@ -49,7 +53,7 @@ async def one(c: openai.AsyncOpenAI, text: str, max_tokens: int) -> dict[str, fl
                 out["ok"] = float(ch.usage.completion_tokens == max_tokens)
     except openai.APIError as e:
         print(f"  failed: {e}", flush=True)
-    out["gap"], out["wall"] = gap, time.perf_counter() - t0
+    out["gap"], out["ttft"], out["wall"] = gap, ttft, time.perf_counter() - t0
     return out
 
 
@@ -84,15 +88,17 @@ def main() -> None:
         asyncio.run(burst(stack.url, texts, args.max_tokens))  # first sightings (uncounted): now cached
         for r in range(args.rounds):
             res = asyncio.run(burst(stack.url, texts, args.max_tokens))
-            stalls = sum(1 for x in res if not x["ok"] or x["gap"] > args.stall_s)
-            rows.append({"round": r, "stalls": stalls, "slow_consumers": slow_consumers(log_dir),
-                         "max_gap_s": max(x["gap"] for x in res), "p50_s": statistics.median(x["wall"] for x in res),
+            rows.append({"round": r, "failed": sum(1 for x in res if not x["ok"]),
+                         "stalls": sum(1 for x in res if x["gap"] > args.stall_s),
+                         "slow_consumers": slow_consumers(log_dir), "max_gap_s": max(x["gap"] for x in res),
+                         "max_ttft_s": max(x["ttft"] for x in res), "p50_s": statistics.median(x["wall"] for x in res),
                          "max_s": max(x["wall"] for x in res),
                          "prompt_tokens": statistics.mean(x["prompt_tokens"] for x in res),
                          "cached_pct": 100 * sum(x["cached"] for x in res) / max(1, sum(x["prompt_tokens"] for x in res))})
             print(rows[-1], flush=True)
     total_stalls = sum(r["stalls"] for r in rows)
-    print(f"\nlogs: {log_dir}\nrounds {len(rows)}, streams {len(rows) * len(texts)}, stalls {total_stalls}, "
+    print(f"\nlogs: {log_dir}\nrounds {len(rows)}, streams {len(rows) * len(texts)}, "
+          f"failed {sum(r['failed'] for r in rows)}, stalls {total_stalls}, "
           f"slow-consumer disconnects {slow_consumers(log_dir)}, worst stream {max(r['max_s'] for r in rows):.1f}s, "
           f"median p50 {statistics.median(r['p50_s'] for r in rows):.1f}s")
 
