@@ -56,29 +56,30 @@ def build_plan(meta: AttentionMetadata, positions: torch.Tensor, rate: int, over
     bs, dev = meta.block_size, positions.device
     rpb = max(1, bs // rate)
     tables = meta.block_tables.long()
-    span = 2 * rate if overlap else rate
-    offs = torch.arange(span, device=dev) - (rate if overlap else 0)
-    src, first, pos, dst, entries, starts, lens = [], [], [], [], [], [], []
-    n_entries = 0
     qsl = meta.query_start_loc
-    for b, seq_len in enumerate(meta.seq_lens):
-        n_new = qsl[b + 1] - qsl[b]
-        table = tables[b]
-        w = torch.arange((seq_len - n_new) // rate, seq_len // rate, device=dev)
-        tok = (w[:, None] * rate + offs).clamp(min=0)
-        src.append(table[tok // bs] * bs + tok % bs)
-        first.append(w == 0)
-        pos.append(w * rate)
-        close = (torch.arange(seq_len // rate, device=dev) + 1) * rate - 1
-        rows = table[close // bs] * rpb + (close % bs) // rate
-        entries.append(rows)
-        dst.append(rows[w])
-        starts.append(n_entries)
-        lens.append(n_new)
-        n_entries += rows.numel()
-    row_start = torch.repeat_interleave(torch.tensor(starts, device=dev), torch.tensor(lens, device=dev))
-    return CompressPlan(rate, torch.cat(src), torch.cat(first), torch.cat(pos), torch.cat(dst),
-                        torch.cat(entries), row_start, (positions + 1) // rate)
+    seq_lens = torch.tensor(meta.seq_lens, device=dev)
+    n_new = torch.tensor([qsl[b + 1] - qsl[b] for b in range(meta.num_seqs)], device=dev)
+    seqs = torch.arange(meta.num_seqs, device=dev)
+
+    def expand(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(owner sequence, index within its sequence, first flat index of each sequence) of a ragged range."""
+        first = torch.cumsum(counts, 0) - counts
+        owner = torch.repeat_interleave(seqs, counts)
+        return owner, torch.arange(owner.numel(), device=dev) - first[owner], first
+
+    # every complete entry of every sequence, by sequence: entry e lives in its closing token's block
+    e_seq, e, e_first = expand(seq_lens // rate)
+    close = (e + 1) * rate - 1
+    entry_rows = tables[e_seq, close // bs] * rpb + (close % bs) // rate
+    # windows closed by this step's tokens: w in [(seq_len - n_new) // r, seq_len // r)
+    w_lo = (seq_lens - n_new) // rate
+    w_seq, w_i, _ = expand(seq_lens // rate - w_lo)
+    w = w_lo[w_seq] + w_i
+    span = 2 * rate if overlap else rate
+    tok = (w[:, None] * rate + torch.arange(span, device=dev) - (rate if overlap else 0)).clamp(min=0)
+    src_slots = tables[w_seq[:, None], tok // bs] * bs + tok % bs
+    return CompressPlan(rate, src_slots, w == 0, w * rate, entry_rows[e_first[w_seq] + w], entry_rows,
+                        torch.repeat_interleave(e_first, n_new), (positions + 1) // rate)
 
 
 class Compressor(nn.Module):
