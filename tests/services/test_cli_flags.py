@@ -59,14 +59,18 @@ def _up_kwargs(monkeypatch, argv: list[str]) -> dict[str, Any]:
     return seen
 
 
+def _engine(kw: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kw["engine"].items() if k != "dtype"}  # --dtype (default auto) always goes in
+
+
 def test_first_class_engine_flags(monkeypatch) -> None:
     kw = _up_kwargs(monkeypatch, ["--max-model-len", "2048", "--no-enable-prefix-caching",
                                   "--engine", '{"max_num_seqs": 8}', "--log-format", "json"])
-    assert kw["engine"] == {"max_num_seqs": 8, "max_model_len": 2048, "enable_prefix_caching": False}
+    assert _engine(kw) == {"max_num_seqs": 8, "max_model_len": 2048, "enable_prefix_caching": False}
     assert os.environ[LOG_FORMAT_ENV] == "json"
     kw = _up_kwargs(monkeypatch, ["--enable-prefix-caching"])
-    assert kw["engine"] == {"enable_prefix_caching": True}
-    assert _up_kwargs(monkeypatch, [])["engine"] == {}  # the engine's own defaults
+    assert _engine(kw) == {"enable_prefix_caching": True}
+    assert _engine(_up_kwargs(monkeypatch, [])) == {}  # the engine's own defaults
 
 
 def test_workers_split_the_cores(monkeypatch) -> None:
