@@ -129,5 +129,8 @@ async def test_a_worker_restarted_under_its_own_id_loses_nothing(patient_stack: 
     started = asyncio.get_running_loop().time()
     done = await asyncio.wait_for(asyncio.gather(*(r.rest() for r in readers)), 30)
     assert [r.text for r in done] == [{0: TOY_REPLY}] * 8
-    assert asyncio.get_running_loop().time() - started < 12  # the restart, not the 20 s expiry
+    # The restart, not the 20 s expiry: nothing moves before 20 s on that path. The bound leaves room
+    # for the new process's start and warm-up and for the dead worker's 4 requests resumed one at a
+    # time (the poison guard), ~2.5 s each on a loaded 2-core box.
+    assert asyncio.get_running_loop().time() - started < 19
     assert await migrations(stack, "resumed") >= 1
