@@ -185,6 +185,12 @@ async def test_v4_stack_answers_the_sdks(v4_stack, v4_dir):
     assert r.usage.prompt_tokens == len(enc.encode(recipe_conversation(CHAT, TOOLS)))
     without = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in CHAT]
     assert len(enc.encode(recipe_conversation(without, TOOLS))) < r.usage.prompt_tokens
+    # continue_final_message: the recipe's prefix completion; what follows is answer text, not reasoning
+    prefix = [*msgs, {"role": "assistant", "content": "It is"}]
+    r = await client.chat.completions.create(model=model, messages=prefix, max_tokens=4, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})
+    assert r.usage.prompt_tokens == len(enc.encode(recipe_conversation([*msgs, {**prefix[-1], "prefix": True}])))
+    assert r.choices[0].message.content and not r.choices[0].message.model_extra.get("reasoning_content")
     # thinking off, streamed
     stream = await client.chat.completions.create(model=model, messages=msgs, max_tokens=6, stream=True,
                                                   extra_body={"chat_template_kwargs": {"thinking": False}})

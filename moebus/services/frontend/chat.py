@@ -44,7 +44,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     async with fe.generation(body.model, prompt, params, images, request.get(TENANT)) as gen:
         choices = fe.choices(0, params, prompt, body.model)
-        tools = {c.index: plan.stream(template_kwargs=body.template_kwargs()) for c in choices}
+        # a continued assistant message goes on with its answer, not a new reasoning (DeepSeek-V4)
+        parse_kw = {**body.template_kwargs(), "thinking": False} if body.continue_final_message else body.template_kwargs()
+        tools = {c.index: plan.stream(template_kwargs=parse_kw) for c in choices}
         base = {"id": "chatcmpl-" + gen.request_id[4:], "created": int(time.time()), "model": body.model}
         stream = events([(gen, choices)])
         if not body.stream:
