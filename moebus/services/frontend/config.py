@@ -105,7 +105,8 @@ class FrontendConfig(ServiceConfig):
     # it is failed instead of sent to the next: a poison request cannot walk the fleet.
     max_worker_failures: int = Field(2, ge=1)
     # model -> the parser that reads its function calls out of free text (tool_choice auto;
-    # tool_parsers.PARSERS); a model not listed: hermes (<tool_call>{json}</tool_call>).
+    # tool_parsers.PARSERS, or deepseek_v4 / deepseek_v4.1: reasoning and DSML calls, by deepseek-recipe;
+    # `moebus up` sets it for a DeepSeek-V4 folder); a model not listed: hermes (<tool_call>{json}</tool_call>).
     tool_call_parsers: dict[str, str] = {}
 
     @field_validator("api_keys", mode="after")
