@@ -254,11 +254,23 @@ def test_v4_folder_without_tokenizer_uses_the_packaged_one(tmp_path):
     assert recipe.render(conv) == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>"
 
 
+@pytest.fixture(scope="module")
+def v4_mixed_dir(tmp_path_factory: pytest.TempPathFactory):
+    """All three attention kinds (compressed windows of 4 and 32: a 300-token prompt crosses both)."""
+    kinds = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+             "compressed_sparse_attention"]
+    return write_tiny_deepseek_v4(tmp_path_factory.mktemp("dsv4mixed"), seed=1, real_tokenizer=True,
+                                  layer_types=kinds, index_n_heads=8, index_topk=4,
+                                  compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32})
+
+
 @pytest.mark.slow
-def test_moebus_up_serves_the_tiny_v4(v4_dir, tmp_path):
-    """`moebus up --model <dir>` as real processes (NATS with auth, tokenizer, worker, frontend): the
-    launcher picks the DeepSeek parser for the V4 folder, so a default (thinking) chat answer comes
-    back as reasoning_content, and one with thinking off as content."""
+def test_moebus_up_serves_the_tiny_v4(v4_mixed_dir, tmp_path):
+    """`moebus up --model <dir>` as real processes (NATS with auth, tokenizer, worker, frontend) on a
+    V4 mixing sliding, compressed-sparse and heavily-compressed attention: the launcher picks the
+    DeepSeek parser for the V4 folder, so a default (thinking) chat answer comes back as
+    reasoning_content, and one with thinking off as content."""
+    v4_dir = v4_mixed_dir
     from openai import OpenAI
 
     from moebus.services.launcher import Stack, StackConfig
