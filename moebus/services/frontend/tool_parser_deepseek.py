@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .tool_parsers import Out, _Emitter
+from .tool_parsers import Emitter, Out
 
 # parser name (FrontendConfig.tool_call_parsers) -> the recipe's model version
 RECIPE_PARSERS = {"deepseek_v4": "DeepseekV4Pro", "deepseek_v4.1": "DeepseekV41Flash"}
@@ -42,7 +42,7 @@ def parser_for(model: str) -> str | None:
 
 
 @dataclass
-class DeepSeekV4Parser(_Emitter):
+class DeepSeekV4Parser(Emitter):
     """The recipe's own ids for calls are replaced by ours (new_id); parse_calls false (no tools,
     or tool_choice none): DSML blocks stay text."""
 

@@ -66,7 +66,7 @@ class ToolStream(Protocol):
 
 
 @dataclass
-class _Emitter:
+class Emitter:
     """What every stream keeps: content, calls, and the outs of the current step."""
 
     new_id: Callable[[], str] = new_call_id
@@ -102,7 +102,7 @@ class _Emitter:
         return outs
 
 
-class PlainText(_Emitter):
+class PlainText(Emitter):
     def feed(self, text: str) -> list[Out]:
         self.text(text)
         return self.take()
@@ -112,7 +112,7 @@ class PlainText(_Emitter):
 
 
 @dataclass
-class NamedCall(_Emitter):
+class NamedCall(Emitter):
     """tool_choice names the function: all the (constrained) output is its arguments."""
 
     name: str = ""
@@ -137,7 +137,7 @@ class _CallObject:
     """Scans one `{"name": ..., "arguments": ...}` object a character at a time: the name starts the
     call, the arguments' text streams as it comes (an arguments string is decoded at its end)."""
 
-    def __init__(self, out: _Emitter) -> None:
+    def __init__(self, out: Emitter) -> None:
         self.out = out
         self.state = "open"  # open, key, colon, value, after, done, bad
         self.key, self.token, self.depth = "", "", 0
@@ -253,7 +253,7 @@ class _CallObject:
 
 
 @dataclass
-class CallArray(_Emitter):
+class CallArray(Emitter):
     """tool_choice required: the constrained output is a JSON array of call objects."""
 
     _obj: _CallObject | None = None
@@ -283,7 +283,7 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass
-class HermesParser(_Emitter):
+class HermesParser(Emitter):
     """Hermes / Qwen / SmolLM style: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
     number of them, with text around them. Text that may be the start of a tag is held back."""
 
