@@ -16,6 +16,7 @@ from moebus.shared.messages import SamplingOptions
 from .choice import ChoiceState
 from .errors import APIError
 from .events import Delta, Event, events
+from .formats import SSE
 from .generation import Generation
 from .keys import FRONTEND, TENANT
 from .rendering import ChatPrompt, render_chat
@@ -63,17 +64,9 @@ async def open_turn(request: web.Request, model: str, prompt: ChatPrompt, params
         fe.m_tokens.inc(choice.num_tokens)
 
 
-class NamedSSE:
+class NamedSSE(SSE):
     """Server-sent events with names (`event: <type>` + `data: <json>`), as the Responses and
     Anthropic streams send them; no `[DONE]` line."""
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                "X-Accel-Buffering": "no"})
-
-    async def open(self) -> None:
-        await self.resp.prepare(self.request)
 
     async def send(self, payload: dict) -> None:
         await self.resp.write(b"event: " + payload["type"].encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n")
