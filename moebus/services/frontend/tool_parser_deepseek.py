@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from moebus.shared.deepseek_v4 import recipe_version
 
 from .tool_parsers import Emitter, Out
 
@@ -30,15 +31,9 @@ def thinking_of(kwargs: dict) -> bool:
 
 
 def parser_for(model: str) -> str | None:
-    """The parser of a DeepSeek-V4 checkpoint folder (V4.1 when its folder or name says so), else None."""
-    try:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if cfg.get("model_type") != "deepseek_v4":
-        return None
-    names = f"{Path(model).resolve().name} {cfg.get('_name_or_path', '')}".lower()
-    return "deepseek_v4.1" if "v4.1" in names else "deepseek_v4"
+    """The parser of a DeepSeek-V4 checkpoint folder that renders through the recipe, else None."""
+    version = recipe_version(model)
+    return None if version is None else f"deepseek_{version}"
 
 
 @dataclass

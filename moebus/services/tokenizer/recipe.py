@@ -3,8 +3,7 @@ recipe's Chat Completions conversion (thinking on/off, reasoning effort, tools, 
 continuation) and its prompt encoding, whose plain text never encodes as a special token (a user
 writing `<think>` gets text, not the token). The chat-template path of the other models is unused.
 
-A checkpoint is a V4 when its config.json says `model_type: deepseek_v4`; V4.1 (a different prompt
-format) when its folder or `_name_or_path` names V4.1.
+Which checkpoints are V4 (and V4.1): moebus.shared.deepseek_v4.recipe_version.
 """
 from __future__ import annotations
 
@@ -15,23 +14,9 @@ from typing import Any
 
 import deepseek_recipe as dr
 
-V4_MODEL_TYPE = "deepseek_v4"
 # The recipe resolves the prompt format from the request's model name; these are its own names.
 _RECIPE_NAMES = {"v4": "DeepSeek-V4-Pro", "v4.1": "DeepSeek-V4.1-Flash"}
 _ENCODINGS = {"v4": dr.DeepseekV4Encoding, "v4.1": dr.DeepseekV41Encoding}
-
-
-def recipe_version(model: str | Path) -> str | None:
-    """"v4" / "v4.1" for a DeepSeek-V4 checkpoint folder, else None."""
-    cfg_path = Path(model) / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError):
-        return None
-    if cfg.get("model_type") != V4_MODEL_TYPE:
-        return None
-    names = f"{Path(model).resolve().name} {cfg.get('_name_or_path', '')}".lower()
-    return "v4.1" if "v4.1" in names else "v4"
 
 
 def thinking_of(kwargs: dict) -> bool:

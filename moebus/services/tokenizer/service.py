@@ -8,6 +8,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from moebus.devmodel.toy import TOY_MODEL, ToyTokenizer
+from moebus.shared.deepseek_v4 import recipe_version
 from moebus.shared.errors import ErrorCode, ServiceError, context_length_exceeded
 from moebus.shared.messages import DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
 from moebus.shared.service import Service
@@ -18,7 +19,7 @@ from moebus.shared.tracing import Attr, annotate
 from .config import TokenizerConfig
 from .detok import decode_step
 from .images import encode_with_images, flatten, new_marker
-from .recipe import Recipe, RecipeError, recipe_version, v4_tokenizer_json
+from .recipe import Recipe, RecipeError, v4_tokenizer_json
 
 _INLINE_CHARS = 8192  # longer prompts are encoded off the event loop
 
