@@ -56,7 +56,8 @@ def converted_dir(gguf_path: str | Path, progress: Callable[[int, int], None] | 
     return out
 
 
-BLOCKS_FILE = "gguf_blocks.safetensors"
+# In a subfolder: checkpoint readers take every *.safetensors of the converted directory as weights.
+BLOCKS_FILE = Path("gguf_blocks") / "blocks.safetensors"
 
 
 def quantized_blocks(gguf_path: str | Path) -> dict[str, tuple[str, torch.Tensor]]:
@@ -67,7 +68,8 @@ def quantized_blocks(gguf_path: str | Path) -> dict[str, tuple[str, torch.Tensor
     path = out_dir / BLOCKS_FILE
     if not path.exists():
         blocks = GGUFCheckpoint.open(gguf_path).quantized_blocks()
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".safetensors")
+        path.parent.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
         os.close(fd)
         save_file({k: v for k, (_, v) in blocks.items()}, tmp, metadata={k: t for k, (t, _) in blocks.items()})
         os.replace(tmp, path)  # atomic: a concurrent loader sees no file or a whole one
