@@ -65,7 +65,7 @@ async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> N
 @asynccontextmanager
 async def toy_stack(nats_url: str, *, workers: int = 1, engine: dict | None = None, worker: dict | None = None,
                     frontend: dict | None = None, tracer_provider: TracerProvider | None = None,
-                    tokenizer: dict | None = None,
+                    tokenizer: dict | None = None, balancer: dict | None = None,
                     engine_factory: Any = None) -> AsyncIterator[ToyStack]:
     """tokenizer + balancer + N workers + frontend on the toy model, isolated by a subject prefix."""
     prefix = f"t{uuid.uuid4().hex[:8]}.moebus.v1"
@@ -73,7 +73,7 @@ async def toy_stack(nats_url: str, *, workers: int = 1, engine: dict | None = No
     kw = {"tracer_provider": tracer_provider}
     async with AsyncExitStack() as stack:
         tok = await stack.enter_async_context(TokenizerService(TokenizerConfig(model="toy", **(tokenizer or {}), **common), **kw))
-        bal = await stack.enter_async_context(BalancerService(BalancerConfig(**common), **kw))
+        bal = await stack.enter_async_context(BalancerService(BalancerConfig(**(balancer or {}), **common), **kw))
         ws = []
         for i in range(workers):
             cfg = WorkerConfig(model="toy", instance_id=f"worker-{i}", engine={"step_delay_s": 0.002, **(engine or {})},

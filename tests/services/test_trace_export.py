@@ -21,6 +21,9 @@ from moebus.shared.tracing import Tracing, make_tracer_provider
 from .conftest import toy_stack, wait_for
 
 MESSAGES = [{"role": "user", "content": "tell me a story"}]
+# One event loop runs the whole stack here; on a loaded 2-core box it can stall past three 0.1 s
+# beats, and the balancer would call its only worker lost ("no live worker serves 'toy'").
+PATIENT = {"missed_heartbeats": 10}
 
 
 async def _stream(stack, **kw) -> tuple[str, dict[str, str]]:
@@ -35,9 +38,9 @@ async def _stream(stack, **kw) -> tuple[str, dict[str, str]]:
 async def test_streamed_chat_is_one_trace_over_every_service(nats_server, tmp_path) -> None:
     memory, path = InMemorySpanExporter(), str(tmp_path / "spans.jsonl")
     provider = make_tracer_provider("stack", [SimpleSpanProcessor(memory), SimpleSpanProcessor(JsonlSpanExporter(path))])
-    async with toy_stack(nats_server.url, tracer_provider=provider) as stack:
+    async with toy_stack(nats_server.url, tracer_provider=provider, balancer=PATIENT) as stack:
         traced, headers = await _stream(stack, extra_headers={"X-Request-Id": "req-trace-1"})
-    async with toy_stack(nats_server.url) as stack:  # tracing off (the services' own providers: nothing exported)
+    async with toy_stack(nats_server.url, balancer=PATIENT) as stack:  # tracing off (the services' own providers: nothing exported)
         plain, plain_headers = await _stream(stack)
     assert traced == plain and traced  # tracing does not change the output
     assert len(plain_headers["x-trace-id"]) == 32  # trace ids exist with tracing off too
