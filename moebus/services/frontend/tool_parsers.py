@@ -185,13 +185,17 @@ class _CallObject:
             self.token, self.in_str = '"', True
             return True
         self.token += ch
+        self._string_char(ch)
+        return True
+
+    def _string_char(self, ch: str) -> None:
+        """One character inside a JSON string: an escape, or the closing quote."""
         if self.esc:
             self.esc = False
         elif ch == "\\":
             self.esc = True
         elif ch == '"':
             self.in_str = False
-        return True
 
     def _value(self, ch: str) -> None:
         if not self.token and ch.isspace():
@@ -205,12 +209,7 @@ class _CallObject:
                 self._ended(value)
             return
         if self.in_str:
-            if self.esc:
-                self.esc = False
-            elif ch == "\\":
-                self.esc = True
-            elif ch == '"':
-                self.in_str = False
+            self._string_char(ch)
         elif ch == '"':
             self.in_str = True
         elif ch in "{[":
