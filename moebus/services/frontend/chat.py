@@ -29,7 +29,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest, fe.cfg.limits)
     fe.check_model(body.model)
     try:
-        plan = body.tool_plan(fe.cfg.tool_call_parsers.get(body.model, "hermes"))
+        plan = body.tool_plan(fe.cfg.tool_parser(body.model))
     except ParamError as e:
         raise bad_request(str(e), param=e.param) from None
     urls: list[str] = []

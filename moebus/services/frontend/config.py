@@ -109,6 +109,10 @@ class FrontendConfig(ServiceConfig):
     # `moebus up` sets it for a DeepSeek-V4 folder); a model not listed: hermes (<tool_call>{json}</tool_call>).
     tool_call_parsers: dict[str, str] = {}
 
+    def tool_parser(self, model: str) -> str:
+        """The parser of `model`'s function calls (tool_call_parsers, else hermes)."""
+        return self.tool_call_parsers.get(model, "hermes")
+
     @field_validator("api_keys", mode="after")
     @classmethod
     def _env_keys(cls, keys: list[str]) -> list[str]:

@@ -149,7 +149,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         fe = request.app[FRONTEND]
         body = await parse_body(request, _Conversation, fe.cfg.limits)
         fe.check_model(body.model)
-        plan, prompt = _prepare(body, fe.cfg.tool_call_parsers.get(body.model, "hermes"))
+        plan, prompt = _prepare(body, fe.cfg.tool_parser(body.model))
         ids, _ = await render_chat(fe, body.model, prompt, None)
         return web.json_response({"input_tokens": len(ids)})
     except (APIError, ServiceError) as e:
@@ -181,7 +181,7 @@ async def _messages(request: web.Request) -> web.StreamResponse:
     fe = request.app[FRONTEND]
     body = await parse_body(request, MessagesRequest, fe.cfg.limits)
     fe.check_model(body.model)
-    plan, prompt = _prepare(body, fe.cfg.tool_call_parsers.get(body.model, "hermes"))
+    plan, prompt = _prepare(body, fe.cfg.tool_parser(body.model))
     params = body.sampling(plan)
     async with open_turn(request, body.model, prompt, params, plan, new_id=_tool_id) as turn:
         if not body.stream:

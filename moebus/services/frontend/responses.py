@@ -142,7 +142,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ResponsesRequest, fe.cfg.limits)
     fe.check_model(body.model)
     try:
-        plan = body.plan(fe.cfg.tool_call_parsers.get(body.model, "hermes"))
+        plan = body.plan(fe.cfg.tool_parser(body.model))
         messages, params = body.messages(), body.sampling(plan)
     except ParamError as e:
         raise bad_request(str(e), param=e.param) from None
