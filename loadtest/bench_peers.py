@@ -217,49 +217,12 @@ def run_engine(threads: int, dtype: str, output_len: int, prompt_ids: dict[int, 
 # ---- moebus's spans: the c=1 TTFT split -------------------------------------------------------
 
 def ttft_split(spans_file: Path, recs: list) -> dict[str, float]:
-    """Per request, match the trace whose HTTP span starts nearest the client's send time; median ms
-    of each leg. engine_step is the engine's work (the step that made the first token); every other
-    leg is the stack's own TTFT overhead."""
+    """Median ms of each leg of the c=1 TTFT (moebus/loadtest/ttft_split.py): engine_step is the
+    engine's work (the step that made the first token); every other leg is the stack's overhead."""
+    from moebus.loadtest.ttft_split import medians, split_all
     from moebus.shared.trace_view import read_spans
 
-    traces: dict[str, list[dict]] = {}
-    for s in read_spans(str(spans_file)):
-        traces.setdefault(s["trace_id"], []).append(s)
-    roots = []
-    for tid, ss in traces.items():
-        http = [s for s in ss if s["name"].startswith("POST ")]
-        if http:
-            roots.append((http[0]["start_ns"] / 1e9, tid))
-    legs: dict[str, list[float]] = {}
-    for r in recs:
-        if not r.ok or r.ttft_s is None or not roots:
-            continue
-        start, tid = min(roots, key=lambda x: abs(x[0] - r.sent_unix))
-        if abs(start - r.sent_unix) > 0.5:
-            continue
-        by = {}
-        for s in traces[tid]:
-            by.setdefault(s["name"].split(" ")[0], s)
-        need = ("POST", "render", "route", "queue", "prefill")
-        if any(k not in by for k in need):
-            continue
-        ms = lambda a, b: (b - a) / 1e6  # noqa: E731
-        first_unix_ns = (r.sent_unix + r.ttft_s) * 1e9
-        leg = {
-            "client->http": ms(r.sent_unix * 1e9, by["POST"]["start_ns"]),
-            "http->render": ms(by["POST"]["start_ns"], by["render"]["start_ns"]),
-            "render(tokenizer)": ms(by["render"]["start_ns"], by["render"]["end_ns"]),
-            "render->route": ms(by["render"]["end_ns"], by["route"]["start_ns"]),
-            "route(balancer)": ms(by["route"]["start_ns"], by["route"]["end_ns"]),
-            "route end->queue": ms(by["route"]["end_ns"], by["queue"]["start_ns"]),  # < 0: accepted inside route
-            "queue(worker)": ms(by["queue"]["start_ns"], by["queue"]["end_ns"]),
-            "engine_step": ms(by["prefill"]["start_ns"], by["prefill"]["end_ns"]),
-            "step->client": ms(by["prefill"]["end_ns"], first_unix_ns),
-        }
-        leg["overhead(ttft-engine_step)"] = 1000 * r.ttft_s - leg["engine_step"]
-        for k, v in leg.items():
-            legs.setdefault(k, []).append(v)
-    return {k: statistics.median(v) for k, v in legs.items()}
+    return medians(split_all(read_spans(str(spans_file)), recs))
 
 
 # ---- the table --------------------------------------------------------------------------------

@@ -1,0 +1,184 @@
+"""The stack's own share of the time to first token at c=1 (issue 21, target 3), per hop.
+
+Starts `moebus up` (real processes: nats-server, frontend, tokenizer, balancer, worker, ...) with
+its trace spans written to a file, sends --requests sequential streamed requests through the
+`openai` SDK (moebus.loadtest.client.send), then cuts each request's TTFT into the hops of the
+stack from the spans (moebus/loadtest/ttft_split.py): overhead = TTFT minus the engine step that
+made the first token, so it does not depend on how fast the engine is. The toy model (default)
+needs no weights; `--model smollm2` serves the real one.
+
+Alternating A/B: `--tree base=/tmp/moebus-base --tree new=.` runs each tree's moebus (its
+folder first on PYTHONPATH, this venv's packages) in turn, --rounds times, and prints each
+tree's medians over all its requests with the spread (p10-p90) and the load average per run.
+
+    flock /tmp/moebus-bench.lock .venv/bin/python loadtest/bench_ttft_overhead.py --requests 40 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this tree's moebus.loadtest, whichever tree the stack runs
+
+from moebus.loadtest.client import RequestRecord, make_client, send  # noqa: E402
+from moebus.loadtest.ttft_split import LEGS, OVERHEAD, medians, quantile, split_all  # noqa: E402
+from moebus.shared.nats_server import free_port  # noqa: E402
+from moebus.shared.trace_view import read_spans  # noqa: E402
+
+SPAN_FLUSH_S = 6.0  # the services' BatchSpanProcessor exports every 5 s
+
+
+def start_stack(tree: Path, model: str, port: int, spans: Path, logs: Path, extra: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(tree) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = [sys.executable, "-c", "from moebus.cli import main; main()", "up", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), "--trace-file", str(spans), "--log-dir", str(logs), *extra]
+    return subprocess.Popen(args, cwd=tree, env=env, stdout=open(logs / "up.log", "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, model: str, timeout_s: float = 600) -> None:
+    """Until a completion answers (/v1/models can answer before a worker registers)."""
+    body = json.dumps({"model": model, "prompt": "warm up", "max_tokens": 4}).encode()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moebus up exited ({proc.returncode})")
+        try:
+            req = urllib.request.Request(url + "/v1/completions", body, {"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"not ready after {timeout_s} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+async def drive(url: str, model: str, n: int, prompt: str, output_len: int, chat: bool,
+                gap_s: float) -> list[RequestRecord]:
+    """n requests one after another (c=1), each with its own text (no cached prefix to lean on)."""
+    client = make_client(url, timeout_s=600)
+    t0, recs = time.perf_counter(), []
+    for i in range(n):
+        rec = RequestRecord(index=i, scheduled_s=0.0, input_tokens=0, output_tokens=output_len)
+        text = f"{i}: {prompt}"
+        if chat:
+            recs.append(await send(client, model, rec, messages=[{"role": "user", "content": text}], t0=t0))
+        else:
+            recs.append(await send(client, model, rec, prompt=text, t0=t0))
+        await asyncio.sleep(gap_s)  # the worker's after-request heartbeat and the spans' export settle
+    await client.close()
+    return recs
+
+
+def run_once(name: str, tree: Path, args: argparse.Namespace, out: Path, rnd: int) -> dict:
+    run_dir = out / f"{name}-{rnd}"
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    spans, port = run_dir / "spans.jsonl", free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_stack(tree, args.model, port, spans, run_dir / "logs", args.up_args.split())
+    try:
+        wait_ready(proc, url, args.model)
+        asyncio.run(drive(url, args.model, args.warmup, args.prompt, args.output_len, args.chat, args.gap))
+        load_before = os.getloadavg()
+        recs = asyncio.run(drive(url, args.model, args.requests, args.prompt, args.output_len, args.chat, args.gap))
+        load_after = os.getloadavg()
+        time.sleep(SPAN_FLUSH_S)
+    finally:
+        stop(proc)
+    legs = split_all(read_spans(str(spans)), recs)
+    ok = sum(r.ok for r in recs)
+    res = {"tree": name, "round": rnd, "ok": ok, "requests": len(recs), "split": len(legs), "legs": legs,
+           "ttft_ms": [1000 * r.ttft_s for r in recs if r.ok and r.ttft_s is not None],
+           "load": [load_before[0], load_after[0]], "errors": sorted({r.error or "" for r in recs if not r.ok})}
+    (run_dir / "result.json").write_text(json.dumps(res, indent=1))
+    m = medians(legs)
+    print(f"   {name} round {rnd}: {ok}/{len(recs)} ok, {len(legs)} split, TTFT p50 "
+          f"{statistics.median(res['ttft_ms']) if res['ttft_ms'] else float('nan'):.1f} ms, overhead p50 "
+          f"{m.get(OVERHEAD, float('nan')):.1f} ms, load {load_before[0]:.2f} -> {load_after[0]:.2f}"
+          + (f", errors {res['errors']}" if res["errors"] else ""), flush=True)
+    return res
+
+
+def report(results: list[dict], names: list[str]) -> str:
+    cols = [*LEGS, OVERHEAD, "ttft"]
+    lines = ["| leg (ms, median [p10-p90]) | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+    per: dict[str, dict[str, list[float]]] = {n: {c: [] for c in cols} for n in names}
+    for r in results:
+        for leg in r["legs"]:
+            for k in (*LEGS, OVERHEAD):
+                per[r["tree"]][k].append(leg[k])
+        per[r["tree"]]["ttft"] += r["ttft_ms"]
+    for c in cols:
+        cells = []
+        for n in names:
+            xs = per[n][c]
+            cells.append(f"{statistics.median(xs):.2f} [{quantile(xs, 0.1):.2f}-{quantile(xs, 0.9):.2f}]" if xs else "-")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    for n in names:
+        rs = [r for r in results if r["tree"] == n]
+        rounds = ", ".join(f"{medians(r['legs']).get(OVERHEAD, float('nan')):.1f}" for r in rs)
+        loads = ", ".join(f"{r['load'][0]:.1f}-{r['load'][1]:.1f}" for r in rs)
+        lines.append(f"\n{n}: overhead p50 per round {rounds} ms; load avg 1m per round {loads}; "
+                     f"requests split {sum(r['split'] for r in rs)}/{sum(r['requests'] for r in rs)}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="toy", help="toy (no weights) or smollm2")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                    help="a moebus source tree to run (repeat: alternated); default: this one")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=30, help="measured requests per round")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--prompt", default="Tell me about the quick brown fox and the lazy dog.")
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                    help="chat completions (default) or text completions")
+    ap.add_argument("--gap", type=float, default=0.2, help="seconds between requests")
+    ap.add_argument("--up-args", default="", help="more `moebus up` flags, one string")
+    ap.add_argument("--out", default=None, help="a folder for spans, logs and results (default: a temp dir)")
+    args = ap.parse_args()
+    trees = [(t.split("=", 1)[0], Path(t.split("=", 1)[1]).resolve()) for t in args.tree] or [("this", REPO)]
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench-ttft-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"model {args.model}, {'chat' if args.chat else 'text'} completions, {args.requests} requests x "
+          f"{args.rounds} rounds per tree, output {args.output_len} tokens, up args {args.up_args!r}; "
+          f"{os.cpu_count()} cores; load {os.getloadavg()}", flush=True)
+    results = []
+    for rnd in range(1, args.rounds + 1):
+        order = trees if rnd % 2 else trees[::-1]
+        for name, tree in order:
+            results.append(run_once(name, tree, args, out, rnd))
+    (out / "results.json").write_text(json.dumps(results))
+    print("\n" + report(results, [n for n, _ in trees]))
+    print(f"\nspans, logs, per-run JSON: {out}; load averages now: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""A request's time to first token cut into the hops of the stack, from the services' trace spans
+(`moebus up --trace-file`, shared/trace_export.py) and the client's own send and first-token times.
+
+The legs follow the critical path to the first token, so they add up to the client's TTFT:
+client -> HTTP span -> tokenizer `render` -> balancer `route` -> worker `generate` (admission) ->
+the engine step that made the first token (`prefill`) -> the client reading it. The route's reply
+to the frontend runs beside the worker's queue and step, off that path. `engine_step` is the
+engine's own work; every other leg is the stack's overhead (issue 21, target 3).
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+# The stack's hops, in order (names of the legs `split_request` returns, engine_step included).
+LEGS = ("client->http", "http->render", "render(tokenizer)", "render->route", "route->worker(balancer)",
+        "generate(worker admit)", "admit->step(worker queue)", "engine_step", "step->client")
+OVERHEAD = "overhead(ttft-engine_step)"
+_NEED = ("render", "route", "generate", "prefill")  # span names (the worker's consume span is `generate`)
+MAX_SKEW_S = 0.5  # a trace whose HTTP span starts further than this from the client's send is not its own
+
+
+class Sent(Protocol):
+    """What the client measured (moebus.loadtest.client.RequestRecord has these)."""
+
+    ok: bool
+    sent_unix: float
+    ttft_s: float | None
+
+
+def group_traces(spans: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    traces: dict[str, list[dict[str, Any]]] = {}
+    for s in spans:
+        traces.setdefault(s["trace_id"], []).append(s)
+    return traces
+
+
+def split_request(rec: Sent, spans: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """ms per leg of one request's TTFT from its trace's spans; None when a span is missing."""
+    by: dict[str, dict[str, Any]] = {}
+    for s in sorted(spans, key=lambda s: s["start_ns"]):
+        key = "POST" if s["name"].startswith("POST ") else s["name"]
+        by.setdefault(key, s)  # the first attempt's (a migrated request routes again)
+    if "POST" not in by or any(k not in by for k in _NEED) or rec.ttft_s is None:
+        return None
+    sent_ns, first_ns = rec.sent_unix * 1e9, (rec.sent_unix + rec.ttft_s) * 1e9
+    marks = [sent_ns, by["POST"]["start_ns"], by["render"]["start_ns"], by["render"]["end_ns"],
+             by["route"]["start_ns"], by["generate"]["start_ns"], by["generate"]["end_ns"],
+             by["prefill"]["start_ns"], by["prefill"]["end_ns"], first_ns]
+    leg = {name: (b - a) / 1e6 for name, a, b in zip(LEGS, marks[:-1], marks[1:], strict=True)}
+    leg[OVERHEAD] = 1000 * rec.ttft_s - leg["engine_step"]
+    return leg
+
+
+def split_all(spans: Iterable[dict[str, Any]], recs: Sequence[Sent]) -> list[dict[str, float]]:
+    """Per ok request, the legs of the trace whose HTTP span started nearest its send time."""
+    traces = group_traces(spans)
+    roots = sorted((min(s["start_ns"] for s in ss if s["name"].startswith("POST ")) / 1e9, tid)
+                   for tid, ss in traces.items() if any(s["name"].startswith("POST ") for s in ss))
+    out = []
+    for r in recs:
+        if not r.ok or r.ttft_s is None or not roots:
+            continue
+        start, tid = min(roots, key=lambda x: abs(x[0] - r.sent_unix))
+        if abs(start - r.sent_unix) <= MAX_SKEW_S and (leg := split_request(r, traces[tid])) is not None:
+            out.append(leg)
+    return out
+
+
+def medians(legs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Median ms of each leg over requests ({} for none)."""
+    return {k: statistics.median(leg[k] for leg in legs) for k in (legs[0] if legs else {})}
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The q-quantile by linear interpolation (xs non-empty)."""
+    ys = sorted(xs)
+    pos = q * (len(ys) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
