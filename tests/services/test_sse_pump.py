@@ -162,3 +162,20 @@ async def test_completion_stream_without_echo(n: int) -> None:
     evs = events_of(raw)
     assert len(evs) == 2 * n * 3 + 1 and b"usage" not in raw
     assert evs[0].startswith(_CMPL + b'"choices":[{"index":0,"text":"H\xc3\xa9"')
+
+
+async def test_first_token_goes_out_with_the_preamble(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The role chunk and the first delta leave in one write (with the headers), so the client's
+    first token does not wait on a second segment; each later event is one write."""
+    writes: list[bytes] = []
+    real = web.StreamResponse.write
+
+    async def write(self: web.StreamResponse, data: bytes) -> None:
+        writes.append(bytes(data))
+        await real(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    _, raw = await serve(chat_handler(1, include_usage=True))
+    assert b"".join(writes) == raw
+    assert [w.count(b"data: ") for w in writes] == [2, 1, 1, 1, 1]  # role + "Hé", "llo", finish, usage, [DONE]
+    assert b'"role":"assistant"' in writes[0] and b'"content":"H\xc3\xa9"' in writes[0]

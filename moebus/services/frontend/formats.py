@@ -48,6 +48,11 @@ class SSE:
     async def send(self, payload: dict) -> None:
         await self.resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
+    async def send_all(self, payloads: list[dict]) -> None:
+        """Several events in one write: one TCP segment for the client to wait on, not one each."""
+        if payloads:
+            await self.resp.write(b"".join(b"data: " + orjson.dumps(p) + b"\n\n" for p in payloads))
+
     async def close(self) -> web.StreamResponse:
         await self.resp.write(b"data: [DONE]\n\n")
         await self.resp.write_eof()

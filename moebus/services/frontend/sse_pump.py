@@ -55,23 +55,26 @@ async def pump_sse(request: web.Request, fe: FrontendService, stream: AsyncItera
     extra = {"usage": None} if include_usage else {}
     choices = [c for cs in groups for c in cs]
 
-    async def send(entry: dict) -> None:
+    async def send(entries: list[dict]) -> None:
+        """One event's entries in one write (the first event's with the preamble: the headers go
+        with them, so the first token costs the client one segment)."""
         if continuous_usage:
             extra["usage"] = usage(n_prompt, choices, sum(cs[0].num_cached_tokens for cs in groups))
-        await sse.send({**base, "choices": [entry], **extra})
+        await sse.send_all([{**base, "choices": [entry], **extra} for entry in entries])
 
-    for entry in fmt.preamble():
-        await send(entry)
+    entries = list(fmt.preamble())
     try:
         ev = first
         while ev is not None:
             if isinstance(ev, Delta) and (ev.text or ev.logprobs):
-                for entry in fmt.delta(ev):
-                    await send(entry)
+                entries += fmt.delta(ev)
             elif isinstance(ev, Finish):
-                for entry in fmt.finish(ev.choice):
-                    await send(entry)
+                entries += fmt.finish(ev.choice)
+            await send(entries)
+            entries = []
             ev = await anext(stream, None)
+        if entries:  # the stream ended before any event: the preamble alone
+            await send(entries)
     except ServiceError as e:  # headers are gone: report in-band, as OpenAI does
         err = APIError.from_service_error(e)
         if (rec := request.get(RECORD)) is not None:
