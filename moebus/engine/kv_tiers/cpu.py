@@ -31,7 +31,7 @@ class CpuTier(Tier):
     def _write(self, block_hash: int, block: KVBlock) -> None:
         # The checksum is the one the block came with, not recomputed from what is stored, so a
         # block damaged before it got here is still caught on the way out.
-        self._blocks[block_hash] = KVBlock([(_own(k), _own(v)) for k, v in block.layers], block.checksum)
+        self._blocks[block_hash] = KVBlock([tuple(_own(t) for t in kv) for kv in block.layers], block.checksum)
 
     def _remove(self, block_hash: int) -> None:
         self._blocks.pop(block_hash, None)

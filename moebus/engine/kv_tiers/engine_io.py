@@ -4,19 +4,18 @@ load_prefix fills the engine's prefix cache from the store before a waiting requ
 scheduled, so the scheduler's ordinary `match_prefix` turns tier hits into cache hits;
 KVOffloader copies newly computed full blocks of live requests into the store. Both run on the
 engine thread between steps and use only public verbs of the engine, its scheduler and its block
-manager (LLMEngine.kv, the KV connector, wraps them for a worker).
+manager (LLMEngine.kv, the KV connector, wraps them for a worker). A block is every tensor of
+every layer's cache tuple (k, v, *planes), so DeepSeek-V4's compressor state travels with it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from moebus.engine.kv_tiers.store import TieredKVStore
-from moebus.engine.kv_transfer.engine_io import gather_blocks, lookup, scatter_blocks
+from moebus.engine.kv_transfer.engine_io import gather_blocks, kv_block_ids, lookup, scatter_blocks
 from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
-from moebus.engine.kv_transfer.payload import KVBlock
+from moebus.engine.kv_transfer.payload import KVBlock, stack_blocks
 from moebus.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -49,9 +48,7 @@ def load_prefix(engine: LLMEngine, request: str | Request, store: TieredKVStore,
     n = (n_local + len(blocks)) * bs
     carrier = Request(f"{req.request_id}#kv-load", req.all_token_ids[:n], req.params)
     bm.allocate(carrier, n, hits)
-    layers = [(torch.stack([b.layers[i][0] for b in blocks]), torch.stack([b.layers[i][1] for b in blocks]))
-              for i in range(len(blocks[0].layers))]
-    scatter_blocks(engine.kv_caches, carrier.block_ids[n_local:], layers)
+    scatter_blocks(engine.kv_caches, kv_block_ids(carrier)[n_local:], stack_blocks(blocks))
     carrier.num_computed_tokens = n
     bm.cache_blocks(carrier)
     bm.free_request(carrier)
@@ -80,13 +77,14 @@ class KVOffloader:
         todo: dict[int, int] = {}  # stable hash -> block id
         for req in live:
             prog = self._progress.setdefault(req.request_id, _Progress())
-            n_full = min(engine.settled_tokens(req) // bs, len(req.block_ids))
+            block_ids = kv_block_ids(req)
+            n_full = min(engine.settled_tokens(req) // bs, len(block_ids))
             if n_full <= prog.done:
                 continue
             stable_block_hashes(req.hash_token_ids[: n_full * bs], bs, ns, prog.hashes)
             for i in range(prog.done, n_full):
                 if prog.hashes[i] not in self.store:
-                    todo.setdefault(prog.hashes[i], req.block_ids[i])
+                    todo.setdefault(prog.hashes[i], block_ids[i])
             prog.done = n_full
         alive = {r.request_id for r in live}
         for rid in [r for r in self._progress if r not in alive]:
@@ -95,7 +93,7 @@ class KVOffloader:
             return []
         layers = gather_blocks(engine.kv_caches, list(todo.values()))  # one copy per cache tensor
         for j, h in enumerate(todo):
-            self.store.put(h, KVBlock([(k[j], v[j]) for k, v in layers]))
+            self.store.put(h, KVBlock([tuple(t[j] for t in kv) for kv in layers]))
         return list(todo)
 
 

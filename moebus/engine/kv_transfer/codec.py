@@ -18,9 +18,16 @@ import numpy as np
 import torch
 
 MAGIC = b"MBKV"
-VERSION = 2  # 2: the header CRC-32 (version 1 files in a disk tier read as corrupt: recomputed)
+# 2: the header CRC-32. 3: KV headers list each layer's cache tuple length ("layout": (k, v,
+# *planes)). Another version is refused (KVVersionError); in a disk tier such files read as
+# corrupt and are recomputed.
+VERSION = 3
 ALIGN = 64
 _PREFIX = struct.Struct("<4sHHII")
+
+
+class KVVersionError(ValueError):
+    """The encoding is a KV encoding of another format version (sender and receiver differ)."""
 
 
 def _align(n: int) -> int:
@@ -96,8 +103,11 @@ def unpack(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[to
     if len(mv) < _PREFIX.size:
         raise ValueError("truncated KV encoding")
     magic, version, _, hlen, hcrc = _PREFIX.unpack_from(mv, 0)
-    if magic != MAGIC or version != VERSION:
-        raise ValueError(f"not a KV encoding (magic {magic!r}, version {version})")
+    if magic != MAGIC:
+        raise ValueError(f"not a KV encoding (magic {magic!r})")
+    if version != VERSION:
+        raise KVVersionError(f"KV encoding format version {version}; this build reads version {VERSION} "
+                             "(prefill and decode workers, or a disk tier, from another moebus build)")
     header = bytes(mv[_PREFIX.size: _PREFIX.size + hlen])
     if len(header) != hlen or zlib.crc32(header) != hcrc:
         raise ValueError("KV encoding header is truncated or fails its checksum")

@@ -3,6 +3,8 @@
 Only public verbs are used: the engine's (get_request, settled_tokens, add_prefilled, kv_caches),
 the scheduler's (reserve_prefilled / admit_prefilled) and the block manager's; call these on the
 engine's own thread, between steps (LLMEngine.kv, the KV connector, wraps them for a worker).
+A layer's cache is the tuple (k, v, *planes) (DeepSeek-V4's compressed layers add compressor
+planes); every tensor of it moves, checked against the receiving cache tensor by tensor.
 """
 from __future__ import annotations
 
@@ -23,26 +25,44 @@ from moebus.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     from moebus.engine.llm_engine import LLMEngine
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KVCaches = list[tuple[torch.Tensor, ...]]  # per layer (k, v, *planes), each indexed by block id first
+
+
+def kv_block_ids(req: Request) -> list[int]:
+    """The request's cache blocks by logical block index, shared by every tensor of every layer.
+    The one place kv_transfer / kv_tiers read a request's block table."""
+    return req.block_ids
 
 
 def gather_blocks(kv_caches: KVCaches, block_ids: list[int], device: str | torch.device = "cpu") -> LayerKV:
-    """Per layer (k, v) [len(block_ids), block_size, Hkv, D]: one gather per cache tensor."""
+    """Per layer (k, v, *planes), each [len(block_ids), ...]: one gather per cache tensor."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
-    return [(k.index_select(0, idx).to(device), v.index_select(0, idx).to(device)) for k, v in kv_caches]
+    return [tuple(t.index_select(0, idx).to(device) for t in layer) for layer in kv_caches]
+
+
+def layout_problem(layers: LayerKV, kv_caches: KVCaches) -> str:
+    """Why per-layer block data cannot go into these caches ("" when it can): every layer must
+    bring as many tensors as its cache tuple, each with the cache tensor's per-block shape."""
+    if len(layers) != len(kv_caches):
+        return f"payload has {len(layers)} layers, the cache {len(kv_caches)}"
+    for i, (src, dst) in enumerate(zip(layers, kv_caches, strict=True)):
+        if len(src) != len(dst):
+            return f"layer {i}: {len(src)} cache tensors, the cache {len(dst)}"
+        for j, (s, d) in enumerate(zip(src, dst, strict=True)):
+            if s.shape[1:] != d.shape[1:]:
+                return f"layer {i} tensor {j}: block shape {tuple(s.shape[1:])}, the cache {tuple(d.shape[1:])}"
+    return ""
 
 
 def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], layers: LayerKV) -> None:
     """Write per-layer block data (first len(block_ids) blocks of each tensor) into the cache."""
-    if len(layers) != len(kv_caches):
-        raise ValueError(f"payload has {len(layers)} layers, the cache {len(kv_caches)}")
+    if problem := layout_problem(layers, kv_caches):
+        raise ValueError(problem)
     n = len(block_ids)
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
-    for (k, v), (sk, sv) in zip(kv_caches, layers, strict=True):
-        if sk.shape[1:] != k.shape[1:] or sv.shape[1:] != v.shape[1:]:
-            raise ValueError(f"block shape {tuple(sk.shape[1:])} does not match the cache {tuple(k.shape[1:])}")
-        k.index_copy_(0, idx, sk[:n].to(k.device, k.dtype))
-        v.index_copy_(0, idx, sv[:n].to(v.device, v.dtype))
+    for dst, src in zip(kv_caches, layers, strict=True):
+        for d, s in zip(dst, src, strict=True):
+            d.index_copy_(0, idx, s[:n].to(d.device, d.dtype))
 
 
 def lookup(engine: LLMEngine, request: str | Request) -> Request:
@@ -64,12 +84,13 @@ def extract_kv(engine: LLMEngine, request: str | Request, num_tokens: int | None
     settled = engine.settled_tokens(req)
     n = min(settled, req.num_prompt_tokens) if num_tokens is None else num_tokens
     nb = -(-n // bs)
-    if n <= 0 or n > settled or nb > len(req.block_ids):
+    blocks = kv_block_ids(req)
+    if n <= 0 or n > settled or nb > len(blocks):
         raise ValueError(f"{req.request_id}: {n} tokens requested, {settled} computed")
     tokens = req.all_token_ids[:n]
     ns = kv_namespace(engine)
     outs = req.output_token_ids
-    return KVPayload(gather_blocks(engine.kv_caches, req.block_ids[:nb], device), bs, n, tokens,
+    return KVPayload(gather_blocks(engine.kv_caches, blocks[:nb], device), bs, n, tokens,
                      stable_block_hashes(req.hash_token_ids[:n], bs, ns), ns, req.request_id,
                      outs[0] if outs and outs[0] != PLACEHOLDER else None,
                      req.generator.get_state() if req.generator is not None else None)
@@ -94,12 +115,7 @@ def _payload_problem(engine: LLMEngine, prompt: list[int], payload: KVPayload | 
     n = min(payload.num_tokens, len(prompt))
     if n <= 0 or (payload.token_ids and payload.token_ids[:n] != prompt[:n]):
         return "payload tokens are not a prefix of the prompt"
-    caches = engine.kv_caches
-    if len(payload.layers) != len(caches) or any(
-            pk.shape[1:] != k.shape[1:] or pv.shape[1:] != v.shape[1:]
-            for (pk, pv), (k, v) in zip(payload.layers, caches, strict=True)):
-        return "layer shapes differ"
-    return ""
+    return layout_problem(payload.layers, engine.kv_caches)
 
 
 def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
@@ -122,7 +138,7 @@ def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[
     if fresh is None:
         return InjectResult(False, reason="no free KV blocks")
     if fresh:
-        scatter_blocks(engine.kv_caches, fresh, [(k[len(hits):], v[len(hits):]) for k, v in payload.layers])
+        scatter_blocks(engine.kv_caches, fresh, [tuple(t[len(hits):] for t in kv) for kv in payload.layers])
     engine.scheduler.admit_prefilled(req, n)  # runs now when there is room, else waits with its KV
     return InjectResult(True, n, len(fresh), len(hits))
 

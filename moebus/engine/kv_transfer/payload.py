@@ -1,6 +1,10 @@
 """KVPayload: the KV blocks of one token prefix, as contiguous per-layer tensors, plus what a
 receiver needs to adopt them (token ids, stable block hashes, namespace, first sampled token).
 
+A layer's entry is its whole cache tuple (k, v, *planes), every tensor indexed by block first: a
+DeepSeek-V4 compressed layer adds compressor planes, some with fewer rows per block than k. The
+encodings list each layer's tuple length ("layout"), so a decoder rebuilds the tuples exactly.
+
 Every block carries a CRC-32 of its tensor bytes, taken where the block is made (the engine's
 gather) and kept with it through tiers, the broker and transfers; whoever consumes a block checks
 it (tier get, decode), so a flipped bit is dropped and recomputed instead of served.
@@ -14,7 +18,7 @@ import torch
 
 from moebus.engine.kv_transfer.codec import PackedTensors, crc32_of, unpack
 
-LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
+LayerKV = list[tuple[torch.Tensor, ...]]  # per layer: (k, v, *planes)
 
 
 class KVChecksumError(ValueError):
@@ -22,13 +26,44 @@ class KVChecksumError(ValueError):
 
 
 def block_checksum(layers: LayerKV) -> int:
+    """CRC-32 of every tensor of every layer, in order (for (k, v) layers: the same as before planes)."""
     return crc32_of(t for kv in layers for t in kv)
+
+
+def _flat(layers: LayerKV) -> list[torch.Tensor]:
+    return [t for kv in layers for t in kv]
+
+
+def _layout(layers: LayerKV) -> list[int]:
+    return [len(kv) for kv in layers]
+
+
+def _unflatten(tensors: list[torch.Tensor], layout: object) -> LayerKV:
+    """Tensors back into per-layer tuples; ValueError unless the layout accounts for all of them."""
+    if not isinstance(layout, list) or not all(isinstance(n, int) and n >= 2 for n in layout) \
+            or sum(layout) != len(tensors):
+        raise ValueError(f"KV encoding layout {layout!r} does not fit its {len(tensors)} tensors")
+    out, i = [], 0
+    for n in layout:
+        out.append(tuple(tensors[i: i + n]))
+        i += n
+    return out
+
+
+def _nbytes(layers: LayerKV) -> int:
+    return sum(t.numel() * t.element_size() for kv in layers for t in kv)
+
+
+def stack_blocks(blocks: list[KVBlock]) -> LayerKV:
+    """Blocks (same layout) as per-layer tuples of [len(blocks), ...] tensors."""
+    return [tuple(torch.stack([b.layers[i][j] for b in blocks]) for j in range(len(kv)))
+            for i, kv in enumerate(blocks[0].layers)]
 
 
 @dataclass(slots=True)
 class KVBlock:
-    """One block: per layer (k [block_size, Hkv, Dk], v [block_size, Hkv, Dv]). checksum: given
-    when the block comes from somewhere that carried one, else computed from layers now."""
+    """One block: per layer (k [block_size, Hkv, Dk], v [block_size, Hkv, Dv], *planes [rows, dim]).
+    checksum: given when the block comes from somewhere that carried one, else computed now."""
 
     layers: LayerKV
     checksum: int | None = None
@@ -42,10 +77,11 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        return _nbytes(self.layers)
 
     def packed(self) -> PackedTensors:
-        return PackedTensors({"kind": "block", "crc": self.checksum}, [t for kv in self.layers for t in kv])
+        return PackedTensors({"kind": "block", "crc": self.checksum, "layout": _layout(self.layers)},
+                             _flat(self.layers))
 
     def encode(self) -> bytearray:
         return self.packed().to_bytes()
@@ -56,7 +92,7 @@ class KVBlock:
         meta, ts = unpack(buf)
         if not isinstance(meta.get("crc"), int):
             raise ValueError("KV block encoding without a checksum")
-        block = cls([(ts[i], ts[i + 1]) for i in range(0, len(ts), 2)], meta["crc"])
+        block = cls(_unflatten(ts, meta.get("layout")), meta["crc"])
         if not block.intact():
             raise KVChecksumError("KV block data fails its checksum")
         return block
@@ -64,8 +100,8 @@ class KVBlock:
 
 @dataclass(slots=True)
 class KVPayload:
-    """layers: per layer (k, v) of shape [num_blocks, block_size, Hkv, D]. The blocks hold the
-    KV of token positions [0, num_tokens); block_hashes are the stable hashes of the full ones."""
+    """layers: per layer (k, v, *planes), each [num_blocks, ...]. The blocks hold the KV of token
+    positions [0, num_tokens); block_hashes are the stable hashes of the full ones."""
 
     layers: LayerKV
     block_size: int
@@ -84,6 +120,8 @@ class KVPayload:
             raise ValueError(f"{self.num_tokens} tokens do not fit {self.num_blocks} blocks")
         if self.token_ids and len(self.token_ids) != self.num_tokens:
             raise ValueError("token_ids must cover exactly num_tokens")
+        if any(t.shape[0] != self.num_blocks for kv in self.layers for t in kv):
+            raise ValueError(f"every cache tensor must hold {self.num_blocks} blocks")
         if not self.block_checksums:
             self.block_checksums = [block_checksum(self._block_layers(i)) for i in range(self.num_blocks)]
         elif len(self.block_checksums) != self.num_blocks:
@@ -95,10 +133,10 @@ class KVPayload:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        return _nbytes(self.layers)
 
     def _block_layers(self, i: int) -> LayerKV:
-        return [(k[i], v[i]) for k, v in self.layers]
+        return [tuple(t[i] for t in kv) for kv in self.layers]
 
     def block(self, i: int) -> KVBlock:
         return KVBlock(self._block_layers(i), self.block_checksums[i])
@@ -106,10 +144,7 @@ class KVPayload:
     @classmethod
     def from_blocks(cls, blocks: list[KVBlock], block_hashes: list[int], block_size: int,
                     namespace: str = "") -> KVPayload:
-        n_layers = len(blocks[0].layers)
-        layers = [(torch.stack([b.layers[i][0] for b in blocks]), torch.stack([b.layers[i][1] for b in blocks]))
-                  for i in range(n_layers)]
-        return cls(layers, block_size, len(blocks) * block_size, block_hashes=list(block_hashes),
+        return cls(stack_blocks(blocks), block_size, len(blocks) * block_size, block_hashes=list(block_hashes),
                    namespace=namespace, block_checksums=[b.checksum for b in blocks])
 
     # --- wire format -----------------------------------------------------------------------
@@ -118,8 +153,9 @@ class KVPayload:
                 "token_ids": self.token_ids, "block_hashes": self.block_hashes, "namespace": self.namespace,
                 "request_id": self.request_id, "first_token": self.first_token,
                 "has_generator": self.generator_state is not None, "block_crcs": self.block_checksums,
-                "generator_crc": crc32_of([self.generator_state]) if self.generator_state is not None else None}
-        tensors = [t for kv in self.layers for t in kv]
+                "generator_crc": crc32_of([self.generator_state]) if self.generator_state is not None else None,
+                "layout": _layout(self.layers)}
+        tensors = _flat(self.layers)
         if self.generator_state is not None:
             tensors.append(self.generator_state)
         return PackedTensors(meta, tensors)
@@ -146,16 +182,16 @@ class KVPayload:
         gen = ts.pop() if meta["has_generator"] else None
         if gen is not None and crc32_of([gen]) != meta["generator_crc"]:
             raise KVChecksumError("the payload's generator state fails its checksum")
-        layers = [(ts[i], ts[i + 1]) for i in range(0, len(ts), 2)]
+        layers = _unflatten(ts, meta.get("layout"))
         crcs: list[int] = meta["block_crcs"]
         num_blocks = int(layers[0][0].shape[0]) if layers else 0
-        if len(crcs) != num_blocks:
-            raise ValueError(f"{len(crcs)} checksums for {num_blocks} blocks")
-        bad = [i for i in range(num_blocks) if block_checksum([(k[i], v[i]) for k, v in layers]) != crcs[i]]
+        if len(crcs) != num_blocks or any(t.shape[0] != num_blocks for kv in layers for t in kv):
+            raise ValueError(f"{len(crcs)} checksums for {num_blocks} blocks, or tensors of other block counts")
+        bad = [i for i in range(num_blocks) if block_checksum([tuple(t[i] for t in kv) for kv in layers]) != crcs[i]]
         keep, num_tokens, token_ids = num_blocks, meta["num_tokens"], meta["token_ids"]
         if bad:
             keep = bad[0]
-            layers = [(k[:keep], v[:keep]) for k, v in layers]
+            layers = [tuple(t[:keep] for t in kv) for kv in layers]
             num_tokens = min(num_tokens, keep * meta["block_size"])
             token_ids = token_ids[:num_tokens]
         return cls(layers, meta["block_size"], num_tokens, token_ids, meta["block_hashes"][:keep], meta["namespace"],
@@ -171,8 +207,8 @@ class KVPayload:
                      self.request_id, self.first_token) == (
             other.block_size, other.num_tokens, other.token_ids, other.block_hashes, other.namespace,
             other.request_id, other.first_token)
-        return same_meta and len(self.layers) == len(other.layers) and all(
-            _bitwise(a, b) for x, y in zip(self.layers, other.layers, strict=True) for a, b in zip(x, y, strict=True))
+        return same_meta and _layout(self.layers) == _layout(other.layers) and all(
+            _bitwise(a, b) for a, b in zip(_flat(self.layers), _flat(other.layers), strict=True))
 
 
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
