@@ -1,0 +1,86 @@
+"""DeepSeek-V4 blocks through the KV tiers: offload a request's blocks (k, v and the compressor /
+indexer planes) to the CPU tier and to the disk tier, evict them from the device, restore them
+from the tier: the output equals the cold run's. A corrupt plane on disk is caught and recomputed."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from moebus.engine.kv_tiers import CpuTier, DiskTier, KVOffloader, TieredKVStore, load_prefix
+from moebus.engine.llm_engine import LLMEngine
+
+from .conftest import Run, run
+from .v4_fixtures import BLOCK, GREEDY32, plane_layout, v4_engine, v4_prompts, write_v4
+
+N = 140  # 8 full prompt blocks restorable (the last token always runs), past 4 HCA windows
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    eng = v4_engine(write_v4(tmp_path_factory.mktemp("v4tier")))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return v4_prompts(2, (N,))[0]
+
+
+def _offloaded_cold_run(engine: LLMEngine, prompt: list[int], store: TieredKVStore, rid: str) -> list[int]:
+    """A cold run whose full blocks go to the store after every step; its greedy tokens."""
+    engine.block_manager.reset_prefix_cache()
+    offloader = KVOffloader(store)
+    out = run(engine, rid, prompt, GREEDY32, after_step=lambda: offloader.offload(engine)).tokens
+    engine.block_manager.reset_prefix_cache()  # evicted from the device: only the tier has them
+    assert len(out) == 32
+    return out
+
+
+def _restored_run(engine: LLMEngine, prompt: list[int], store: TieredKVStore, rid: str) -> tuple[Run, int]:
+    loaded: list[int] = []
+    load: Callable[[], None] = lambda: loaded.append(load_prefix(engine, rid, store))  # noqa: E731
+    out = run(engine, rid, prompt, GREEDY32, before_step=load)
+    engine.block_manager.reset_prefix_cache()
+    return out, loaded[0]
+
+
+def test_v4_cpu_tier_restore_matches_cold(engine, prompt):
+    store = TieredKVStore([CpuTier(64 << 20)])
+    cold = _offloaded_cold_run(engine, prompt, store, "cpu-cold")
+    cpu = store.tiers[0]
+    assert len(cpu) == (N + 31) // BLOCK  # prompt and decoded tokens' full blocks
+    block = cpu.get(cpu.keys()[0])
+    assert [len(layer) for layer in block.layers] == plane_layout(engine) == [2, 6, 4, 6]
+    assert block.intact() and block.nbytes == sum(t[0].numel() * t.element_size()
+                                                  for layer in engine.kv_caches for t in layer)
+    out, loaded = _restored_run(engine, prompt, store, "cpu-warm")
+    assert loaded == (N - 1) // BLOCK * BLOCK
+    assert out.tokens == cold
+    assert out.computed == N - loaded + GREEDY32.max_tokens - 1  # only the rest of the prompt ran
+
+
+def test_v4_disk_tier_restore_matches_cold_and_a_corrupt_block_is_recomputed(engine, prompt, tmp_path):
+    store = TieredKVStore([DiskTier(tmp_path, 64 << 20)])
+    disk = store.tiers[0]
+    cold = _offloaded_cold_run(engine, prompt, store, "disk-cold")
+    files = sorted(tmp_path.glob("*.kvb"))
+    assert len(files) == len(disk) == (N + 31) // BLOCK
+    out, loaded = _restored_run(engine, prompt, store, "disk-warm")
+    assert loaded == (N - 1) // BLOCK * BLOCK and out.tokens == cold
+    assert out.computed == N - loaded + GREEDY32.max_tokens - 1
+
+    # Flip one bit in the last tensor of block 5's file: the last CSA layer's indexer keys.
+    from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
+
+    h5 = stable_block_hashes(prompt[: 6 * BLOCK], BLOCK, kv_namespace(engine))[5]
+    path = tmp_path / f"{h5:016x}.kvb"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x08
+    path.write_bytes(data)
+    out, loaded = _restored_run(engine, prompt, store, "disk-corrupt")
+    assert disk.corrupt == 1 and not path.exists()  # detected and dropped, never served
+    assert loaded == 5 * BLOCK  # the prefix ends at the hole
+    assert out.tokens == cold
+    assert out.computed == N - 5 * BLOCK + GREEDY32.max_tokens - 1  # block 5 onward recomputed
