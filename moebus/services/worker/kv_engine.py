@@ -7,12 +7,15 @@ rank's is its own cache's (moved between the group's steps, so no collective is 
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from moebus.engine.kv_tiers import CacheEventTracker, CpuTier, KVOffloader, TieredKVStore
 from moebus.engine.kv_transfer import KVBlock, KVPayload
 from moebus.engine.port import EnginePort, KVConnectorPort
+
+log = logging.getLogger(__name__)
 
 
 def _kv(engine: EnginePort) -> KVConnectorPort:
@@ -42,6 +45,9 @@ class EngineKV:
         self._dev_stored: list[int] = []
         self._dev_evicted: list[int] = []
         self._cpu_evicted: list[int] = []
+        # Decode halves: a received payload adopted, or one that arrived and could not be (its
+        # request recomputed the prompt: same tokens, slower). Read from other threads: ints only.
+        self.counters = {"kv_injected": 0, "kv_inject_refused": 0}
 
     def bind(self, engine: EnginePort) -> None:
         kv = _kv(engine)
@@ -74,7 +80,15 @@ class EngineKV:
 
     def inject(self, engine: EnginePort, request_id: str, prompt: list[int], first_token: int, params: Any,
                payload: KVPayload | None, images: Sequence[Any] = ()) -> None:
-        _kv(engine).inject(request_id, prompt, first_token, params, payload, images)
+        res = _kv(engine).inject(request_id, prompt, first_token, params, payload, images)
+        if payload is None:
+            return  # nothing arrived: the link counted that
+        if getattr(res, "injected", False):
+            self.counters["kv_injected"] += 1
+            return
+        self.counters["kv_inject_refused"] += 1
+        log.log(logging.WARNING if self.counters["kv_inject_refused"] == 1 else logging.DEBUG,
+                "KV payload of %s refused (%s): its prompt is recomputed", request_id, getattr(res, "reason", "?"))
 
     # ---- called through EngineLoop.call ----------------------------------------------------
     def poll(self, engine: EnginePort) -> dict[str, tuple[list[int], list[int]]]:

@@ -122,7 +122,8 @@ class WorkerService(Service):
 
     def stats(self) -> dict[str, Any]:
         engine = dict(self._loop.stats) if self._loop else {}
-        kv = {**self.link.counters, "handoffs_lost": self.split.lost} if self.link is not None else {}
+        kv = {**self.link.counters, **(self.kv.counters if self.kv is not None else {}),
+              "handoffs_lost": self.split.lost} if self.link is not None else {}
         return {"engine": engine, "active_requests": len(self._active), "queued": self.queued(), "role": self.cfg.role,
                 "kv": kv, **self.counters}
 
