@@ -90,7 +90,13 @@ class ShmKVTransport(KVTransport):
             try:
                 if magic != _MAGIC or (self.config.verify and zlib.crc32(body) != crc):
                     raise KVTransferError(f"{transfer_id}: corrupt shared-memory segment")
-                return KVPayload.from_bytes(body)
+                try:
+                    return KVPayload.from_bytes(body)
+                except ValueError as e:  # torn, another format version (KVVersionError): recomputed
+                    why = str(e)
+                # raised outside the handler: a chained traceback would keep views of the segment
+                # alive, and closing it would fail (BufferError)
+                raise KVTransferError(f"{transfer_id}: undecodable payload: {why}")
             finally:
                 body.release()
         finally:

@@ -130,3 +130,23 @@ def test_v4_wire_version_mismatch_is_refused_clearly(engines):
     struct.pack_into("<H", buf, 4, VERSION - 1)  # the u16 after the magic
     with pytest.raises(KVVersionError, match=f"format version {VERSION - 1}; this build reads version {VERSION}"):
         KVPayload.from_bytes(buf)
+
+
+def test_v4_payload_from_another_format_version_fails_the_transfer(engines, monkeypatch):
+    """A receiver of another build reports a failed transfer (the decode worker then recomputes),
+    never a decoded payload or a stray ValueError."""
+    from moebus.engine.kv_transfer import codec
+    from moebus.kvtransport import KVTransferError
+
+    a, _ = engines
+    pre = prefill(a, "ver-shm", v4_prompts(1, (40,))[0], GREEDY32)
+
+    async def go() -> KVPayload:
+        rx, tx = ShmKVTransport(ShmTransportConfig(address="moebus-v4kv-ver")), ShmKVTransport()
+        with monkeypatch.context() as m:
+            m.setattr(codec, "VERSION", VERSION + 1)  # the sender's build
+            await tx.send(pre.payload, rx.address, "ver")
+        return await rx.receive("ver", 5)
+
+    with pytest.raises(KVTransferError, match=f"format version {VERSION + 1}; this build reads version {VERSION}"):
+        asyncio.run(go())
