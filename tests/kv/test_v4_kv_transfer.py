@@ -150,3 +150,26 @@ def test_v4_payload_from_another_format_version_fails_the_transfer(engines, monk
 
     with pytest.raises(KVTransferError, match=f"format version {VERSION + 1}; this build reads version {VERSION}"):
         asyncio.run(go())
+
+
+def test_v4_chunked_prefill_and_a_partial_local_hit(ckpt, engines, reference):
+    """Prefill in 45-token chunks (windows close across chunk edges) on one engine; the decode engine
+    already caches the prompt's first 6 blocks, so only the payload's later blocks (every tensor of
+    each, sliced alike) are copied."""
+    _, b = engines
+    n = LENGTHS[0]
+    prompt = v4_prompts(0, LENGTHS)[0]
+    chunked = v4_engine(ckpt, max_num_batched_tokens=45)
+    try:
+        pre = prefill(chunked, "chunk-p", prompt, GREEDY32)
+    finally:
+        chunked.close()
+    assert pre.first_token == reference[n][0]
+    b.block_manager.reset_prefix_cache()
+    run(b, "warm-b", prompt[:100], GREEDY32)  # leaves 6 full prompt blocks in B's prefix cache
+    res = inject_prefilled(b, "chunk-d", prompt, pre.first_token, GREEDY32, pre.payload)
+    assert res.injected and res.num_local_hit_blocks == 6 and res.num_copied_blocks == -(-n // BLOCK) - 6
+    out = run(b, "chunk-d")
+    assert [pre.first_token] + out.tokens == reference[n]
+    assert out.computed == GREEDY32.max_tokens - 1
+    b.block_manager.reset_prefix_cache()
