@@ -84,3 +84,33 @@ def test_v4_disk_tier_restore_matches_cold_and_a_corrupt_block_is_recomputed(eng
     assert loaded == 5 * BLOCK  # the prefix ends at the hole
     assert out.tokens == cold
     assert out.computed == N - 5 * BLOCK + GREEDY32.max_tokens - 1  # block 5 onward recomputed
+
+
+def test_v4_shaped_blocks_regroup_into_a_payload_and_survive_the_disk(tmp_path):
+    """What the broker and the worker's link do with tier blocks (KVPayload.from_blocks, the wire,
+    a disk file), on V4-shaped tuples: a sliding layer (k, v), a CSA layer (k, an empty v, src,
+    4 entry rows, indexer src, 4 indexer key rows), an HCA layer with 1 entry row a block."""
+    import torch
+
+    from moebus.engine.kv_transfer import KVBlock, KVPayload
+
+    def v4_block(seed: int) -> KVBlock:
+        g = torch.Generator().manual_seed(seed)
+        r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+        return KVBlock([(r(BLOCK, 1, 32), r(BLOCK, 1, 32)),
+                        (r(BLOCK, 1, 32), r(BLOCK, 1, 0), r(BLOCK, 128), r(4, 32), r(BLOCK, 64), r(4, 16)),
+                        (r(BLOCK, 1, 32), r(BLOCK, 1, 0), r(BLOCK, 64), r(1, 32).to(torch.bfloat16))])
+
+    blocks = [v4_block(i) for i in range(3)]
+    payload = KVPayload.from_blocks(blocks, [11, 12, 13], BLOCK)
+    again = KVPayload.from_bytes(payload.to_bytes())
+    assert again.equal(payload) and again.corrupt_blocks == 0
+    assert [len(layer) for layer in again.layers] == [2, 6, 4]
+    assert [again.block(i).checksum for i in range(3)] == [b.checksum for b in blocks]
+    disk = DiskTier(tmp_path, 1 << 20)
+    disk.put(7, blocks[1])
+    got = DiskTier(tmp_path, 1 << 20).get(7)  # reopened: read back from the file
+    assert got is not None and got.checksum == blocks[1].checksum and got.intact()
+    assert [tuple(t.shape) for layer in got.layers for t in layer] == [
+        tuple(t.shape) for layer in blocks[1].layers for t in layer]
+    assert got.layers[2][3].dtype == torch.bfloat16
