@@ -26,7 +26,8 @@ class KVChecksumError(ValueError):
 
 
 def block_checksum(layers: LayerKV) -> int:
-    """CRC-32 of every tensor of every layer, in order (for (k, v) layers: the same as before planes)."""
+    """CRC-32 of every tensor of every layer, in order (the layout and shapes are the header's,
+    which has its own CRC-32)."""
     return crc32_of(t for kv in layers for t in kv)
 
 
