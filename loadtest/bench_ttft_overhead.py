@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this tree's moebus.loadtest, whichever tree the stack runs
 
 from moebus.loadtest.client import RequestRecord, make_client, send  # noqa: E402
+from moebus.loadtest.floors import nats_round_trips, wait_listening  # noqa: E402
 from moebus.loadtest.ttft_split import LEGS, OVERHEAD, medians, quantile, split_all  # noqa: E402
 from moebus.shared.nats_server import free_port  # noqa: E402
 from moebus.shared.trace_view import read_spans  # noqa: E402
@@ -95,37 +96,11 @@ async def drive(url: str, model: str, n: int, prompt: str, output_len: int, chat
     return recs
 
 
-def serve_floor(port: int) -> None:
-    """A bare aiohttp server that answers any chat request with a role chunk, --output-len deltas,
-    usage and [DONE] at once: what the client and HTTP alone cost (no stack behind it)."""
-    from aiohttp import web
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        base = {"id": "chatcmpl-floor", "object": "chat.completion.chunk", "created": 0, "model": body["model"]}
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        n = body.get("max_tokens") or 1
-        events = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
-        events += [{**base, "choices": [{"index": 0, "delta": {"content": "x"},
-                                         "finish_reason": "length" if i == n - 1 else None}]} for i in range(n)]
-        events.append({**base, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
-        # as the stack does: the headers, the role chunk and the first token in one write
-        await resp.write(b"".join(b"data: " + json.dumps(ev).encode() + b"\n\n" for ev in events[:2]))
-        for ev in events[2:]:
-            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    web.run_app(app, host="127.0.0.1", port=port, print=None)
-
-
 def run_floor(args: argparse.Namespace, rnd: int) -> dict:
+    """The same client and requests against a bare aiohttp SSE server (moebus/loadtest/floors.py)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve-floor", str(port)], start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "moebus.loadtest.floors", "sse", str(port)], cwd=REPO,
+                            start_new_session=True)
     try:
         wait_listening(port)
         url = f"http://127.0.0.1:{port}"
@@ -138,19 +113,6 @@ def run_floor(args: argparse.Namespace, rnd: int) -> dict:
     print(f"   floor round {rnd}: {len(ttft)}/{len(recs)} ok, TTFT p50 {statistics.median(ttft):.1f} ms "
           f"(client + bare HTTP), load {load[0]:.2f}", flush=True)
     return {"tree": "floor", "round": rnd, "ttft_ms": ttft, "load": [load[0], os.getloadavg()[0]]}
-
-
-def wait_listening(port: int, timeout_s: float = 30) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on {port}")
 
 
 def run_once(name: str, tree: Path, args: argparse.Namespace, out: Path, rnd: int) -> dict:
@@ -223,11 +185,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a folder for spans, logs and results (default: a temp dir)")
     ap.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
                     help="each round, the same client against a bare aiohttp SSE server: the client + HTTP floor")
-    ap.add_argument("--serve-floor", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.serve_floor:
-        serve_floor(args.serve_floor)
-        return
     trees = [(t.split("=", 1)[0], Path(t.split("=", 1)[1]).resolve()) for t in args.tree] or [("this", REPO)]
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-ttft-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -249,6 +207,11 @@ def main() -> None:
         print(f"\nfloor (the same client against a bare aiohttp SSE server, no stack): TTFT p50 "
               f"{statistics.median(xs):.2f} [{quantile(xs, 0.1):.2f}-{quantile(xs, 0.9):.2f}] ms; load avg 1m "
               + ", ".join(f"{f['load'][0]:.1f}" for f in floors))
+    if args.floor:
+        load, xs = os.getloadavg()[0], nats_round_trips(args.requests)
+        print(f"bus floor (raw nats-py request/reply between two processes; a first token crosses the bus 5 "
+              f"times one way: render there and back, to the balancer, to the worker, the chunk back): p50 {statistics.median(xs):.2f} [{quantile(xs, 0.1):.2f}-{quantile(xs, 0.9):.2f}] ms; "
+              f"load avg 1m {load:.1f}")
     print(f"\nspans, logs, per-run JSON: {out}; load averages now: {os.getloadavg()}")
 
 
