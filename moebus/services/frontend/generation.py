@@ -166,7 +166,11 @@ class Generation:
                     return got
                 continue
             try:
-                item = await asyncio.wait_for(self.queue.get(), self._wait_s(now, due))
+                if self.queue.empty():  # (asyncio.timeout, not wait_for: no task per chunk on 3.11)
+                    async with asyncio.timeout(self._wait_s(now, due)):
+                        item = await self.queue.get()
+                else:
+                    item = self.queue.get_nowait()
             except TimeoutError:
                 if (stall := self._stalled()) is not None:
                     return [stall]
