@@ -23,6 +23,9 @@ class CachePlane:
 
     tokens_per_row: int
     dim: int
+    # How far back the plane is read: computing token p reads its rows of tokens (p - horizon, p].
+    # None = the whole history. A bounded plane may live in the windowed KV group (engine.kv_groups).
+    horizon: int | None = None
 
     def rows_per_block(self, block_size: int) -> int:
         r = self.tokens_per_row
@@ -42,6 +45,10 @@ class KVCacheSpec:
     sliding_window: int | None = None  # tokens; None = full attention
     planes: tuple[CachePlane, ...] = ()  # the layer's cache tuple is (k, v, *planes)
 
+    def horizons(self) -> tuple[int | None, ...]:
+        """Per part of the cache tuple (k, v, *planes): how far back it is read (None = all of it)."""
+        return (self.sliding_window, self.sliding_window, *(p.horizon for p in self.planes))
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -52,6 +59,13 @@ class AttentionMetadata:
     seq_lens_t: torch.Tensor  # [B] int32, seq_lens on device
     block_size: int
     batch_invariant: bool = False  # deterministic mode: attend per sequence, never batched
+    # The windowed KV group's tables and slots (engine.kv_groups), when the engine bounds sliding
+    # windows: the parts read within a horizon live in their own block pool. None: one group.
+    window: AttentionMetadata | None = None
+
+    def windowed(self) -> AttentionMetadata:
+        """The metadata of the windowed parts (sliding K/V, bounded planes): themselves in one group."""
+        return self.window or self
 
     @property
     def num_seqs(self) -> int:
@@ -166,6 +180,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[to
     Returns [T, Hq, Dv]. Earlier context comes from the cache, so chunked prefill, prefix-cache
     hits and decode all go through the same path.
     """
+    if sliding_window is not None:
+        meta = meta.windowed()
     write_kv(k, v, kv_cache, meta.slot_mapping)
     k_cache, v_cache = kv_cache
     if meta.decode_only and not meta.batch_invariant:

@@ -30,6 +30,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Sliding-window layers (and other parts read within a horizon) keep only the blocks their window
+    # still sees, in a pool of their own (engine.kv_groups): O(window) KV per request. Off by default
+    # while KV transfer and the KV tiers move one block list per request (the engine refuses them
+    # when on).
+    bound_sliding_window: bool = False
     async_scheduling: bool = False  # overlap CPU work of step N with execution of step N+1
     num_speculative_tokens: int = 0  # n-gram (prompt lookup) drafts per step; 0 = off
     deterministic: bool = False  # batch-invariant results: same request, same tokens, any batch

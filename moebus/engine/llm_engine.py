@@ -19,17 +19,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moebus.engine.block_manager import BlockManager
 from moebus.engine.config import EngineConfig
 from moebus.engine.detokenizer import StopStringMatcher
 from moebus.engine.isolation import RequestFailed, isolate
+from moebus.engine.kv_groups import KVLayout, PoolSizing, allocate_caches, build_block_manager, pool_sizes
 from moebus.engine.model_runner import (
     PLACEHOLDER,
     ModelInput,
     ModelRunner,
     StepResult,
-    allocate_kv_caches,
-    kv_bytes_per_block,
 )
 from moebus.engine.models import load_model
 from moebus.engine.multimodal import ImageSpan, check_spans
@@ -75,15 +73,19 @@ class LLMEngine:
         self.hf_config = loaded.hf_config
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model)
         specs = self.model.kv_cache_specs()
-        num_blocks = config.num_kv_blocks or max(
-            16, config.kv_cache_bytes // kv_bytes_per_block(specs, config.block_size, config.torch_dtype))
+        self.kv_layout = layout = KVLayout.plan(specs, config.bound_sliding_window)
+        num_blocks = pool_sizes(specs, layout, PoolSizing(
+            config.block_size, config.kv_cache_bytes, config.num_kv_blocks, config.max_num_seqs,
+            config.max_num_batched_tokens, config.max_model_len), config.torch_dtype)
         device = torch.device(config.device)
-        caches = allocate_kv_caches(specs, num_blocks, config.block_size, config.torch_dtype, device)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        caches = allocate_caches(specs, layout, num_blocks, config.block_size, config.torch_dtype, device)
+        self.block_manager = build_block_manager(layout, num_blocks, config.block_size,
+                                                 config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
         self.vocab_size = vocab = int(self.hf_config["vocab_size"])
         self.runner = ModelRunner(self.model, caches, config.block_size, device,
-                                  list(self.tokenizer.eos_token_ids), batch_invariant=config.deterministic)
+                                  list(self.tokenizer.eos_token_ids), batch_invariant=config.deterministic,
+                                  windowed=layout.grouped)
         self.grammars = GrammarHub(self.tokenizer, vocab)
         if draft_proposer is not None and not config.num_speculative_tokens:
             raise ValueError("a draft proposer needs num_speculative_tokens >= 1")
@@ -175,6 +177,8 @@ class LLMEngine:
     @property
     def kv(self) -> KVConnector:
         if self._kv is None:
+            if self.kv_layout.grouped:  # they move req.block_ids only (engine.kv_groups.group_block_ids)
+                raise NotImplementedError("KV transfer and KV tiers with bound_sliding_window")
             from moebus.engine.kv_connector import KVConnector  # kv_transfer pulls in its transports
 
             self._kv = KVConnector(self)

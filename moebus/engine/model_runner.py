@@ -65,7 +65,10 @@ def kv_bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.d
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, eos_token_ids: list[int],
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, windowed: bool = False) -> None:
+        """windowed: the caches have a windowed KV group (engine.kv_groups), indexed by each
+        request's window_block_ids."""
+        self.windowed = windowed
         self.model = make_batch_invariant(model) if batch_invariant else model
         if not batch_invariant and device.type == "cpu":
             pack_linears(self.model)  # fp32/bf16 GEMMs on prepacked oneDNN weights
@@ -120,11 +123,27 @@ class ModelRunner:
         meta = AttentionMetadata(qsl, seq_lens, torch.tensor(slots, dtype=torch.long, device=dev),
                                  tables.to(dev), torch.tensor(seq_lens, dtype=torch.int32, device=dev), bs,
                                  batch_invariant=self.batch_invariant)
+        if self.windowed:
+            meta.window = self._window_meta(sched, meta)
         sampled = sorted(set(sample_owner))
         return ModelInput(sched, ids, pending, torch.tensor(pos, device=dev), meta, sample_rows, sample_owner,
                           grammar_masks, [list(sched.scheduled[j].request.output_token_ids) for j in sampled],
                           [list(sched.scheduled[j].request.draft_token_ids) for j in sampled],
                           step_embeds(image_chunks, dev) if image_chunks else None)
+
+    def _window_meta(self, sched: SchedulerOutput, meta: AttentionMetadata) -> AttentionMetadata:
+        """The windowed group's slots and tables; a block the window has passed (-1) reads as block 0,
+        which no query's window includes."""
+        bs, slots = self.block_size, []
+        for s in sched.scheduled:
+            ids = s.request.window_block_ids
+            slots.extend(ids[p // bs] * bs + p % bs for p in range(s.start, s.start + s.num_tokens))
+        width = meta.block_tables.shape[1]
+        tables = torch.tensor([[max(b, 0) for b in s.request.window_block_ids] + [0] * (width - len(
+            s.request.window_block_ids)) for s in sched.scheduled], dtype=torch.int32)
+        dev = self.device
+        return AttentionMetadata(meta.query_start_loc, meta.seq_lens, torch.tensor(slots, dtype=torch.long, device=dev),
+                                 tables.to(dev), meta.seq_lens_t, meta.block_size, meta.batch_invariant)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> StepResult:

@@ -245,9 +245,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             if comp is None:
                 specs.append(KVCacheSpec(1, c.head_dim, c.head_dim, sliding_window=c.sliding_window))
                 continue
-            planes = [CachePlane(1, comp.src_dim), CachePlane(comp.rate, c.head_dim)]
+            # a window closing at token p pools the rows of (p - span, p]: span = 2 * rate with overlap
+            span = comp.rate * (2 if comp.overlap else 1)
+            planes = [CachePlane(1, comp.src_dim, span), CachePlane(comp.rate, c.head_dim)]
             if comp.indexer is not None:
-                planes += [CachePlane(1, comp.indexer.src_dim), CachePlane(comp.rate, c.index_head_dim)]
+                planes += [CachePlane(1, comp.indexer.src_dim, 2 * comp.rate), CachePlane(comp.rate, c.index_head_dim)]
             specs.append(KVCacheSpec(1, c.head_dim, 0, sliding_window=c.sliding_window, planes=tuple(planes)))
         return specs
 
@@ -261,7 +263,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             rope.append(self.compress_rope.cos_sin(positions, c.rope_dim, x.dtype))
         plans = {k: build_plan(meta, positions, c.compress_rates[k], k == "compressed_sparse_attention")
                  for k in kinds}
-        window = window_slots(meta, positions, c.sliding_window) if kinds else None  # one gather map per step
+        window = window_slots(meta.windowed(), positions, c.sliding_window) if kinds else None  # one gather map per step
         for plan in plans.values():
             plan.cos, plan.sin = self.compress_rope.cos_sin(plan.positions, c.rope_dim, x.dtype)
             plan.window = window

@@ -126,14 +126,15 @@ class DeepseekV4Attention(nn.Module):
                            plan: CompressPlan) -> torch.Tensor:
         """Cache (k, v (empty: K=V is read from k), src, entries[, indexer src, indexer keys])."""
         k_cache, _, src, entries, *index_planes = kv_cache
-        k_cache.view(-1, self.head_dim).index_copy_(0, meta.slot_mapping, kv.flatten(1).to(k_cache.dtype))
+        slot_mapping = meta.windowed().slot_mapping  # K and the per-token rows: windowed parts
+        k_cache.view(-1, self.head_dim).index_copy_(0, slot_mapping, kv.flatten(1).to(k_cache.dtype))
         comp = self.compressor
-        comp.write(x, meta.slot_mapping, src)
+        comp.write(x, slot_mapping, src)
         comp.compress(plan, src, entries)  # before attending: a query sees the window it closes
         n_entries = plan.entry_rows.numel()
         if index_planes:
             isrc, ikeys = index_planes
-            comp.indexer.write(x, meta.slot_mapping, isrc)
+            comp.indexer.write(x, slot_mapping, isrc)
             comp.indexer.compress(plan, isrc, ikeys)
             picks = comp.indexer.select(x, q_residual, cos, sin, plan, ikeys)  # [T, topk], -1 = none
             extra_valid = picks >= 0

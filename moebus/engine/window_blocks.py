@@ -1,0 +1,138 @@
+"""Block manager of an engine with two KV groups (engine.kv_groups).
+
+The full-history parts live in `req.block_ids` (the base BlockManager, unchanged). The windowed
+parts, read only within the last `horizon` tokens, live in a second pool, `self.win`, indexed by
+`req.window_block_ids`: logical block i of the request, or -1 once the window has passed it (or
+when a long prompt's prefix hit never needed it). A passed block goes back to the LRU free list
+with its hash kept, so a later request with the same prefix can still revive it.
+
+Prefix hits: n blocks count only when the full pool caches all n and the window pool caches the
+blocks the next token's window reads; otherwise the hit shrinks to the longest shorter prefix that
+has them, and the tokens after it are recomputed ("replay"), so a hit equals a cold run.
+"""
+from __future__ import annotations
+
+from moebus.engine.block_manager import BlockManager
+from moebus.engine.request import Request
+
+
+class WindowedBlockManager(BlockManager):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, window_blocks: int,
+                 horizon: int) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        if horizon < 1:
+            raise ValueError("horizon must be >= 1")
+        self.horizon = horizon
+        self.win = BlockManager(window_blocks, block_size, enable_prefix_caching)
+
+    @property
+    def usage(self) -> float:
+        return max(1.0 - len(self.free) / len(self.blocks), self.win.usage)
+
+    def first_live(self, computed: int) -> int:
+        """Logical index of the first window block read by the tokens from `computed` on."""
+        return max(0, computed - self.horizon + 1) // self.block_size
+
+    def window_blocks_held(self, req: Request) -> int:
+        return sum(1 for b in req.window_block_ids if b >= 0)
+
+    def _window_hits(self, req: Request, n_hit: int) -> list[int] | None:
+        """Window-pool ids of blocks [first_live(n_hit * bs), n_hit) in the prefix cache; None if one is not."""
+        ids = []
+        for i in range(self.first_live(n_hit * self.block_size), n_hit):
+            bid = self.win.cached.get(req.block_hashes[i])
+            if bid is None:
+                return None
+            ids.append(bid)
+        return ids
+
+    def match_prefix(self, req: Request) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        hits = self.cached_prefix(self.full_block_hashes(req))
+        n = len(hits)
+        while n and n * self.block_size >= req.num_tokens:
+            n -= 1  # the last token must run through the model to produce logits
+        while n and self._window_hits(req, n) is None:
+            n -= 1  # the window tail of this hit was evicted: replay from an earlier prefix
+        self.queries += 1
+        self.hits += bool(n)
+        return hits[:n]
+
+    def _window_plan(self, req: Request, num_tokens: int, cached: list[int]) -> tuple[int, list[int], int]:
+        """(first live index, window-pool prefix hits from there, fresh blocks still needed)."""
+        start = len(cached) * self.block_size if cached else req.num_computed_tokens
+        lo, hi = self.first_live(start), -(-num_tokens // self.block_size)
+        hits = (self._window_hits(req, len(cached)) or []) if cached else []
+        have = req.window_block_ids
+        missing = sum(1 for i in range(lo + len(hits), hi) if i >= len(have) or have[i] < 0)
+        return lo, hits, missing
+
+    def can_allocate(self, req: Request, num_tokens: int, cached: list[int] = ()) -> bool:
+        if not super().can_allocate(req, num_tokens, cached):
+            return False
+        _, hits, missing = self._window_plan(req, num_tokens, cached)
+        return missing + self.win.num_free_of(hits) <= len(self.win.free)
+
+    def allocate(self, req: Request, num_tokens: int, cached: list[int] = ()) -> None:
+        lo, hits, _ = self._window_plan(req, num_tokens, cached)
+        super().allocate(req, num_tokens, cached)
+        ids = req.window_block_ids
+        hi = -(-num_tokens // self.block_size)
+        ids.extend([-1] * (max(hi, len(cached)) - len(ids)))
+        for k, bid in enumerate(hits):
+            self.win._take(bid)
+            ids[lo + k] = bid
+        for i in range(lo, hi):
+            if ids[i] < 0:
+                ids[i] = self.win._pop_free()
+
+    def trim(self, req: Request) -> None:
+        """Free the window blocks no token from req.num_computed_tokens on reads (tail first)."""
+        ids = req.window_block_ids
+        i = min(self.first_live(req.num_computed_tokens), len(ids)) - 1
+        while i >= 0 and ids[i] >= 0:
+            self._release(ids[i])
+            ids[i] = -1
+            i -= 1
+
+    def _release(self, bid: int) -> None:
+        blk = self.win.blocks[bid]
+        blk.ref_count -= 1
+        if blk.ref_count == 0:
+            self.win.free[bid] = None
+
+    def cache_blocks(self, req: Request) -> None:
+        super().cache_blocks(req)
+        if not self.enable_prefix_caching:
+            return
+        hashes, ids = req.block_hashes, req.window_block_ids
+        n_full = min(req.num_computed_tokens // self.block_size, len(hashes), len(ids))
+        for i in range(_first_held(ids), n_full):
+            blk = self.win.blocks[ids[i]]
+            if blk.block_hash is None and hashes[i] not in self.win.cached:
+                blk.block_hash = hashes[i]
+                self.win.cached[hashes[i]] = blk.block_id
+
+    def free_request(self, req: Request) -> None:
+        super().free_request(req)
+        for bid in reversed(req.window_block_ids):
+            if bid >= 0:
+                self._release(bid)
+        req.window_block_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        super().reset_prefix_cache()
+        self.win.reset_prefix_cache()
+
+
+def _first_held(ids: list[int]) -> int:
+    """Index of the first held block: the -1 entries (passed by the window) form a prefix."""
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ids[mid] < 0:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,188 @@
+"""Bounded sliding-window KV (engine.kv_groups, engine.window_blocks): a windowed part keeps only the
+blocks its window still reads, and every run gives the tokens of the unbounded engine.
+
+Tiny random DeepSeek-V4 checkpoints: all-sliding (a pure sliding-window toy: every part windowed)
+and sliding/CSA/HCA (windowed K and compressor rows, full-history compressed entries). Window 16,
+block 16, prompts up to 300 tokens: many windows, and many CSA (4) / HCA (32) compression windows.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moebus.engine.attention import CachePlane, KVCacheSpec
+from moebus.engine.kv_groups import FULL, WINDOW, KVLayout, group_block_ids
+from moebus.engine.llm import LLM
+from moebus.engine.models.hf_checkpoint import write_tiny_deepseek_v4
+from moebus.engine.request import Request
+from moebus.engine.sampling import SamplingParams
+from moebus.engine.window_blocks import WindowedBlockManager
+
+MIXED = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+         "compressed_sparse_attention"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+KV_BLOCKS = 96
+
+
+def _req(rid: str, n: int) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4))
+
+
+def test_window_blocks_are_freed_and_bounded():
+    bm = WindowedBlockManager(64, 16, True, window_blocks=8, horizon=32)
+    r = _req("a", 400)
+    held = []
+    for start in range(0, 400, 16):  # chunked prefill, 16 tokens a step
+        r.num_computed_tokens = start
+        bm.trim(r)
+        assert bm.can_allocate(r, start + 16)
+        bm.allocate(r, start + 16)
+        held.append(bm.window_blocks_held(r))
+        bm.cache_blocks(r)
+    assert len(r.block_ids) == 25  # the full group keeps every block
+    assert len(r.window_block_ids) == 25 and max(held) == 3  # tokens (p - 32, p]: 3 blocks at most
+    assert r.window_block_ids[:22] == [-1] * 22 and min(r.window_block_ids[22:]) >= 0
+    assert group_block_ids(r, WINDOW) is r.window_block_ids and group_block_ids(r, FULL) is r.block_ids
+    bm.free_request(r)
+    assert bm.win.num_free_blocks == 8 and bm.num_free_blocks == 64
+
+
+def test_prefix_hit_needs_the_window_tail():
+    bm = WindowedBlockManager(64, 16, True, window_blocks=8, horizon=32)
+    a = _req("a", 100)
+    bm.allocate(a, 100)
+    a.num_computed_tokens = 100
+    bm.cache_blocks(a)
+    bm.free_request(a)
+    b = _req("b", 100)
+    hits = bm.match_prefix(b)  # 6 full blocks; the window of token 96 reads blocks 4 and 5
+    assert len(hits) == 6
+    bm.allocate(b, 100, hits)
+    assert b.window_block_ids[:4] == [-1] * 4 and b.num_computed_tokens == 96
+    assert bm.window_blocks_held(b) == 3  # blocks 4, 5 revived, block 6 fresh
+    bm.free_request(b)
+    # evict block 5 from the window pool: the hit falls back to 5 blocks (token 80 reads 49..79:
+    # blocks 3, 4); evict block 3 too: 4 blocks need 2, 3; 3 blocks need 1, 2
+    bm.win.cached.pop(a.block_hashes[5])
+    assert len(bm.match_prefix(_req("c", 100))) == 5
+    bm.win.cached.pop(a.block_hashes[3])
+    assert len(bm.match_prefix(_req("d", 100))) == 3
+
+
+def test_layout_groups_parts_by_horizon():
+    specs = [KVCacheSpec(1, 8, 8), KVCacheSpec(1, 8, 8, sliding_window=16),
+             KVCacheSpec(1, 8, 0, sliding_window=16, planes=(CachePlane(1, 4, 8), CachePlane(4, 8)))]
+    layout = KVLayout.plan(specs, bounded=True)
+    assert layout.groups == ((FULL, FULL), (WINDOW, WINDOW), (WINDOW, WINDOW, WINDOW, FULL))
+    assert layout.horizon == 16
+    assert not KVLayout.plan(specs, bounded=False).grouped
+    assert not KVLayout.plan(specs[:1], bounded=True).grouped  # nothing windowed: one group
+    full, win = layout.bytes_per_block(specs, 16, torch.float32)
+    assert full == 4 * (2 * 8 * 16 + 4 * 8) and win == 4 * (2 * 8 * 16 + 8 * 16 + 4 * 16)
+    assert layout.blocks_per_request(1000, 16) == (63, 2)  # tokens 984..999: blocks 61, 62
+
+
+@pytest.fixture(scope="module", params=["sliding", "mixed"])
+def ckpt(request, tmp_path_factory: pytest.TempPathFactory):
+    kinds = {} if request.param == "sliding" else dict(
+        layer_types=MIXED, index_n_heads=8, index_topk=4,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32})
+    return str(write_tiny_deepseek_v4(tmp_path_factory.mktemp("dsv4w"), seed=1, **kinds))
+
+
+def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def tokens(llm: LLM, ps: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in llm.generate(ps, params)]
+
+
+def engine(ckpt: str, bounded: bool = True, **kw) -> LLM:
+    kw = {"num_kv_blocks": KV_BLOCKS, "max_num_batched_tokens": 4096, **kw}
+    return LLM(ckpt, tokenizer="smollm2", bound_sliding_window=bounded, **kw)
+
+
+@pytest.fixture(scope="module")
+def unbounded(ckpt):
+    llm = engine(ckpt, bounded=False, enable_prefix_caching=False)
+    return lambda ps, params=GREEDY: [tokens(llm, [p], params)[0] for p in ps]
+
+
+def test_bounded_matches_unbounded_batched_and_chunked(ckpt, unbounded):
+    ps = prompts(1, (300, 37, 140))
+    expected = unbounded(ps)
+    llm = engine(ckpt, enable_prefix_caching=False)
+    assert llm.engine.kv_layout.grouped
+    assert [tokens(llm, [p])[0] for p in ps] == expected  # single
+    assert tokens(llm, ps) == expected  # batched
+    chunked = engine(ckpt, enable_prefix_caching=False, max_num_batched_tokens=45)
+    assert tokens(chunked, ps) == expected  # 45-token chunks through every prompt
+
+
+def test_blocks_held_stay_bounded_while_context_grows(ckpt, unbounded):
+    p = prompts(2, (200,))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm = engine(ckpt, enable_prefix_caching=False, max_num_batched_tokens=32)
+    eng, bm = llm.engine, llm.engine.block_manager
+    eng.add_request("r", p, params)
+    out, held, full = [], [], []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out.extend(o.new_token_ids)
+        for r in eng.scheduler.running:
+            held.append(bm.window_blocks_held(r))
+            full.append(len(r.block_ids))
+    assert out == unbounded([p], params)[0]
+    # computing tokens [s, s + n) reads blocks (s - H + 1) // 16 .. (s + n - 1) // 16: at most
+    # (n + H - 2) // 16 + 2 of them (H: 16 all-sliding, 32 mixed: the HCA rows), while the full
+    # group grows with the context to ceil(263 / 16) = 17 blocks
+    h = bm.horizon
+    assert max(held) <= (32 + h - 2) // 16 + 2 and held[-1] <= (h - 1) // 16 + 2
+    assert max(full) == 17
+    assert bm.win.num_free_blocks == len(bm.win.blocks)  # all given back
+
+
+def test_prefix_cache_hit_matches_cold_run(ckpt, unbounded):
+    base = prompts(3, (150,))[0]
+    branch = base[:100] + prompts(4, (40,))[0]  # shares 6 full blocks with base
+    expected = unbounded([base, branch])
+    llm = engine(ckpt)
+    assert tokens(llm, [base]) == expected[:1]
+    hits = llm.engine.stats()["prefix_cache_hits"]
+    assert tokens(llm, [branch]) == expected[1:]
+    assert llm.engine.stats()["prefix_cache_hits"] == hits + 1
+    assert tokens(llm, [base]) == expected[:1]
+    # replay: evict the base's window blocks; the hit shrinks to what the window pool still has
+    llm.engine.block_manager.win.reset_prefix_cache()
+    hits = llm.engine.stats()["prefix_cache_hits"]
+    assert tokens(llm, [branch]) == expected[1:]
+    assert llm.engine.stats()["prefix_cache_hits"] == hits  # no window tail: recomputed
+
+
+def test_preemption_recompute_matches_unbounded(ckpt, unbounded):
+    ps = prompts(5, (95, 94, 93))
+    expected = unbounded(ps)
+    llm = engine(ckpt, enable_prefix_caching=False, num_kv_blocks=13)
+    eng = llm.engine
+    ids = [f"p{i}" for i in range(len(ps))]
+    for rid, p in zip(ids, ps, strict=True):
+        eng.add_request(rid, p, GREEDY)
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    preempted = 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out[o.request_id].extend(o.new_token_ids)
+        live = list(eng.scheduler.running) + list(eng.scheduler.waiting)
+        preempted = max(preempted, sum(r.num_preemptions for r in live))
+    all_windowed = all(g == WINDOW for row in eng.kv_layout.groups for g in row)
+    # 13 blocks: the mixed model's full pool runs out (two 6-block prompts cross token 96); the
+    # all-sliding toy holds 2 blocks a request once prefilled and never has to preempt
+    assert preempted == 0 if all_windowed else preempted > 0
+    assert [out[rid] for rid in ids] == expected
+
+
+def test_kv_movement_refuses_a_grouped_engine(ckpt):
+    with pytest.raises(NotImplementedError):
+        engine(ckpt).engine.kv  # noqa: B018
