@@ -31,8 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this tree's moebus.loadtest, whichever tree the stack runs
 
+from floors import nats_round_trips, wait_listening  # noqa: E402  (loadtest/floors.py, beside this script)
+
 from moebus.loadtest.client import RequestRecord, make_client, send  # noqa: E402
-from moebus.loadtest.floors import nats_round_trips, wait_listening  # noqa: E402
 from moebus.loadtest.ttft_split import LEGS, OVERHEAD, medians, quantile, split_all  # noqa: E402
 from moebus.shared.nats_server import free_port  # noqa: E402
 from moebus.shared.trace_view import read_spans  # noqa: E402
@@ -97,9 +98,9 @@ async def drive(url: str, model: str, n: int, prompt: str, output_len: int, chat
 
 
 def run_floor(args: argparse.Namespace, rnd: int) -> dict:
-    """The same client and requests against a bare aiohttp SSE server (moebus/loadtest/floors.py)."""
+    """The same client and requests against a bare aiohttp SSE server (loadtest/floors.py)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moebus.loadtest.floors", "sse", str(port)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, str(REPO / "loadtest" / "floors.py"), "sse", str(port)], cwd=REPO,
                             start_new_session=True)
     try:
         wait_listening(port)

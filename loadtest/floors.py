@@ -1,9 +1,10 @@
-"""What no server can go under on this box, for loadtest/bench_ttft_overhead.py: a bare aiohttp
-SSE server (the client + HTTP floor of a first token) and raw nats-py request/reply between two
-processes (the floor of the stack's bus hops).
+"""What no server can go under on this box, for bench_ttft_overhead.py: a bare aiohttp SSE server
+(the client + HTTP floor of a first token) and raw nats-py request/reply between two processes
+(the floor of the stack's bus hops). A script beside the benchmarks, not moebus.loadtest: the
+load tester is an HTTP client and imports no NATS.
 
-    python -m moebus.loadtest.floors sse PORT    # serve the bare SSE answer
-    python -m moebus.loadtest.floors echo URL    # answer `ping` requests on that NATS
+    python loadtest/floors.py sse PORT    # serve the bare SSE answer
+    python loadtest/floors.py echo URL    # answer `ping` requests on that NATS
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def nats_round_trips(n: int, gap_s: float = 0.05) -> list[float]:
         return xs[5:]  # the first ones warm up
 
     with NatsServer() as server:
-        echo = subprocess.Popen([sys.executable, "-m", __name__, "echo", server.url], start_new_session=True)
+        echo = subprocess.Popen([sys.executable, __file__, "echo", server.url], start_new_session=True)
         try:
             time.sleep(1.0)  # subscribed by then (a no-responders error otherwise)
             return asyncio.run(ping(server.url))
