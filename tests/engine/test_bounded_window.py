@@ -186,3 +186,21 @@ def test_preemption_recompute_matches_unbounded(ckpt, unbounded):
 def test_kv_movement_refuses_a_grouped_engine(ckpt):
     with pytest.raises(NotImplementedError):
         engine(ckpt).engine.kv  # noqa: B018
+
+
+def test_drafts_async_and_deterministic_modes_match_unbounded(ckpt, unbounded):
+    """Rejected n-gram drafts write past the accepted tokens; async scheduling frees blocks while the
+    previous step runs; deterministic mode gathers whole sequences (passed blocks read as block 0,
+    masked out). Each gives the unbounded engine's tokens (and, deterministic, its logprobs)."""
+    motif = prompts(6, (12,))[0]
+    ps = [motif * 8 + motif[:5], prompts(7, (97,))[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    expected = unbounded(ps, params)
+    spec = engine(ckpt, enable_prefix_caching=False, num_speculative_tokens=3)
+    assert tokens(spec, ps, params) == expected
+    assert spec.engine.spec_stats.num_accepted < spec.engine.spec_stats.num_draft_tokens  # some rejected
+    assert tokens(engine(ckpt, async_scheduling=True, max_num_batched_tokens=45), ps, params) == expected
+    sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=6, logprobs=1)
+    det = [llm.generate(ps, sampled) for llm in (engine(ckpt, bounded=b, deterministic=True) for b in (False, True))]
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in det[0]] == \
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in det[1]]
