@@ -41,10 +41,13 @@ from moebus.shared.trace_view import read_spans  # noqa: E402
 SPAN_FLUSH_S = 6.0  # the services' BatchSpanProcessor exports every 5 s
 
 
-def start_stack(tree: Path, model: str, port: int, spans: Path, logs: Path, extra: list[str]) -> subprocess.Popen:
+def start_stack(tree: Path, model: str, port: int, spans: Path | None, logs: Path,
+                extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(tree) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     args = [sys.executable, "-c", "from moebus.cli import main; main()", "up", "--model", model,
-            "--host", "127.0.0.1", "--port", str(port), "--trace-file", str(spans), "--log-dir", str(logs), *extra]
+            "--host", "127.0.0.1", "--port", str(port), "--log-dir", str(logs), *extra]
+    if spans is not None:
+        args += ["--trace-file", str(spans)]
     return subprocess.Popen(args, cwd=tree, env=env, stdout=open(logs / "up.log", "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -121,17 +124,17 @@ def run_once(name: str, tree: Path, args: argparse.Namespace, out: Path, rnd: in
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     spans, port = run_dir / "spans.jsonl", free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_stack(tree, args.model, port, spans, run_dir / "logs", args.up_args.split())
+    proc = start_stack(tree, args.model, port, spans if args.trace else None, run_dir / "logs", args.up_args.split())
     try:
         wait_ready(proc, url, args.model)
         asyncio.run(drive(url, args.model, args.warmup, args.prompt, args.output_len, args.chat, args.gap))
         load_before = os.getloadavg()
         recs = asyncio.run(drive(url, args.model, args.requests, args.prompt, args.output_len, args.chat, args.gap))
         load_after = os.getloadavg()
-        time.sleep(SPAN_FLUSH_S)
+        time.sleep(SPAN_FLUSH_S if args.trace else 0)
     finally:
         stop(proc)
-    legs = split_all(read_spans(str(spans)), recs)
+    legs = split_all(read_spans(str(spans)), recs) if args.trace else []
     ok = sum(r.ok for r in recs)
     res = {"tree": name, "round": rnd, "ok": ok, "requests": len(recs), "split": len(legs), "legs": legs,
            "ttft_ms": [1000 * r.ttft_s for r in recs if r.ok and r.ttft_s is not None],
@@ -183,6 +186,8 @@ def main() -> None:
                     help="chat completions (default) or text completions")
     ap.add_argument("--gap", type=float, default=0.2, help="seconds between requests")
     ap.add_argument("--up-args", default="", help="more `moebus up` flags, one string")
+    ap.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-trace: no spans, so no split; the TTFT alone (what tracing itself costs)")
     ap.add_argument("--out", default=None, help="a folder for spans, logs and results (default: a temp dir)")
     ap.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
                     help="each round, the same client against a bare aiohttp SSE server: the client + HTTP floor")
