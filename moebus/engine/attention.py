@@ -4,6 +4,8 @@ The batch is flattened ("varlen"): T query tokens from B sequences, sequence b o
 query_start_loc[b]:query_start_loc[b+1]. Every layer's cache is a pair of tensors
 `k_cache [num_blocks, block_size, Hkv, Dk]`, `v_cache [num_blocks, block_size, Hkv, Dv]`;
 a token at logical position p of sequence b lives in slot block_tables[b, p // bs] * bs + p % bs.
+With bounded sliding windows (engine.kv_groups) a sliding layer's k/v live in the windowed pool:
+`attend` then reads `meta.windowed()`'s tables and slots instead.
 """
 from __future__ import annotations
 

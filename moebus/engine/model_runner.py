@@ -9,6 +9,7 @@ from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.batch_invariant import make_batch_invariant, tiled
 from moebus.engine.cpu_linear import pack_linears
 from moebus.engine.isolation import isolate
+from moebus.engine.kv_groups import KVLayout, allocate_caches
 from moebus.engine.multimodal import ImageSpan, MMEmbeds, step_embeds
 from moebus.engine.request import Request
 from moebus.engine.sampling.batch import takes_raw_argmax
@@ -48,18 +49,12 @@ class ModelInput:
 
 def allocate_kv_caches(specs: list[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    """Per layer (k, v, *planes), every tensor indexed by block id first."""
-    return [(torch.zeros(num_blocks, block_size, s.num_kv_heads, s.k_dim, dtype=dtype, device=device),
-             torch.zeros(num_blocks, block_size, s.num_kv_heads, s.v_dim, dtype=dtype, device=device),
-             *(torch.zeros(num_blocks, p.rows_per_block(block_size), p.dim, dtype=dtype, device=device)
-               for p in s.planes))
-            for s in specs]
+    """Per layer (k, v, *planes), every tensor indexed by block id first (one KV group)."""
+    return allocate_caches(specs, KVLayout.plan(specs, bounded=False), (num_blocks, 0), block_size, dtype, device)
 
 
 def kv_bytes_per_block(specs: list[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
-    per_block = sum(s.num_kv_heads * (s.k_dim + s.v_dim) * block_size
-                    + sum(p.rows_per_block(block_size) * p.dim for p in s.planes) for s in specs)
-    return per_block * torch.empty((), dtype=dtype).element_size()
+    return KVLayout.plan(specs, bounded=False).bytes_per_block(specs, block_size, dtype)[0]
 
 
 class ModelRunner:
