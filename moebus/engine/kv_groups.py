@@ -104,7 +104,8 @@ class PoolSizing:
 def pool_sizes(specs: list[KVCacheSpec], layout: KVLayout, s: PoolSizing, dtype: torch.dtype) -> tuple[int, int]:
     """(FULL, WINDOW) blocks. The window pool gets what a full batch can hold at once (every
     sequence's window plus a step's worth of new tokens) twice over, so passed blocks linger for
-    prefix hits, within half the bytes; the full pool gets the rest."""
+    prefix hits, within half the bytes (but never less than one full prefill chunk's); the full
+    pool gets the rest."""
     per_full, per_window = layout.bytes_per_block(specs, s.block_size, dtype)
     if not layout.grouped:
         return s.num_kv_blocks or max(16, s.kv_cache_bytes // per_full), 0
@@ -115,7 +116,8 @@ def pool_sizes(specs: list[KVCacheSpec], layout: KVLayout, s: PoolSizing, dtype:
         return s.max_num_seqs * -(-s.max_model_len // bs) + 1, window
     if s.num_kv_blocks is not None:
         return s.num_kv_blocks, min(2 * batch, s.num_kv_blocks)
-    window = max(16, min(2 * batch, s.kv_cache_bytes // 2 // per_window))
+    one_chunk = -(-s.max_num_batched_tokens // bs) + -(-layout.horizon // bs) + 2  # else a full chunk never fits
+    window = max(16, one_chunk, min(2 * batch, s.kv_cache_bytes // 2 // per_window))
     return max(16, (s.kv_cache_bytes - window * per_window) // per_full), window
 
 

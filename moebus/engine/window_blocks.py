@@ -63,7 +63,9 @@ class WindowedBlockManager(BlockManager):
         """(first live index, window-pool prefix hits from there, fresh blocks still needed)."""
         start = len(cached) * self.block_size if cached else req.num_computed_tokens
         lo, hi = self.first_live(start), -(-num_tokens // self.block_size)
-        hits = (self._window_hits(req, len(cached)) or []) if cached else []
+        hits = self._window_hits(req, len(cached)) if cached else []
+        if hits is None:  # not from match_prefix: the window tail's KV is nowhere
+            raise ValueError(f"{req.request_id}: a prefix hit of {len(cached)} blocks whose window tail is not cached")
         have = req.window_block_ids
         missing = sum(1 for i in range(lo + len(hits), hi) if i >= len(have) or have[i] < 0)
         return lo, hits, missing

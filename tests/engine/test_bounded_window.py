@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moebus.engine.attention import CachePlane, KVCacheSpec
-from moebus.engine.kv_groups import FULL, WINDOW, KVLayout, group_block_ids
+from moebus.engine.kv_groups import FULL, WINDOW, KVLayout, PoolSizing, group_block_ids, pool_sizes
 from moebus.engine.llm import LLM
 from moebus.engine.models.hf_checkpoint import write_tiny_deepseek_v4
 from moebus.engine.request import Request
@@ -80,6 +80,33 @@ def test_layout_groups_parts_by_horizon():
     full, win = layout.bytes_per_block(specs, 16, torch.float32)
     assert full == 4 * (2 * 8 * 16 + 4 * 8) and win == 4 * (2 * 8 * 16 + 8 * 16 + 4 * 16)
     assert layout.blocks_per_request(1000, 16) == (63, 2)  # tokens 984..999: blocks 61, 62
+
+
+def test_pool_sizes_split_the_bytes():
+    specs = [KVCacheSpec(1, 8, 8, sliding_window=16), KVCacheSpec(1, 8, 0, planes=(CachePlane(4, 8),))]
+    layout = KVLayout.plan(specs, bounded=True)
+    per_full, per_win = layout.bytes_per_block(specs, 16, torch.float32)
+    sizing = PoolSizing(16, 1 << 20, None, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024)
+    full, win = pool_sizes(specs, layout, sizing, torch.float32)
+    assert win == 2 * (4 * (1 + 2) + 64 // 16)  # twice a full batch: 4 windows of 1 (+2) blocks, one step's tokens
+    assert full == ((1 << 20) - win * per_win) // per_full  # the rest
+    big_chunks = PoolSizing(16, 1 << 20, None, max_num_seqs=1, max_num_batched_tokens=4096, max_model_len=8192)
+    assert pool_sizes(specs, layout, big_chunks, torch.float32)[1] >= 4096 // 16 + 1  # a whole chunk fits
+    assert pool_sizes(specs, layout, PoolSizing(16, 1 << 20, 13, 4, 64, 1024), torch.float32) == (13, 13)
+
+
+def test_a_hit_without_its_window_tail_is_refused():
+    bm = WindowedBlockManager(64, 16, True, window_blocks=16, horizon=32)
+    a = _req("a", 100)
+    bm.allocate(a, 100)
+    a.num_computed_tokens = 100
+    bm.cache_blocks(a)
+    bm.free_request(a)
+    bm.win.cached.pop(a.block_hashes[2])  # a 3-block hit resumes at token 48, whose window reads blocks 1, 2
+    b = _req("b", 100)
+    hits = bm.cached_prefix(bm.full_block_hashes(b))[:3]  # the full pool has them; match_prefix would not
+    with pytest.raises(ValueError, match="window tail"):
+        bm.allocate(b, 100, hits)
 
 
 @pytest.fixture(scope="module", params=["sliding", "mixed"])
