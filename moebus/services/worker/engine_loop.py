@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -75,8 +76,9 @@ class EngineLoop:
                  on_fatal: Callable[[BaseException], None], on_ready: Callable[[], None] = lambda: None,
                  kv: EngineKV | None = None, max_restarts: int = 3, max_failed_steps: int = 3,
                  restart_backoff_s: float = 1.0, healthy_after_s: float = 300.0,
-                 warmup: Callable[[EnginePort], None] | None = None) -> None:
+                 warmup: Callable[[EnginePort], None] | None = None, nice: int = 0) -> None:
         self._factory, self._loop, self.kv = factory, loop, kv
+        self.nice = nice  # added to the engine thread's nice value (Linux: per thread), see _lower_priority
         self._warmup = warmup  # run on each new engine before it is ready (kernels compiled, paths run once)
         self.max_restarts, self.max_failed_steps, self.restart_backoff_s = max_restarts, max_failed_steps, \
             restart_backoff_s
@@ -130,6 +132,8 @@ class EngineLoop:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        if self.nice:
+            _lower_priority(self.nice)
         while True:
             built = time.monotonic()
             try:
@@ -254,6 +258,17 @@ class EngineLoop:
         else:
             self._prefill_only.discard(cmd[1])
             self.engine.abort_request(cmd[1])
+
+
+def _lower_priority(by: int) -> None:
+    """This thread's nice value raised by `by`; the compute threads torch starts from it inherit it.
+    The event loop thread, the bus and the other services then run first when they wake up, so a
+    token already made goes out while the next step computes, not after it (Linux: nice is per thread)."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except OSError:  # not permitted, or no per-thread priorities here: run as is
+        log.warning("could not lower the engine thread's priority by %d", by, exc_info=True)
 
 
 def image_spans(images: Sequence[ImageEmbedding]) -> list[Any]:

@@ -147,7 +147,7 @@ class WorkerService(Service):
                                 on_ready=lambda: self.spawn(self.publish_heartbeat()),  # be routable at once
                                 kv=self.kv, max_restarts=self.cfg.engine_restarts,
                                 restart_backoff_s=self.cfg.engine_restart_backoff_s,
-                                warmup=self._warm_up if self.cfg.warmup else None)
+                                warmup=self._warm_up if self.cfg.warmup else None, nice=self.cfg.engine_nice)
         self._loop.start()
         self.spawn(self._publisher())
         if self.cfg.stats_log_interval_s:
