@@ -8,11 +8,15 @@
 2. Measured on tiny random V4 checkpoints (all-sliding and sliding/CSA/HCA/CSA, window 16, fp32):
    one request of each context decodes 4 tokens on a bounded engine and on an unbounded one; after
    every step the blocks it holds in each pool are counted and priced at the pool's bytes per block.
+3. `--host-overhead`: the host cost of bounding, single-thread process time of `Scheduler.schedule`
+   and `ModelRunner.prepare` per step, 32 requests of 500 prompt tokens decoding 64 tokens on the
+   tiny sliding/CSA/HCA/CSA model, unbounded vs bounded, twice each.
 """
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 
 import torch
 
@@ -64,12 +68,45 @@ def held_bytes(ckpt: str, context: int, bounded: bool) -> list[tuple[int, int, i
     return [max(held), held[-1]]
 
 
+def host_overhead(ckpt: str, bounded: bool) -> str:
+    llm = LLM(ckpt, tokenizer="smollm2", bound_sliding_window=bounded, enable_prefix_caching=False,
+              num_kv_blocks=2048, max_num_batched_tokens=4096)
+    eng = llm.engine
+    spent = {"schedule": 0.0, "prepare": 0.0}
+    steps = 0
+    for name, owner in (("schedule", eng.scheduler), ("prepare", eng.runner)):
+        def timed(*args, _f=getattr(owner, name), _name=name, **kw):
+            t = time.process_time()
+            try:
+                return _f(*args, **kw)
+            finally:
+                spent[_name] += time.process_time() - t
+        setattr(owner, name, timed)
+    g = torch.Generator().manual_seed(0)
+    for i in range(32):
+        eng.add_request(f"r{i}", torch.randint(3, 500, (500,), generator=g).tolist(),
+                        SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    return (f"bounded={bounded}: {steps} steps, schedule {spent['schedule'] / steps * 1e3:.3f} ms/step, "
+            f"prepare {spent['prepare'] / steps * 1e3:.3f} ms/step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--tiny-contexts", default="4096")
     ap.add_argument("--tiny-layouts", default=",".join(TINY), help="comma-separated names of TINY")
+    ap.add_argument("--host-overhead", action="store_true")
     a = ap.parse_args()
+    if a.host_overhead:
+        torch.set_num_threads(1)
+        with tempfile.TemporaryDirectory() as d:
+            ckpt = str(write_tiny_deepseek_v4(d, seed=1, **TINY["sliding/CSA/HCA/CSA"]))
+            for bounded in (False, True, False, True):
+                print(host_overhead(ckpt, bounded))
+        return
     v4_flash([int(x) for x in a.contexts.split(",")])
     print("\n| tiny layout | context | unbounded: bytes (full blocks) | bounded, peak (prefill chunk): bytes "
           "(full, windowed blocks) | bounded, last decode step |")

@@ -134,8 +134,8 @@ class ModelRunner:
             ids = s.request.window_block_ids
             slots.extend(ids[p // bs] * bs + p % bs for p in range(s.start, s.start + s.num_tokens))
         width = meta.block_tables.shape[1]
-        tables = torch.tensor([[max(b, 0) for b in s.request.window_block_ids] + [0] * (width - len(
-            s.request.window_block_ids)) for s in sched.scheduled], dtype=torch.int32)
+        tables = torch.tensor([s.request.window_block_ids + [0] * (width - len(s.request.window_block_ids))
+                               for s in sched.scheduled], dtype=torch.int32).clamp_(min=0)
         dev = self.device
         return AttentionMetadata(meta.query_start_loc, meta.seq_lens, torch.tensor(slots, dtype=torch.long, device=dev),
                                  tables.to(dev), meta.seq_lens_t, meta.block_size, meta.batch_invariant)
