@@ -231,3 +231,53 @@ def test_drafts_async_and_deterministic_modes_match_unbounded(ckpt, unbounded):
     det = [llm.generate(ps, sampled) for llm in (engine(ckpt, bounded=b, deterministic=True) for b in (False, True))]
     assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in det[0]] == \
         [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in det[1]]
+
+
+@pytest.mark.parametrize("window", [6, 600])  # 600 > BANDED_MAX_WINDOW: gathered whole-sequence path
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_attend_on_windowed_tables_equals_full_tables(window, batch_invariant):
+    """A sliding layer reads meta.windowed(): blocks its window has passed are -1 (read as block 0,
+    here full of huge values) and must not change a bit of the output, for decode rows (batched),
+    prefill chunks with cached context, and a fresh prompt."""
+    from moebus.engine.attention import AttentionMetadata, attend
+
+    bs, hkv, hq, d, horizon = 16, 2, 4, 8, window
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 1300), (1, 900), (40, 1000), (25, 25)]  # (new tokens, context after the step)
+    n_logical = sum(-(-L // bs) for _, L in shapes)
+    full_k, full_v = (torch.randn(n_logical + 1, bs, hkv, d, generator=g) for _ in range(2))
+    win_k, win_v = (torch.full_like(full_k, 1e4) for _ in range(2))  # block 0: the placeholder's garbage
+    full_tables, win_tables, slots, win_slots, qsl, nxt = [], [], [], [], [0], 1
+    for lq, L in shapes:
+        nb = -(-L // bs)
+        ids = list(range(nxt, nxt + nb))
+        nxt += nb
+        first_live = max(0, L - lq - horizon + 1) // bs
+        win_ids = [-1] * first_live + ids[first_live:]
+        for i in ids[first_live:]:  # the live blocks hold the same context in both layouts
+            win_k[i], win_v[i] = full_k[i], full_v[i]
+        full_tables.append(ids)
+        win_tables.append(win_ids)
+        slots += [ids[p // bs] * bs + p % bs for p in range(L - lq, L)]
+        win_slots += [win_ids[p // bs] * bs + p % bs for p in range(L - lq, L)]
+        qsl.append(qsl[-1] + lq)
+    width = max(len(t) for t in full_tables)
+
+    def tensor(tables):
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).clamp_(min=0)
+
+    seq_lens = [L for _, L in shapes]
+    lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    full = AttentionMetadata(qsl, seq_lens, torch.tensor(slots), tensor(full_tables), lens_t, bs,
+                             batch_invariant=batch_invariant)
+    windowed = AttentionMetadata(qsl, seq_lens, torch.tensor(win_slots), tensor(win_tables), lens_t, bs,
+                                 batch_invariant=batch_invariant)
+    grouped = AttentionMetadata(qsl, seq_lens, torch.zeros(qsl[-1], dtype=torch.long), tensor(full_tables) * 0,
+                                lens_t, bs, batch_invariant=batch_invariant, window=windowed)
+    q = torch.randn(qsl[-1], hq, d, generator=g)
+    k, v = torch.randn(qsl[-1], hkv, d, generator=g), torch.randn(qsl[-1], hkv, d, generator=g)
+    sinks = torch.randn(hq, generator=g)
+    want = attend(q, k, v, (full_k, full_v), full, d ** -0.5, sliding_window=window, sinks=sinks)
+    got = attend(q, k, v, (win_k, win_v), grouped, d ** -0.5, sliding_window=window, sinks=sinks)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
