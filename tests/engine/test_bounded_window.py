@@ -281,3 +281,16 @@ def test_attend_on_windowed_tables_equals_full_tables(window, batch_invariant):
     got = attend(q, k, v, (win_k, win_v), grouped, d ** -0.5, sliding_window=window, sinks=sinks)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_n_choices_share_the_prompt_window(ckpt):
+    """n > 1: the later choices wait for the first one's prefill and take its prompt blocks as a
+    prefix hit, window tail included; sampled tokens equal the unbounded engine's."""
+    p = prompts(8, (130,))[0]
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=8, n=3)
+    runs = []
+    for bounded in (False, True):
+        llm = engine(ckpt, bounded=bounded)
+        out = llm.generate([p], params)[0].outputs
+        runs.append(([o.token_ids for o in out], llm.engine.stats()["prefix_cache_hits"]))
+    assert runs[1] == runs[0] and runs[1][1] == 2  # both later choices hit
