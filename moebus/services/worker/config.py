@@ -50,8 +50,9 @@ class WorkerConfig(ServiceConfig):
     warmup_timeout_s: float = Field(600.0, gt=0)  # a first C kernel build can take minutes
     # Added to the engine thread's nice value (and so its torch compute threads'): the event loop,
     # the bus and the other services on the host then run before the next step's compute when they
-    # wake, so a token goes out while that step runs (c=1 TTFT on 2 cores: step->client 6.7 -> 5.3
-    # ms, BENCHMARKS.md). It also yields to unrelated processes: 0 (off) unless the host serves.
+    # wake, so a token goes out while that step runs (c=1 TTFT on 2 cores: about 2 ms less, not
+    # under heavy outside load, BENCHMARKS.md). It also yields to unrelated processes: 0 (off)
+    # unless the host only serves.
     engine_nice: int = Field(0, ge=0, le=19)
     # A stats line (running, waiting, KV usage, tok/s) this often while there is work; 0: none.
     stats_log_interval_s: float = Field(10.0, ge=0)
