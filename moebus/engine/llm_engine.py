@@ -186,6 +186,9 @@ class LLMEngine:
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For KV movement (kv_transfer, kv_tiers), which indexes every tensor by req.block_ids."""
+        if self.kv_layout.grouped:  # a windowed part is indexed by req.window_block_ids instead
+            raise NotImplementedError("KV transfer and KV tiers with bound_sliding_window")
         return self.runner.kv_caches
 
     def get_request(self, request_id: str, index: int = 0) -> Request:

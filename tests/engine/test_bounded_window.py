@@ -211,8 +211,13 @@ def test_preemption_recompute_matches_unbounded(ckpt, unbounded):
 
 
 def test_kv_movement_refuses_a_grouped_engine(ckpt):
+    """KV transfer and the tiers move req.block_ids of every cache tensor: not a grouped layout's."""
+    eng = engine(ckpt).engine
     with pytest.raises(NotImplementedError):
-        engine(ckpt).engine.kv  # noqa: B018
+        eng.kv  # noqa: B018
+    with pytest.raises(NotImplementedError):
+        eng.kv_caches  # noqa: B018
+    assert engine(ckpt, bounded=False).engine.kv_caches  # one group: as before
 
 
 def test_drafts_async_and_deterministic_modes_match_unbounded(ckpt, unbounded):
