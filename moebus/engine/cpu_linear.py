@@ -22,11 +22,20 @@ from moebus.kernels.quant_matmul import (
     GGML_TYPES,
     check_weight,
     cpu_function,
+    qa_cpu_library,
     quant_matmul,
     quant_matmul_cpu_unchecked,
+    quant_matmul_qa_cpu_unchecked,
 )
 
 log = logging.getLogger(__name__)
+
+# QuantLinear calls of at most this many rows take the integer-activation kernel (below the C
+# kernel's tiled path, where decoding a block once for many rows is already cheap per row).
+QA_MAX_ROWS = 3
+# Weight types that take 16-bit activations: Q8_0 blocks gain nothing from them (one Zen 3 core,
+# 1 row: 2.52 vs 2.45 ns a block on the float path), so they keep float activations at 16 bits.
+QA16_TYPES = ("Q4_0", "Q4_1")
 
 # Rows above which the plain GEMM is used; None: packed at every size.
 PACKED_MAX_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: 256, torch.float32: None}
@@ -111,17 +120,29 @@ def pack_linears(model: nn.Module, row_hint: int = 64) -> int:
 class QuantLinear(nn.Module):
     """A bias-free linear layer on GGUF weight-only quantized blocks (kernels/quant_matmul.py): the
     weight stays quantized in memory and is dequantized inside the GEMV/GEMM, so a decode step
-    reads 4.5-8.5 bits per weight instead of 32. Output in x's dtype, computed in float32."""
+    reads 4.5-8.5 bits per weight instead of 32. Output in x's dtype, computed in float32.
+
+    activation_bits: calls of at most QA_MAX_ROWS rows (decode steps) quantize x to 16-bit (or, as
+    llama.cpp, 8-bit) blocks and take integer dot products per weight block (csrc/quant_dot_cpu.c,
+    faster a block than decoding it to floats); logits then differ from the dequantized model by
+    the activation's rounding (BENCHMARKS.md: 16 bits kept greedy output identical on the parity
+    prompts, 8 bits did not). None: float32 activations everywhere."""
 
     batch_invariant = False  # make_batch_invariant sets it: then every row count takes one kernel path
 
-    def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int) -> None:
+    def __init__(self, qweight: torch.Tensor, qtype: str, in_features: int, *,
+                 activation_bits: int | None = 16) -> None:
         super().__init__()
         check_weight(qweight, qtype, in_features)
         self.qtype, self.in_features, self.out_features = qtype, in_features, qweight.shape[0]
         self.register_buffer("qweight", qweight.contiguous())
+        assert activation_bits in (None, 8, 16), activation_bits
+        self.activation_bits = activation_bits
         self._cpu_fn = cpu_function()  # checked here once, so float32 CPU calls go straight to C
+        lib = qa_cpu_library()
+        self._qa_fn = lib.quant_matmul_qa_f32 if lib is not None else None
         self._qtype_id = GGML_TYPES[qtype]
+        self._qa16 = qtype in QA16_TYPES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -129,11 +150,18 @@ class QuantLinear(nn.Module):
             flat = flat.contiguous()
         w = self.qweight
         out = None
-        if self._cpu_fn is not None and flat.dtype == torch.float32 and not flat.is_cuda and not w.is_cuda:
-            out = quant_matmul_cpu_unchecked(self._cpu_fn, flat, w, self._qtype_id, self.batch_invariant)
+        if flat.dtype == torch.float32 and not flat.is_cuda and not w.is_cuda:
+            # batch-invariant mode keeps one float path for every row count
+            bits = self.activation_bits
+            if (bits and (bits == 8 or self._qa16) and self._qa_fn is not None and flat.shape[0] <= QA_MAX_ROWS
+                    and not self.batch_invariant):
+                out = quant_matmul_qa_cpu_unchecked(self._qa_fn, flat, w, self._qtype_id, bits)
+            elif self._cpu_fn is not None:
+                out = quant_matmul_cpu_unchecked(self._cpu_fn, flat, w, self._qtype_id, self.batch_invariant)
         if out is None:
             out = quant_matmul(flat, w, self.qtype, one_path=self.batch_invariant)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
+                f"activation_bits={self.activation_bits}")

@@ -18,6 +18,7 @@ Results are the reference's (float32 GEMM on the dequantized weight) up to summa
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -155,6 +156,92 @@ def quant_matmul_cpu(x: torch.Tensor, w: torch.Tensor, qtype: str, *, one_path: 
     check_weight(w, qtype, x.shape[1])
     fn = cpu_function()
     return None if fn is None else quant_matmul_cpu_unchecked(fn, x, w, GGML_TYPES[qtype], one_path)
+
+
+# Integer activations (csrc/quant_dot_cpu.c): the activation row is quantized once per call to
+# int8 (as llama.cpp) or int16 blocks of 32 (a float scale d, and d * sum of the block's quants for
+# Q4's offset term) and every weight block is an integer dot: fewer conversions per block than
+# decoding it to floats (BENCHMARKS.md). Results move by the activation's rounding, up to d / 2 an
+# element, d = max |x| of its block / 127 (8 bits) or / 32767 (16 bits).
+ACT_BITS = (8, 16)
+_QA_ARGTYPES = [I32, *_CPU_ARGTYPES[:-1]]
+
+
+def quantize_act_ref(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 [M, K] -> (q int8/int16 [M, K], d float32 [M, K / 32], d * sum(q) float32 [M, K / 32]),
+    the C kernel's arithmetic: d = max|x| / qmax, q = round-half-even(x * (1 / d)), q = 0 when d = 0."""
+    assert bits in ACT_BITS, bits
+    m, k = x.shape
+    assert k % QK == 0, f"K={k} is not a multiple of {QK}"
+    xb = x.float().reshape(m, k // QK, QK)
+    d = xb.abs().amax(-1) / (2 ** (bits - 1) - 1)
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None])
+    return (q.to(torch.int8 if bits == 8 else torch.int16).reshape(m, k), d,
+            d * q.sum(-1, dtype=torch.float64).float())  # exact integer sums
+
+
+def quant_matmul_qa_ref(x: torch.Tensor, w: torch.Tensor, qtype: str, bits: int) -> torch.Tensor:
+    """qa(x) [M, K] . dequantize(w) -> float32 [M, N]: per block (dw * d) * (integer dot) plus the
+    offset term (Q4_1: mw * d * sum(q); Q4_0: -8 dw * d * sum(q)), each in float32 as the C kernel,
+    summed over blocks in float64 (the C kernel sums in float32, in its own order)."""
+    n, k = w.shape[0], x.shape[1]
+    check_weight(w, qtype, k)
+    q, d, ds = quantize_act_ref(x, bits)
+    blocks = w.view(n, k // QK, BLOCK_BYTES[qtype])
+    dw = _halves(blocks[..., :2])[..., 0]  # [N, nb]
+    if qtype == "Q8_0":
+        wq = blocks[..., 2:].contiguous().view(torch.int8).double()
+    else:
+        qs = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
+        wq = torch.cat([qs & 15, qs >> 4], dim=-1).double()
+    isum = torch.einsum("mbj,nbj->mnb", q.view(q.shape[0], -1, QK).double(), wq)  # exact: |sum| < 2^53
+    terms = (dw[None] * d[:, None]) * isum.float()
+    if qtype != "Q8_0":
+        off = _halves(blocks[..., 2:4])[..., 0] if qtype == "Q4_1" else -8 * dw
+        terms = terms + off[None] * ds[:, None]
+    return terms.double().sum(-1).float()
+
+
+def qa_cpu_library() -> ctypes.CDLL | None:
+    lib = library("quant_dot_cpu.c").get()
+    if lib is not None and lib.quant_matmul_qa_f32.argtypes is None:
+        lib.quant_matmul_qa_f32.argtypes, lib.quant_matmul_qa_f32.restype = _QA_ARGTYPES, I32
+        lib.quantize_act_f32.argtypes, lib.quantize_act_f32.restype = [I32, PTR, I64, I64, I64, PTR, PTR, PTR], I32
+    return lib
+
+
+def quantize_act_cpu(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The C kernel's activation quantization alone (float32 [M, K], unit stride), for tests."""
+    lib = qa_cpu_library()
+    if lib is None:
+        return None
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8 if bits == 8 else torch.int16)
+    d, ds = torch.empty(m, k // QK), torch.empty(m, k // QK)
+    status = lib.quantize_act_f32(bits, x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr(), ds.data_ptr())
+    return (q, d, ds) if status == 0 else None
+
+
+def quant_matmul_qa_cpu_unchecked(fn: Callable[..., int], x: torch.Tensor, w: torch.Tensor, qtype_id: int,
+                                  bits: int) -> torch.Tensor | None:
+    """csrc/quant_dot_cpu.c on float32 x [M, K] (unit stride) and contiguous w, checked by the caller."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    status = fn(bits, qtype_id, x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), m, n, k, out.data_ptr(), n)
+    return out if status == 0 else None
+
+
+def quant_matmul_qa_cpu(x: torch.Tensor, w: torch.Tensor, qtype: str, bits: int) -> torch.Tensor | None:
+    """qa(x) . dequantize(w) by the C kernel, `bits`-bit activations; None when it does not apply."""
+    if not (x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(1) == 1
+            and w.device.type == "cpu" and w.is_contiguous() and qtype in GGML_TYPES and bits in ACT_BITS):
+        return None
+    check_weight(w, qtype, x.shape[1])
+    lib = qa_cpu_library()
+    return None if lib is None else quant_matmul_qa_cpu_unchecked(lib.quant_matmul_qa_f32, x, w, GGML_TYPES[qtype],
+                                                                  bits)
 
 
 def quant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: str, *, one_path: bool = False) -> torch.Tensor:

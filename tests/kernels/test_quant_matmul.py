@@ -1,7 +1,10 @@
 """GGUF weight-only quantized linear (kernels/quant_matmul.py): the torch dequantize against
 gguf-py's (bitwise), and the reference, C and Triton kernels against a float64 GEMM on the
 dequantized weight, for Q4_0, Q4_1 and Q8_0 on odd shapes (K blocks not a multiple of 8, rows
-not a multiple of the C kernel's 4-row and 16-row tiles), both C paths."""
+not a multiple of the C kernel's 4-row and 16-row tiles), both C paths. The integer-activation
+kernel (csrc/quant_dot_cpu.c, 8 and 16 bits) against its torch reference (the activation
+quantization bit for bit, the products up to float32 summation order) and against float64 within
+the activation's rounding bound."""
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -14,8 +17,12 @@ from moebus.kernels.quant_matmul import (
     dequantize_ref,
     quant_matmul,
     quant_matmul_cpu,
+    quant_matmul_qa_cpu,
+    quant_matmul_qa_ref,
     quant_matmul_ref,
     quant_matmul_triton,
+    quantize_act_cpu,
+    quantize_act_ref,
 )
 
 QTYPES = pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
@@ -98,6 +105,57 @@ def test_bad_weights_are_refused():
     with pytest.raises(AssertionError):
         quant_matmul(torch.randn(2, 64), w, "Q8_0")  # Q4_1 bytes read as Q8_0: wrong row length
     assert quant_matmul_cpu(torch.randn(2, 64).double(), w, "Q4_1") is None  # the reference takes it
+
+
+BITS = pytest.mark.parametrize("bits", [8, 16])
+
+
+def _qa_bound(x: torch.Tensor, w: torch.Tensor, qtype: str, bits: int) -> torch.Tensor:
+    """|qa(x) . w - x . w| <= sum_k |w_k| |x_k - d q_k|, and |x_k - d q_k| <= d (1/2 + qmax 2^-22): round
+    to nearest after x * (1 / d) rounded in float32 (relative 2^-23 twice); plus float32 sum slack."""
+    _, d, _ = quantize_act_ref(x, bits)
+    step = d.repeat_interleave(32, dim=1).double() * (0.5 + (2 ** (bits - 1) - 1) * 2.0**-22)  # [M, K]
+    return step @ dequantize_ref(w, qtype, x.shape[1]).double().abs().t() + 1e-4
+
+
+@NEEDS_CC
+@BITS
+def test_activation_quantization_matches_ref_bitwise(bits):
+    x = torch.randn(5, 200, generator=torch.Generator().manual_seed(3))[:, :192] * 3
+    x[1, 32:64] = 0  # d = 0: quants 0
+    x[2, :32] = torch.arange(32) % 8 - 3.5  # halves: with max |x| = qmax (d = 1) they are ties
+    x[2, 0] = 2 ** (bits - 1) - 1
+    ours, ref = quantize_act_cpu(x, bits), quantize_act_ref(x, bits)
+    assert ours is not None and all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
+    assert ref[0].abs().max() == 2 ** (bits - 1) - 1 and ref[1][1, 1] == 0 and ref[1][2, 0] == 1
+    assert ref[0][2, 1:8].tolist() == [-2, -2, 0, 0, 2, 2, 4]  # ties to even
+
+
+@NEEDS_CC
+@BITS
+@QTYPES
+@pytest.mark.parametrize("shape", SHAPES)
+def test_qa_cpu_matches_its_torch_reference(shape, qtype, bits, close):
+    x, w, expected = _case(*shape, qtype)
+    out, ref = quant_matmul_qa_cpu(x, w, qtype, bits), quant_matmul_qa_ref(x, w, qtype, bits)
+    assert out is not None and out.shape == expected.shape
+    close(out, ref, **TOL)  # the same integer dots and float32 terms, summed in another order
+    err = (ref.double() - expected).abs()
+    assert (err <= _qa_bound(x, w, qtype, bits)).all()
+    if bits == 8:
+        assert err.max() > 1e-3  # the activation really is quantized: well outside the float path's TOL
+
+
+@NEEDS_CC
+@BITS
+@QTYPES
+def test_qa_cpu_threaded_and_row_independent(qtype, bits, close):
+    x, w, expected = _case(3, 576, 1000, qtype)  # >= 262144 MACs: OpenMP on
+    together = quant_matmul_qa_cpu(x, w, qtype, bits)
+    assert (together.double() - expected).abs().le(_qa_bound(x, w, qtype, bits)).all()
+    close(together, quant_matmul_qa_ref(x, w, qtype, bits), **TOL)
+    alone = [quant_matmul_qa_cpu(x[i:i + 1], w, qtype, bits) for i in range(3)]
+    assert torch.equal(together, torch.cat(alone))
 
 
 @QTYPES
