@@ -37,6 +37,9 @@ class EngineConfig:
     bound_sliding_window: bool = False
     async_scheduling: bool = False  # overlap CPU work of step N with execution of step N+1
     num_speculative_tokens: int = 0  # n-gram (prompt lookup) drafts per step; 0 = off
+    # "ngram": prompt lookup; "mtp": the checkpoint's next-n prediction layer drafts (a DeepSeek-V4
+    # checkpoint with num_nextn_predict_layers >= 1; engine/mtp_proposer.py)
+    speculative_method: str = "ngram"
     deterministic: bool = False  # batch-invariant results: same request, same tokens, any batch
     seed: int = 0
 
@@ -51,6 +54,8 @@ class EngineConfig:
             raise ValueError("block_size and max_model_len must be >= 1")
         if self.async_scheduling and self.num_speculative_tokens:
             raise ValueError("async scheduling and speculative decoding cannot be combined yet")
+        if self.speculative_method not in ("ngram", "mtp"):
+            raise ValueError("speculative_method must be ngram or mtp")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
 

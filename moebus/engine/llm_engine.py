@@ -43,6 +43,7 @@ from moebus.engine.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from moebus.engine.kv_connector import KVConnector
+    from moebus.engine.target_streams import TargetStreams
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,11 @@ class LLMEngine:
         self.grammars = GrammarHub(self.tokenizer, vocab)
         if draft_proposer is not None and not config.num_speculative_tokens:
             raise ValueError("a draft proposer needs num_speculative_tokens >= 1")
+        self.target_streams: TargetStreams | None = None  # what an MTP drafter reads
+        if config.speculative_method == "mtp" and config.num_speculative_tokens and draft_proposer is None:
+            from moebus.engine.mtp_proposer import build_mtp  # DeepSeek-V4 only: import on demand
+
+            draft_proposer, self.target_streams = build_mtp(self.model, config.block_size)
         self.ngram = NgramProposer(num_speculative_tokens=config.num_speculative_tokens) \
             if config.num_speculative_tokens and draft_proposer is None else None
         self.draft_proposer = draft_proposer
@@ -359,6 +365,8 @@ class LLMEngine:
 
     def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
+        if self.target_streams is not None:
+            self.target_streams.record(sched, result)
         for s, toks, lps, n_acc in zip(sched.scheduled, result.tokens, result.logprobs,
                                        result.num_accepted_drafts, strict=True):
             r = s.request
@@ -395,8 +403,10 @@ class LLMEngine:
             return
         k = self.config.num_speculative_tokens
         batch = [r.all_token_ids for r in reqs]
+        hidden = None if self.target_streams is None else \
+            self.target_streams.windows([r.request_id for r in reqs], [len(t) for t in batch])
         drafts = self.ngram.propose_batch(batch, None, k) if self.ngram is not None \
-            else self.draft_proposer.propose(batch, None, k)
+            else self.draft_proposer.propose(batch, hidden, k)
         for r, d in zip(reqs, drafts, strict=True):
             room = r.max_tokens - len(r.output_token_ids) - 1  # never draft past max_tokens
             r.draft_token_ids = list(d[: max(min(room, k), 0)])
@@ -454,6 +464,8 @@ class LLMEngine:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
         self.runner.forget(req.request_id)
+        if self.target_streams is not None:
+            self.target_streams.forget(req.request_id)
 
     def close(self) -> None:
         if self._host is not None:

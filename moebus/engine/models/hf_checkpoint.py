@@ -60,7 +60,7 @@ def is_mtp_key(key: str) -> bool:
 def hf_param_name(key: str) -> str:
     """Module name HF gives an on-disk tensor name (original or HF spelling); per-expert keys stay per-expert."""
     if is_mtp_key(key):
-        return key  # draft (MTP) layers: kept verbatim for a future proposer
+        return key  # draft (MTP) layers: kept verbatim (deepseek_v4_mtp renames them)
     k = key.removeprefix("model.")
     if k in _TOP_LEVEL:
         return _TOP_LEVEL[k]
@@ -162,7 +162,48 @@ def write_tiny_deepseek_v4(out_dir: str | Path, seed: int = 0, real_tokenizer: b
         model = DeepseekV4ForCausalLM(config).eval()
     _perturb_constant_inits(model, config.n_routed_experts, config.num_experts_per_tok, seed)
     model.save_pretrained(out_dir)
+    if config.num_nextn_predict_layers:
+        _write_tiny_mtp(Path(out_dir), config, seed)
     return Path(out_dir)
+
+
+MTP_OWN = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
+           "hc_head_fn", "hc_head_base", "hc_head_scale")  # beside the block's own tensors
+
+
+def _write_tiny_mtp(out_dir: Path, config, seed: int) -> None:
+    """`mtp.safetensors`: the nextn layers under the release's names (`mtp.{i}.attn.wq_a.weight`,
+    `mtp.{i}.e_proj.weight`, ...). HF's DeepseekV4 neither builds nor saves them (it ignores
+    `mtp.*` on load), so each block is a 1-layer HF model's layer 0: a sliding-attention,
+    learned-routing (`moe`) block, as the release's MTP layer (no compressor or indexer tensors)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    cfg = config.to_dict()
+    cfg.update(num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(config.num_nextn_predict_layers):
+        with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory() as tmp:
+            torch.manual_seed(seed + 100 + i)
+            block = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg)).eval()
+            _perturb_constant_inits(block, config.n_routed_experts, config.num_experts_per_tok, seed + 100 + i)
+            block.save_pretrained(tmp)
+            saved = load_file(Path(tmp) / "model.safetensors")
+        for key, t in saved.items():
+            if key.startswith("model.layers.0."):
+                tensors[f"mtp.{i}.{key.removeprefix('model.layers.0.')}"] = t.contiguous()
+        g = torch.Generator().manual_seed(seed + 200 + i)
+        h, hc, std = config.hidden_size, config.hc_mult, config.initializer_range
+        own = {"e_proj.weight": std * torch.randn(h, h, generator=g),
+               "h_proj.weight": std * torch.randn(h, h, generator=g),
+               "hc_head_fn": std * torch.randn(hc, hc * h, generator=g),
+               "hc_head_base": 0.1 * torch.randn(hc, generator=g), "hc_head_scale": 1 + 0.1 * torch.randn(1, generator=g)}
+        for norm in ("enorm.weight", "hnorm.weight", "norm.weight"):
+            own[norm] = 1 + 0.1 * torch.randn(h, generator=g)
+        tensors.update({f"mtp.{i}.{k}": v for k, v in own.items()})
+    save_file(tensors, str(out_dir / "mtp.safetensors"))
 
 
 def _copy_v4_tokenizer(out_dir: Path) -> dict:
