@@ -18,7 +18,7 @@ def _generate(args: argparse.Namespace) -> int:
         print("error: give --prompt or --prompts-file", file=sys.stderr)
         return 2
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, num_speculative_tokens=args.speculative_tokens,
-              dtype=args.dtype)
+              speculative_method=args.speculative_method, dtype=args.dtype)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     t0 = time.perf_counter()
@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--speculative-tokens", type=int, default=0, help="n-gram draft tokens per step")
+    g.add_argument("--speculative-tokens", type=int, default=0, help="draft tokens per step")
+    g.add_argument("--speculative-method", choices=("ngram", "mtp"), default="ngram",
+                   help="mtp: a DeepSeek-V4 checkpoint's next-n prediction layer drafts")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="auto: bfloat16 where the CPU has AVX512-BF16 or AMX, else float32")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
