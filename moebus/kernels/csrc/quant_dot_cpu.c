@@ -37,8 +37,9 @@ INLINE float half_at(const uint8_t *p) {
     return (float)h;
 }
 
-/* One row of K floats -> K / 32 blocks: q (K int8, or int16 when wide), d and d * sum(q). */
-INLINE void quantize_row(int wide, const float *x, int nb, void *q, float *d, float *ds) {
+/* One row of K floats -> K / 32 blocks: q (K int8, or int16 when wide), d[b * st] and ds[b * st] =
+ * d * sum(q) (the GEMV interleaves them, st = 2: one 8-byte load a block). */
+INLINE void quantize_row(int wide, const float *x, int nb, void *q, float *d, float *ds, int st) {
     const float qmax = wide ? 32767.f : 127.f;
     for (int b = 0; b < nb; b++) {
         const float *xb = x + (int64_t)b * QK;
@@ -72,7 +73,7 @@ INLINE void quantize_row(int wide, const float *x, int nb, void *q, float *d, fl
             _mm256_storeu_si256((__m256i *)((int8_t *)q + (int64_t)b * QK),
                                 _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
         }
-        d[b] = db, ds[b] = db * (float)_mm_cvtsi128_si32(s4);
+        d[b * st] = db, ds[b * st] = db * (float)_mm_cvtsi128_si32(s4);
 #else
         float amax = 0.f;
         for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
@@ -84,7 +85,7 @@ INLINE void quantize_row(int wide, const float *x, int nb, void *q, float *d, fl
             else ((int8_t *)q)[(int64_t)b * QK + j] = (int8_t)v;
             sum += v;
         }
-        d[b] = db, ds[b] = db * (float)sum;
+        d[b * st] = db, ds[b * st] = db * (float)sum;
 #endif
     }
 }
@@ -102,11 +103,15 @@ INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-/* Block b of a weight row against R quantized rows (q: row stride K elements): acc[r] += (dw * d)
- * * the 8 int32 lane dots, tail[r] += the offset term. */
-INLINE void qa_block(int qt, int wide, const uint8_t *blk, const void *q, const float *d, const float *ds, int nb,
-                     int64_t K, int b, int R, __m256 *acc, float *tail) {
-    const float dw = half_at(blk);
+/* Block b of a weight row against R quantized rows (q: row stride K elements; dd: (d, d * sum(q))
+ * pairs, row stride 2 nb): acc[r] += (dw * d) * the 8 int32 lane dots, lane 1 of tail[r] += the
+ * offset term. The block's scales convert in one instruction and multiply the row's pair at once. */
+INLINE void qa_block(int qt, int wide, const uint8_t *blk, const void *q, const float *dd, int nb, int64_t K, int b,
+                     int R, __m256 *acc, __m128 *tail) {
+    uint32_t head; /* Q4_1: f16 d and m; else f16 d (the upper half, quants, is zeroed) */
+    memcpy(&head, blk, sizeof head);
+    __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(qt == Q4_1 ? head : head & 0xffffu))); /* [dw, m] */
+    if (qt == Q4_0) dm = _mm_mul_ps(_mm_moveldup_ps(dm), _mm_setr_ps(1.f, -8.f, 0.f, 0.f)); /* [dw, -8 dw] */
     __m256i u, w0, w1; /* int8: u, the 32 weights as bytes; int16: w0, w1, weights 0-15 and 16-31 */
     if (qt == Q8_0) {
         u = _mm256_loadu_si256((const __m256i *)(blk + 2));
@@ -116,8 +121,6 @@ INLINE void qa_block(int qt, int wide, const uint8_t *blk, const void *q, const 
         const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
         u = _mm256_set_m128i(hi, lo);
         w0 = _mm256_cvtepu8_epi16(lo), w1 = _mm256_cvtepu8_epi16(hi);
-        const float m = qt == Q4_1 ? half_at(blk + 2) : -8.f * dw;
-        for (int r = 0; r < R; r++) tail[r] += m * ds[(int64_t)r * nb + b];
     }
     for (int r = 0; r < R; r++) {
         __m256i p;
@@ -130,13 +133,15 @@ INLINE void qa_block(int qt, int wide, const uint8_t *blk, const void *q, const 
             /* Q8_0 is signed by signed: |v| by q carrying v's sign, the same products */
             p = qt == Q8_0 ? dot_u8s8(_mm256_sign_epi8(u, u), _mm256_sign_epi8(s, u)) : dot_u8s8(u, s);
         }
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[(int64_t)r * nb + b]), _mm256_cvtepi32_ps(p), acc[r]);
+        const __m128 pr = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)(dd + 2 * ((int64_t)r * nb + b)))));
+        if (qt != Q8_0) tail[r] = _mm_add_ps(tail[r], pr); /* lane 1: m * (d * sum(q)) */
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(pr), _mm256_cvtepi32_ps(p), acc[r]); /* lane 0: dw * d */
     }
 }
 #endif
 
-/* Weight rows [n0, n1) against R quantized rows (d, ds: row stride nb). */
-INLINE void qa_rows(int qt, int wide, const void *q, const float *d, const float *ds, int nb, const uint8_t *w,
+/* Weight rows [n0, n1) against R quantized rows (dd: (d, d * sum(q)) per block, row stride 2 nb). */
+INLINE void qa_rows(int qt, int wide, const void *q, const float *dd, int nb, const uint8_t *w,
                     int64_t ws, int64_t n0, int64_t n1, int R, float *out, int64_t os) {
     const int bb = block_bytes(qt);
     const int64_t K = (int64_t)nb * QK;
@@ -146,20 +151,21 @@ INLINE void qa_rows(int qt, int wide, const void *q, const float *d, const float
         /* Even and odd blocks into separate accumulators: one chain of dependent FMAs (and of
          * offset sums) would bound a block at their latency. */
         __m256 acc[2][RMAX];
-        float tl[2][RMAX] = {{0.f}};
-        for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+        __m128 tl[2][RMAX];
+        for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps(), tl[0][r] = tl[1][r] = _mm_setzero_ps();
         int b = 0;
         for (; b + 1 < nb; b += 2) {
-            qa_block(qt, wide, row + (int64_t)b * bb, q, d, ds, nb, K, b, R, acc[0], tl[0]);
-            qa_block(qt, wide, row + (int64_t)(b + 1) * bb, q, d, ds, nb, K, b + 1, R, acc[1], tl[1]);
+            qa_block(qt, wide, row + (int64_t)b * bb, q, dd, nb, K, b, R, acc[0], tl[0]);
+            qa_block(qt, wide, row + (int64_t)(b + 1) * bb, q, dd, nb, K, b + 1, R, acc[1], tl[1]);
         }
-        if (b < nb) qa_block(qt, wide, row + (int64_t)b * bb, q, d, ds, nb, K, b, R, acc[0], tl[0]);
+        if (b < nb) qa_block(qt, wide, row + (int64_t)b * bb, q, dd, nb, K, b, R, acc[0], tl[0]);
         for (int r = 0; r < R; r++) {
             const __m256 a = _mm256_add_ps(acc[0][r], acc[1][r]);
             __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
             v = _mm_add_ps(v, _mm_movehl_ps(v, v));
             v = _mm_add_ss(v, _mm_movehdup_ps(v));
-            out[(int64_t)r * os + n] = _mm_cvtss_f32(v) + (tl[0][r] + tl[1][r]);
+            const __m128 t = _mm_add_ps(tl[0][r], tl[1][r]);
+            out[(int64_t)r * os + n] = _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_movehdup_ps(t));
         }
 #else
         float acc[RMAX] = {0.f, 0.f, 0.f, 0.f}, tail[RMAX] = {0.f, 0.f, 0.f, 0.f}; /* tail: the offset terms */
@@ -173,13 +179,13 @@ INLINE void qa_rows(int qt, int wide, const void *q, const float *d, const float
                 const uint8_t *nib = blk + (qt == Q4_1 ? 4 : 2);
                 for (int j = 0; j < QK / 2; j++) wq[j] = nib[j] & 15, wq[j + 16] = nib[j] >> 4;
                 const float m = qt == Q4_1 ? half_at(blk + 2) : -8.f * dw;
-                for (int r = 0; r < R; r++) tail[r] += m * ds[(int64_t)r * nb + b];
+                for (int r = 0; r < R; r++) tail[r] += m * dd[2 * ((int64_t)r * nb + b) + 1];
             }
             for (int r = 0; r < R; r++) {
                 const int64_t at = r * K + (int64_t)b * QK;
                 int isum = 0;
                 for (int j = 0; j < QK; j++) isum += wq[j] * (wide ? ((const int16_t *)q)[at + j] : ((const int8_t *)q)[at + j]);
-                acc[r] += dw * d[(int64_t)r * nb + b] * (float)isum;
+                acc[r] += dw * dd[2 * ((int64_t)r * nb + b)] * (float)isum;
             }
         }
         for (int r = 0; r < R; r++) out[(int64_t)r * os + n] = acc[r] + tail[r];
@@ -187,19 +193,19 @@ INLINE void qa_rows(int qt, int wide, const void *q, const float *d, const float
     }
 }
 
-INLINE void qa_path(int qt, int wide, const void *q, const float *d, const float *ds, int nb, const uint8_t *w,
+INLINE void qa_path(int qt, int wide, const void *q, const float *dd, int nb, const uint8_t *w,
                     int64_t ws, int64_t M, int64_t n0, int64_t n1, float *out, int64_t os) {
     const int64_t K = (int64_t)nb * QK;
     for (int64_t m0 = 0; m0 < M; m0 += RMAX) {
         const int R = M - m0 < RMAX ? (int)(M - m0) : RMAX;
         const void *qm = (const char *)q + m0 * K * (wide ? 2 : 1);
-        const float *dm = d + m0 * nb, *sm = ds + m0 * nb;
+        const float *dm = dd + 2 * m0 * nb;
         float *om = out + m0 * os;
         switch (R) { /* R a compile-time constant in each call: the row loops unroll into registers */
-        case 1: qa_rows(qt, wide, qm, dm, sm, nb, w, ws, n0, n1, 1, om, os); break;
-        case 2: qa_rows(qt, wide, qm, dm, sm, nb, w, ws, n0, n1, 2, om, os); break;
-        case 3: qa_rows(qt, wide, qm, dm, sm, nb, w, ws, n0, n1, 3, om, os); break;
-        default: qa_rows(qt, wide, qm, dm, sm, nb, w, ws, n0, n1, 4, om, os);
+        case 1: qa_rows(qt, wide, qm, dm, nb, w, ws, n0, n1, 1, om, os); break;
+        case 2: qa_rows(qt, wide, qm, dm, nb, w, ws, n0, n1, 2, om, os); break;
+        case 3: qa_rows(qt, wide, qm, dm, nb, w, ws, n0, n1, 3, om, os); break;
+        default: qa_rows(qt, wide, qm, dm, nb, w, ws, n0, n1, 4, om, os);
         }
     }
 }
@@ -213,8 +219,8 @@ int quantize_act_f32(int bits, const float *x, int64_t xs, int64_t M, int64_t K,
     if (bad_k(K) || (bits != 8 && bits != 16)) return 1;
     const int nb = (int)(K / QK);
     for (int64_t m = 0; m < M; m++) {
-        if (bits == 16) quantize_row(1, x + m * xs, nb, (int16_t *)q + m * K, d + m * nb, ds + m * nb);
-        else quantize_row(0, x + m * xs, nb, (int8_t *)q + m * K, d + m * nb, ds + m * nb);
+        if (bits == 16) quantize_row(1, x + m * xs, nb, (int16_t *)q + m * K, d + m * nb, ds + m * nb, 1);
+        else quantize_row(0, x + m * xs, nb, (int8_t *)q + m * K, d + m * nb, ds + m * nb, 1);
     }
     return 0;
 }
@@ -229,8 +235,11 @@ int quant_matmul_qa_f32(int bits, int qt, const float *x, int64_t xs, const uint
     const int64_t qbytes = M * K * (bits / 8);
     char *q = malloc((size_t)qbytes + 2 * (size_t)(M * nb) * sizeof(float));
     if (!q) return 1;
-    float *d = (float *)(q + qbytes), *ds = d + M * nb; /* qbytes: a multiple of 32 */
-    quantize_act_f32(bits, x, xs, M, K, q, d, ds);
+    float *dd = (float *)(q + qbytes); /* qbytes: a multiple of 32 */
+    for (int64_t m = 0; m < M; m++) {
+        if (bits == 16) quantize_row(1, x + m * xs, nb, (int16_t *)q + m * K, dd + 2 * m * nb, dd + 2 * m * nb + 1, 2);
+        else quantize_row(0, x + m * xs, nb, (int8_t *)q + m * K, dd + 2 * m * nb, dd + 2 * m * nb + 1, 2);
+    }
 #pragma omp parallel if (M * N * K >= 262144)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -240,9 +249,9 @@ int quant_matmul_qa_f32(int bits, int qt, const float *x, int64_t xs, const uint
         if (n0 < n1) { /* type and width compile-time constants in each instance */
 #define QA_TYPES(WIDE)                                                                   \
     switch (qt) {                                                                        \
-    case Q4_0: qa_path(Q4_0, WIDE, q, d, ds, nb, w, ws, M, n0, n1, out, os); break;      \
-    case Q4_1: qa_path(Q4_1, WIDE, q, d, ds, nb, w, ws, M, n0, n1, out, os); break;      \
-    default: qa_path(Q8_0, WIDE, q, d, ds, nb, w, ws, M, n0, n1, out, os);               \
+    case Q4_0: qa_path(Q4_0, WIDE, q, dd, nb, w, ws, M, n0, n1, out, os); break;      \
+    case Q4_1: qa_path(Q4_1, WIDE, q, dd, nb, w, ws, M, n0, n1, out, os); break;      \
+    default: qa_path(Q8_0, WIDE, q, dd, nb, w, ws, M, n0, n1, out, os);               \
     }
             if (bits == 16) QA_TYPES(1) else QA_TYPES(0)
 #undef QA_TYPES
