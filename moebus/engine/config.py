@@ -31,10 +31,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # Sliding-window layers (and other parts read within a horizon) keep only the blocks their window
-    # still sees, in a pool of their own (engine.kv_groups): O(window) KV per request. Off by default
-    # while KV transfer and the KV tiers move one block list per request (the engine refuses them
-    # when on).
-    bound_sliding_window: bool = False
+    # still sees, in a pool of their own (engine.kv_groups): O(window) KV per request. On by default;
+    # a model without such parts (full attention only) keeps its one pool either way. KV transfer and
+    # the KV tiers move both groups' blocks.
+    bound_sliding_window: bool = True
     async_scheduling: bool = False  # overlap CPU work of step N with execution of step N+1
     num_speculative_tokens: int = 0  # n-gram (prompt lookup) drafts per step; 0 = off
     # "ngram": prompt lookup; "mtp": the checkpoint's next-n prediction layer drafts (a DeepSeek-V4

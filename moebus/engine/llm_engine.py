@@ -183,8 +183,6 @@ class LLMEngine:
     @property
     def kv(self) -> KVConnector:
         if self._kv is None:
-            if self.kv_layout.grouped:  # they move req.block_ids only (engine.kv_groups.group_block_ids)
-                raise NotImplementedError("KV transfer and KV tiers with bound_sliding_window")
             from moebus.engine.kv_connector import KVConnector  # kv_transfer pulls in its transports
 
             self._kv = KVConnector(self)
@@ -192,9 +190,8 @@ class LLMEngine:
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """For KV movement (kv_transfer, kv_tiers), which indexes every tensor by req.block_ids."""
-        if self.kv_layout.grouped:  # a windowed part is indexed by req.window_block_ids instead
-            raise NotImplementedError("KV transfer and KV tiers with bound_sliding_window")
+        """For KV movement (kv_transfer, kv_tiers): each tensor indexed by its group's block ids
+        (kv_layout.groups; engine.kv_groups.group_block_ids)."""
         return self.runner.kv_caches
 
     def get_request(self, request_id: str, index: int = 0) -> Request:

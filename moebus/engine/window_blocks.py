@@ -9,6 +9,10 @@ with its hash kept, so a later request with the same prefix can still revive it.
 Prefix hits: n blocks count only when the full pool caches all n and the window pool caches the
 blocks the next token's window reads; otherwise the hit shrinks to the longest shorter prefix that
 has them, and the tokens after it are recomputed ("replay"), so a hit equals a cold run.
+
+KV that arrives from elsewhere (kv_transfer, kv_tiers) is reserved for a request whose
+num_computed_tokens is already set to where that KV ends: only the window from there on is
+allocated (and a local hit only needs its blocks inside that window), however long the prompt.
 """
 from __future__ import annotations
 
@@ -36,15 +40,20 @@ class WindowedBlockManager(BlockManager):
     def window_blocks_held(self, req: Request) -> int:
         return sum(1 for b in req.window_block_ids if b >= 0)
 
-    def _window_hits(self, req: Request, n_hit: int) -> list[int] | None:
-        """Window-pool ids of blocks [first_live(n_hit * bs), n_hit) in the prefix cache; None if one is not."""
+    def window_cached(self, block_hashes: list[int], lo: int, hi: int) -> list[int] | None:
+        """Window-pool ids of blocks [lo, hi) in the prefix cache; None if one is not."""
         ids = []
-        for i in range(self.first_live(n_hit * self.block_size), n_hit):
-            bid = self.win.cached.get(req.block_hashes[i])
+        for i in range(lo, hi):
+            bid = self.win.cached.get(block_hashes[i])
             if bid is None:
                 return None
             ids.append(bid)
         return ids
+
+    def _window_hits(self, req: Request, n_hit: int, start: int | None = None) -> list[int] | None:
+        """The window blocks of an n_hit-block hit read from token `start` on (default: the hit's end)."""
+        lo = self.first_live(n_hit * self.block_size if start is None else start)
+        return self.window_cached(req.block_hashes, lo, n_hit)
 
     def match_prefix(self, req: Request) -> list[int]:
         if not self.enable_prefix_caching:
@@ -61,9 +70,9 @@ class WindowedBlockManager(BlockManager):
 
     def _window_plan(self, req: Request, num_tokens: int, cached: list[int]) -> tuple[int, list[int], int]:
         """(first live index, window-pool prefix hits from there, fresh blocks still needed)."""
-        start = len(cached) * self.block_size if cached else req.num_computed_tokens
+        start = max(len(cached) * self.block_size, req.num_computed_tokens)  # the latter: KV from elsewhere
         lo, hi = self.first_live(start), -(-num_tokens // self.block_size)
-        hits = self._window_hits(req, len(cached)) if cached else []
+        hits = self._window_hits(req, len(cached), start) if cached else []
         if hits is None:  # not from match_prefix: the window tail's KV is nowhere
             raise ValueError(f"{req.request_id}: a prefix hit of {len(cached)} blocks whose window tail is not cached")
         have = req.window_block_ids

@@ -210,14 +210,28 @@ def test_preemption_recompute_matches_unbounded(ckpt, unbounded):
     assert [out[rid] for rid in ids] == expected
 
 
-def test_kv_movement_refuses_a_grouped_engine(ckpt):
-    """KV transfer and the tiers move req.block_ids of every cache tensor: not a grouped layout's."""
-    eng = engine(ckpt).engine
-    with pytest.raises(NotImplementedError):
-        eng.kv  # noqa: B018
-    with pytest.raises(NotImplementedError):
-        eng.kv_caches  # noqa: B018
-    assert engine(ckpt, bounded=False).engine.kv_caches  # one group: as before
+def test_kv_movement_moves_both_groups(ckpt, unbounded):
+    """KV transfer on a grouped engine (all-sliding: no full-pool tensor at all; mixed): the payload
+    holds the full blocks and the window's last ones; decode on another bounded engine == unbounded.
+    Bounding is the default; the flag turns it off."""
+    from moebus.engine.config import EngineConfig
+    from moebus.engine.kv_transfer import inject_prefilled, prefill
+
+    assert EngineConfig().bound_sliding_window
+    p = prompts(6, (150,))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    a, b = engine(ckpt).engine, engine(ckpt).engine
+    assert a.kv and b.kv  # the KV connector is there
+    pre = prefill(a, "p", p, params)
+    ws = a.block_manager.first_live(150)
+    assert pre.payload.window_start == ws > 0
+    assert min(t.shape[0] for layer in pre.payload.layers for t in layer) == 10 - ws  # window tensors
+    res = inject_prefilled(b, "d", p, pre.first_token, params, pre.payload)
+    assert res.injected and res.num_tokens == 150, res.reason
+    out = [pre.first_token]
+    while b.has_unfinished_requests():
+        out += [t for o in b.step() for t in o.new_token_ids]
+    assert out == unbounded([p], params)[0]
 
 
 def test_drafts_async_and_deterministic_modes_match_unbounded(ckpt, unbounded):

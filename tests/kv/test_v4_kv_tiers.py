@@ -1,6 +1,9 @@
 """DeepSeek-V4 blocks through the KV tiers: offload a request's blocks (k, v and the compressor /
 indexer planes) to the CPU tier and to the disk tier, evict them from the device, restore them
-from the tier: the output equals the cold run's. A corrupt plane on disk is caught and recomputed."""
+from the tier: the output equals the cold run's. A corrupt plane on disk is caught and recomputed.
+
+Every engine test runs bounded (the default: windowed parts in their own pool; a prefix is restored
+only as far as its window tail is there) and unbounded (one pool)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -17,8 +20,14 @@ N = 140  # 8 full prompt blocks restorable (the last token always runs), past 4 
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory):
-    eng = v4_engine(write_v4(tmp_path_factory.mktemp("v4tier")))
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_v4(tmp_path_factory.mktemp("v4tier"))
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["bounded", "unbounded"])
+def engine(ckpt, request):
+    eng = v4_engine(ckpt, bound_sliding_window=request.param)
+    assert eng.kv_layout.grouped == request.param
     yield eng
     eng.close()
 
@@ -86,6 +95,33 @@ def test_v4_disk_tier_restore_matches_cold_and_a_corrupt_block_is_recomputed(eng
     assert out.computed == N - 5 * BLOCK + GREEDY32.max_tokens - 1  # block 5 onward recomputed
 
 
+def test_v4_restore_needs_the_window_tail(engine, prompt):
+    """Tier blocks offloaded after the window had passed them hold their full parts only. A prefix is
+    restored only with its window tail (horizon 32: 8 blocks need blocks 6, 7; 7 need 5, 6; 6 need
+    4, 5; 5 need 3, 4): without the window parts of blocks 5 and 7, 5 blocks are restored and the rest
+    is replayed; an engine that keeps whole windows stops at block 5 too. Either way: the cold run."""
+    from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
+    from moebus.engine.kv_transfer.payload import KVBlock, missing_part
+
+    store = TieredKVStore([CpuTier(64 << 20)])
+    cold = _offloaded_cold_run(engine, prompt, store, "tail-cold")
+    cpu = store.tiers[0]
+    horizons = [spec.horizons() for spec in engine.model.kv_cache_specs()]
+    groups = [tuple(int(h is not None) for h in hs) for hs in horizons]
+    hashes = stable_block_hashes(prompt[: 8 * BLOCK], BLOCK, kv_namespace(engine))
+    assert all(cpu.get(h).has_window(groups) for h in hashes)  # offloaded every step: windows held
+    for i in (5, 7):
+        full = cpu.get(hashes[i])
+        cpu.discard(hashes[i])
+        cpu.put(hashes[i], KVBlock([tuple(missing_part(t) if g else t for t, g in zip(kv, gs, strict=True))
+                                    for kv, gs in zip(full.layers, groups, strict=True)]))
+        assert not cpu.get(hashes[i]).has_window(groups) and cpu.get(hashes[i]).intact()
+    out, loaded = _restored_run(engine, prompt, store, "tail-warm")
+    assert loaded == 5 * BLOCK
+    assert out.tokens == cold
+    assert out.computed == N - 5 * BLOCK + GREEDY32.max_tokens - 1
+
+
 def test_v4_shaped_blocks_regroup_into_a_payload_and_survive_the_disk(tmp_path):
     """What the broker and the worker's link do with tier blocks (KVPayload.from_blocks, the wire,
     a disk file), on V4-shaped tuples: a sliding layer (k, v), a CSA layer (k, an empty v, src,
@@ -114,3 +150,22 @@ def test_v4_shaped_blocks_regroup_into_a_payload_and_survive_the_disk(tmp_path):
     assert [tuple(t.shape) for layer in got.layers for t in layer] == [
         tuple(t.shape) for layer in blocks[1].layers for t in layer]
     assert got.layers[2][3].dtype == torch.bfloat16
+
+    # Bounded sliding windows: blocks 0 and 1 were offloaded after their window passed (their
+    # windowed parts, here the sliding layer's k and v and the compressors' rows, as 0 rows).
+    from moebus.engine.kv_transfer.payload import block_size_of, missing_part
+
+    groups = [(1, 1), (1, 1, 1, 0, 1, 0), (1, 1, 1, 0)]
+    strip = lambda b: KVBlock([tuple(missing_part(t) if g else t for t, g in zip(kv, gs, strict=True))  # noqa: E731
+                                     for kv, gs in zip(b.layers, groups, strict=True)])
+    mixed = [strip(blocks[0]), strip(blocks[1]), blocks[2]]
+    assert block_size_of(mixed) == BLOCK and block_size_of(mixed[:2]) == 0
+    payload = KVPayload.from_blocks(mixed, [11, 12, 13], block_size_of(mixed))
+    assert payload.window_start == 2 and payload.groups == groups and payload.layers[0][0].shape[0] == 1
+    again = KVPayload.from_bytes(payload.to_bytes())
+    assert again.equal(payload) and again.corrupt_blocks == 0
+    for i, b in enumerate(mixed):
+        got = again.block(i)
+        assert got.checksum == b.checksum and got.intact() and got.has_window(groups) == (i == 2)
+        assert [tuple(t.shape) for layer in got.layers for t in layer] == [
+            tuple(t.shape) for layer in b.layers for t in layer]

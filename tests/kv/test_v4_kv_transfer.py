@@ -1,6 +1,9 @@
 """DeepSeek-V4 disaggregation: prefill on engine A, move every tensor of every layer's cache tuple
 (k, v and the compressor / indexer planes), decode on engine B == one aggregated engine, greedy
-32 tokens. The payload's wire format carries the per-layer layout, its version and checksums."""
+32 tokens. The payload's wire format carries the per-layer layout, its version and checksums.
+
+Every test runs bounded (the default: sliding K/V and compressor rows in a windowed pool, only the
+blocks the next token's window reads move) and unbounded (one pool, every block of every tensor)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +12,10 @@ import struct
 import pytest
 import torch
 
+from moebus.engine.kv_groups import WINDOW as WINDOW_GROUP
 from moebus.engine.kv_transfer import KVPayload, inject_prefilled, prefill
 from moebus.engine.kv_transfer.codec import VERSION, KVVersionError
+from moebus.engine.kv_transfer.engine_io import kv_block_ids
 from moebus.kvtransport import ShmKVTransport, ShmTransportConfig
 
 from .conftest import run
@@ -24,9 +29,15 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_v4(tmp_path_factory.mktemp("v4kv"))
 
 
+@pytest.fixture(scope="module", params=[True, False], ids=["bounded", "unbounded"])
+def bounded(request) -> bool:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def engines(ckpt):
-    a, b = v4_engine(ckpt), v4_engine(ckpt)
+def engines(ckpt, bounded):
+    a, b = v4_engine(ckpt, bound_sliding_window=bounded), v4_engine(ckpt, bound_sliding_window=bounded)
+    assert a.kv_layout.grouped == bounded
     yield a, b
     a.close()
     b.close()
@@ -54,7 +65,7 @@ def _over_shm(payload: KVPayload, tag: str) -> KVPayload:
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-def test_v4_disaggregated_matches_aggregated(engines, reference, n):
+def test_v4_disaggregated_matches_aggregated(engines, reference, bounded, n):
     a, b = engines
     prompt = v4_prompts(0, LENGTHS)[LENGTHS.index(n)]
     assert n > 3 * 32 and n > WINDOW
@@ -66,12 +77,20 @@ def test_v4_disaggregated_matches_aggregated(engines, reference, n):
     rows = {t.shape[1] for layer in pre.payload.layers for t in layer}
     assert rows == {BLOCK, 4, 1}  # CSA entries: 4 rows a block, HCA: 1 row a block (rate 32)
     nb = -(-n // BLOCK)
-    assert all(t.shape[0] == nb for layer in pre.payload.layers for t in layer)
+    # windowed tensors: only the blocks token n's window (horizon 32) reads, 6 on (140) or 4 on (100)
+    ws = (n - 32 + 1) // BLOCK if bounded else 0
+    assert pre.payload.window_start == ws and (pre.payload.groups is not None) == bounded
+    groups = a.kv_layout.groups
+    assert all(t.shape[0] == nb - (ws if groups[i][j] == WINDOW_GROUP else 0)
+               for i, layer in enumerate(pre.payload.layers) for j, t in enumerate(layer))
     got = _over_shm(pre.payload, f"v4-{n}")
     assert got.equal(pre.payload) and got.corrupt_blocks == 0
     res = inject_prefilled(b, f"d{n}", prompt, pre.first_token, GREEDY32, got)
     assert res.injected, res.reason
     assert res.num_tokens == n and res.num_copied_blocks == nb
+    if bounded:
+        window = kv_block_ids(b.get_request(f"d{n}"), WINDOW_GROUP)
+        assert window[:ws] == [-1] * ws and min(window[ws:nb]) >= 0  # passed blocks never held
     out = run(b, f"d{n}")
     assert [pre.first_token] + out.tokens == reference[n]
     assert out.computed == GREEDY32.max_tokens - 1  # decode steps only: no prompt recompute
@@ -86,10 +105,13 @@ def test_v4_payload_missing_a_plane_or_of_another_shape_is_recomputed(engines, r
     short = [layer[:4] if i == 1 else layer for i, layer in enumerate(pre.payload.layers)]  # no indexer planes
     wide = [(*layer[:3], torch.cat([layer[3]] * 2, 1)) if i == 2 else layer  # 2 HCA entry rows a block
             for i, layer in enumerate(pre.payload.layers)]
+    g = pre.payload.groups
     for layers, why in ((short, "layer 1: 4 cache tensors, the cache 6"),
                         (wide, "layer 2 tensor 3: block shape (2, 32), the cache (1, 32)")):
         b.block_manager.reset_prefix_cache()
-        bad = KVPayload(layers, BLOCK, n, prompt, namespace=pre.payload.namespace)
+        groups = [gs[: len(layer)] for gs, layer in zip(g, layers, strict=True)] if g is not None else None
+        bad = KVPayload(layers, BLOCK, n, prompt, namespace=pre.payload.namespace, groups=groups,
+                        window_start=pre.payload.window_start)
         res = inject_prefilled(b, "bad-d", prompt, pre.first_token, GREEDY32, bad)
         assert not res.injected and res.reason == why
         out = run(b, "bad-d")
@@ -98,9 +120,10 @@ def test_v4_payload_missing_a_plane_or_of_another_shape_is_recomputed(engines, r
     b.block_manager.reset_prefix_cache()
 
 
-def test_v4_corrupt_plane_byte_is_caught_and_recomputed(engines, reference):
+def test_v4_corrupt_plane_byte_is_caught_and_recomputed(engines, reference, bounded):
     """The block checksums cover the planes: one flipped bit in the last layer's indexer keys of
-    block 3 ends the payload before block 3; the decode engine recomputes from there."""
+    block 3 ends the payload before block 3; the decode engine recomputes from there (bounded: the
+    3 blocks left lack the window tail of token 48, so the whole prompt is recomputed)."""
     a, b = engines
     n = LENGTHS[0]
     prompt = v4_prompts(0, LENGTHS)[0]
@@ -115,11 +138,63 @@ def test_v4_corrupt_plane_byte_is_caught_and_recomputed(engines, reference):
     assert got.corrupt_blocks == 1 and got.num_blocks == 3 and got.num_tokens == 3 * BLOCK
     b.block_manager.reset_prefix_cache()
     res = inject_prefilled(b, "crc-d", prompt, pre.first_token, GREEDY32, got)
-    assert res.injected and res.num_tokens == 3 * BLOCK
     out = run(b, "crc-d")
     assert [pre.first_token] + out.tokens == reference[n]
-    assert out.computed == n - 3 * BLOCK + GREEDY32.max_tokens - 1  # the rest of the prompt, then decode
+    if bounded:
+        assert not res.injected and res.reason == "payload lacks the window blocks 1..2 of its 48 tokens"
+        assert out.computed == n + GREEDY32.max_tokens - 1  # prompt + first token recomputed
+    else:
+        assert res.injected and res.num_tokens == 3 * BLOCK
+        assert out.computed == n - 3 * BLOCK + GREEDY32.max_tokens - 1  # the rest of the prompt, then decode
     b.block_manager.reset_prefix_cache()
+
+
+def test_v4_corrupt_window_block_keeps_the_rest_of_the_window(engines, reference, bounded):
+    """A flipped bit in the sliding layer's v of the last block (a windowed tensor when bounded)
+    ends the payload at block 8: its 128 tokens' window (blocks 6, 7) is still there, so only the
+    last 12 prompt tokens are recomputed."""
+    a, b = engines
+    n = LENGTHS[0]
+    prompt = v4_prompts(0, LENGTHS)[0]
+    pre = prefill(a, "crcw-p", prompt, GREEDY32)
+    v = pre.payload.layers[0][1]  # [blocks held, 16, Hkv, Dv]
+    assert v.shape[0] == (3 if bounded else 9)
+    packed = pre.payload.packed()
+    spec = packed.specs[1]  # the sliding layer's v: the encoding's second blob
+    per_block = spec["nbytes"] // v.shape[0]
+    buf = packed.to_bytes()
+    buf[packed.data_start + spec["offset"] + (v.shape[0] - 1) * per_block + 7] ^= 0x10
+    got = KVPayload.from_bytes(buf)
+    assert got.corrupt_blocks == 1 and got.num_blocks == 8 and got.num_tokens == 8 * BLOCK
+    b.block_manager.reset_prefix_cache()
+    res = inject_prefilled(b, "crcw-d", prompt, pre.first_token, GREEDY32, got)
+    assert res.injected and res.num_tokens == 8 * BLOCK, res.reason
+    out = run(b, "crcw-d")
+    assert [pre.first_token] + out.tokens == reference[n]
+    assert out.computed == n - 8 * BLOCK + GREEDY32.max_tokens - 1
+    b.block_manager.reset_prefix_cache()
+
+
+def test_v4_bounded_payload_is_refused_by_an_unbounded_engine(ckpt, engines, reference, bounded):
+    """An engine that keeps whole windows cannot take a payload holding only the last ones: it
+    recomputes (same tokens). The other way round (every block sent) works: the tail is taken."""
+    a, b = engines
+    n = LENGTHS[1]
+    prompt = v4_prompts(0, LENGTHS)[1]
+    pre = prefill(a, "mix-p", prompt, GREEDY32)
+    other = v4_engine(ckpt, bound_sliding_window=not bounded)
+    try:
+        res = inject_prefilled(other, "mix-d", prompt, pre.first_token, GREEDY32, pre.payload)
+        out = run(other, "mix-d")
+    finally:
+        other.close()
+    assert [pre.first_token] + out.tokens == reference[n]
+    if bounded:
+        assert not res.injected and "keeps whole windows" in res.reason
+        assert out.computed == n + GREEDY32.max_tokens - 1
+    else:
+        assert res.injected and res.num_tokens == n, res.reason
+        assert out.computed == GREEDY32.max_tokens - 1
 
 
 def test_v4_wire_version_mismatch_is_refused_clearly(engines):
@@ -152,14 +227,14 @@ def test_v4_payload_from_another_format_version_fails_the_transfer(engines, monk
         asyncio.run(go())
 
 
-def test_v4_chunked_prefill_and_a_partial_local_hit(ckpt, engines, reference):
+def test_v4_chunked_prefill_and_a_partial_local_hit(ckpt, engines, reference, bounded):
     """Prefill in 45-token chunks (windows close across chunk edges) on one engine; the decode engine
     already caches the prompt's first 6 blocks, so only the payload's later blocks (every tensor of
     each, sliced alike) are copied."""
     _, b = engines
     n = LENGTHS[0]
     prompt = v4_prompts(0, LENGTHS)[0]
-    chunked = v4_engine(ckpt, max_num_batched_tokens=45)
+    chunked = v4_engine(ckpt, max_num_batched_tokens=45, bound_sliding_window=bounded)
     try:
         pre = prefill(chunked, "chunk-p", prompt, GREEDY32)
     finally:
@@ -169,6 +244,9 @@ def test_v4_chunked_prefill_and_a_partial_local_hit(ckpt, engines, reference):
     run(b, "warm-b", prompt[:100], GREEDY32)  # leaves 6 full prompt blocks in B's prefix cache
     res = inject_prefilled(b, "chunk-d", prompt, pre.first_token, GREEDY32, pre.payload)
     assert res.injected and res.num_local_hit_blocks == 6 and res.num_copied_blocks == -(-n // BLOCK) - 6
+    window = kv_block_ids(b.get_request("chunk-d"), WINDOW_GROUP)
+    if b.kv_layout.grouped:  # the window of token 140 reads blocks 6..8: the hit's 6 is not, so all come from A
+        assert window[:6] == [-1] * 6 and min(window[6:9]) >= 0 and pre.payload.window_start == 6
     out = run(b, "chunk-d")
     assert [pre.first_token] + out.tokens == reference[n]
     assert out.computed == GREEDY32.max_tokens - 1

@@ -10,11 +10,11 @@ from moebus.engine.kv_transfer.engine_io import (
     settled_tokens,
 )
 from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
-from moebus.engine.kv_transfer.payload import KVBlock, KVPayload, LayerKV
+from moebus.engine.kv_transfer.payload import KVBlock, KVPayload, LayerKV, block_size_of
 
 __all__ = [
     "InjectResult", "KVBlock", "KVPayload", "LayerKV",
-    "PrefillResult",
+    "PrefillResult", "block_size_of",
     "extract_kv", "gather_blocks", "inject_prefilled", "kv_namespace", "prefill", "scatter_blocks",
     "settled_tokens", "stable_block_hashes",
 ]

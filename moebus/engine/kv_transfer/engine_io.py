@@ -5,6 +5,8 @@ the scheduler's (reserve_prefilled / admit_prefilled) and the block manager's; c
 engine's own thread, between steps (LLMEngine.kv, the KV connector, wraps them for a worker).
 A layer's cache is the tuple (k, v, *planes) (DeepSeek-V4's compressed layers add compressor
 planes); every tensor of it moves, checked against the receiving cache tensor by tensor.
+With bounded sliding windows (engine.kv_groups) a windowed tensor is indexed by the request's
+window block list and moves only for the blocks the next token's window reads.
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moebus.engine.kv_groups import FULL, WINDOW, group_block_ids
 from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
-from moebus.engine.kv_transfer.payload import KVPayload, LayerKV
+from moebus.engine.kv_transfer.payload import Groups, KVPayload, LayerKV
 from moebus.engine.model_runner import PLACEHOLDER
 from moebus.engine.multimodal import ImageSpan
 from moebus.engine.outputs import RequestOutput
@@ -28,10 +31,39 @@ if TYPE_CHECKING:
 KVCaches = list[tuple[torch.Tensor, ...]]  # per layer (k, v, *planes), each indexed by block id first
 
 
-def kv_block_ids(req: Request) -> list[int]:
-    """The request's cache blocks by logical block index, shared by every tensor of every layer.
-    The one place kv_transfer / kv_tiers read a request's block table."""
-    return req.block_ids
+def kv_block_ids(req: Request, group: int = FULL) -> list[int]:
+    """The request's cache blocks of `group` by logical block index (WINDOW: -1 = freed). The one
+    place kv_transfer / kv_tiers read a request's block tables."""
+    return group_block_ids(req, group)
+
+
+def kv_groups(engine: LLMEngine) -> Groups | None:
+    """Per layer, per cache tensor: FULL or WINDOW; None when the engine has one group."""
+    layout = getattr(engine, "kv_layout", None)
+    return [tuple(g) for g in layout.groups] if layout is not None and layout.grouped else None
+
+
+def gather_grouped(kv_caches: KVCaches, groups: Groups, full_ids: list[int], window_ids: list[int],
+                   device: str | torch.device = "cpu") -> LayerKV:
+    """gather_blocks for two groups: each tensor at its own group's ids."""
+    dev = kv_caches[0][0].device
+    idx = (torch.tensor(full_ids, dtype=torch.long, device=dev), torch.tensor(window_ids, dtype=torch.long, device=dev))
+    return [tuple(t.index_select(0, idx[g]).to(device) for t, g in zip(layer, gs, strict=True))
+            for layer, gs in zip(kv_caches, groups, strict=True)]
+
+
+def scatter_grouped(kv_caches: KVCaches, groups: Groups, full_ids: list[int], window_ids: list[int],
+                    layers: LayerKV) -> None:
+    """scatter_blocks for two groups: each tensor's first rows into its own group's ids."""
+    if problem := layout_problem(layers, kv_caches):
+        raise ValueError(problem)
+    dev = kv_caches[0][0].device
+    ids = (full_ids, window_ids)
+    idx = (torch.tensor(full_ids, dtype=torch.long, device=dev), torch.tensor(window_ids, dtype=torch.long, device=dev))
+    for dst, src, gs in zip(kv_caches, layers, groups, strict=True):
+        for d, s, g in zip(dst, src, gs, strict=True):
+            if ids[g]:
+                d.index_copy_(0, idx[g], s[: len(ids[g])].to(d.device, d.dtype))
 
 
 def gather_blocks(kv_caches: KVCaches, block_ids: list[int], device: str | torch.device = "cpu") -> LayerKV:
@@ -49,7 +81,7 @@ def layout_problem(layers: LayerKV, kv_caches: KVCaches) -> str:
         if len(src) != len(dst):
             return f"layer {i}: {len(src)} cache tensors, the cache {len(dst)}"
         for j, (s, d) in enumerate(zip(src, dst, strict=True)):
-            if s.shape[1:] != d.shape[1:]:
+            if s.shape[1:] != d.shape[1:] and (s.shape[0] or s.shape[2:] != d.shape[2:]):  # 0 blocks: no rows
                 return f"layer {i} tensor {j}: block shape {tuple(s.shape[1:])}, the cache {tuple(d.shape[1:])}"
     return ""
 
@@ -90,10 +122,19 @@ def extract_kv(engine: LLMEngine, request: str | Request, num_tokens: int | None
     tokens = req.all_token_ids[:n]
     ns = kv_namespace(engine)
     outs = req.output_token_ids
-    return KVPayload(gather_blocks(engine.kv_caches, blocks[:nb], device), bs, n, tokens,
-                     stable_block_hashes(req.hash_token_ids[:n], bs, ns), ns, req.request_id,
-                     outs[0] if outs and outs[0] != PLACEHOLDER else None,
-                     req.generator.get_state() if req.generator is not None else None)
+    groups, ws = kv_groups(engine), 0
+    if groups is None:
+        layers = gather_blocks(engine.kv_caches, blocks[:nb], device)
+    else:  # the windowed tensors: only the blocks the window of token n reads
+        ws = engine.block_manager.first_live(n)
+        window = kv_block_ids(req, WINDOW)[ws:nb]
+        if len(window) < nb - ws or min(window, default=0) < 0:
+            raise ValueError(f"{req.request_id}: the window blocks of its first {n} tokens are freed")
+        layers = gather_grouped(engine.kv_caches, groups, blocks[:nb], window, device)
+    return KVPayload(layers, bs, n, tokens, stable_block_hashes(req.hash_token_ids[:n], bs, ns), ns,
+                     req.request_id, outs[0] if outs and outs[0] != PLACEHOLDER else None,
+                     req.generator.get_state() if req.generator is not None else None,
+                     groups=groups, window_start=ws)
 
 
 @dataclass(slots=True)
@@ -115,7 +156,14 @@ def _payload_problem(engine: LLMEngine, prompt: list[int], payload: KVPayload | 
     n = min(payload.num_tokens, len(prompt))
     if n <= 0 or (payload.token_ids and payload.token_ids[:n] != prompt[:n]):
         return "payload tokens are not a prefix of the prompt"
-    return layout_problem(payload.layers, engine.kv_caches)
+    if problem := layout_problem(payload.layers, engine.kv_caches):
+        return problem
+    groups = kv_groups(engine)
+    if payload.window_start and groups is None:
+        return "payload holds only its window's last blocks; this engine keeps whole windows"
+    if payload.groups is not None and groups is not None and payload.groups != groups:
+        return "KV groups differ"
+    return ""
 
 
 def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
@@ -134,13 +182,42 @@ def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[
     bm, bs = engine.block_manager, engine.block_manager.block_size
     hits = bm.match_prefix(req)
     n = max(min(payload.num_tokens, len(prompt_token_ids)), len(hits) * bs)
-    fresh = engine.scheduler.reserve_prefilled(req, n, hits)
-    if fresh is None:
-        return InjectResult(False, reason="no free KV blocks")
-    if fresh:
-        scatter_blocks(engine.kv_caches, fresh, [tuple(t[len(hits):] for t in kv) for kv in payload.layers])
+    groups = kv_groups(engine)
+    if groups is None:
+        fresh = engine.scheduler.reserve_prefilled(req, n, hits)
+        if fresh is None:
+            return InjectResult(False, reason="no free KV blocks")
+        if fresh:
+            scatter_blocks(engine.kv_caches, fresh, [tuple(t[len(hits):] for t in kv) for kv in payload.layers])
+    else:
+        fresh = _reserve_grouped(engine, req, n, hits, payload, groups)
+        if isinstance(fresh, str):
+            return InjectResult(False, reason=fresh)
     engine.scheduler.admit_prefilled(req, n)  # runs now when there is room, else waits with its KV
     return InjectResult(True, n, len(fresh), len(hits))
+
+
+def _reserve_grouped(engine: LLMEngine, req: Request, n: int, hits: list[int], payload: KVPayload,
+                     groups: Groups) -> list[int] | str:
+    """Full blocks after the local hit and the window blocks token n reads (those the hit does not
+    hold), filled from the payload; the fresh full block ids, or why not."""
+    bm, bs = engine.block_manager, engine.block_manager.block_size
+    nb, h = -(-n // bs), len(hits)
+    first_fresh = max(bm.first_live(n), h)  # window blocks before it: passed, or the local hit's
+    ws = payload.window_start if payload.groups is not None else 0
+    if first_fresh < nb and ws > first_fresh:
+        return f"payload lacks the window blocks {first_fresh}..{ws - 1} of its {n} tokens"
+    req.num_computed_tokens = n  # the window is reserved from token n on (engine.window_blocks)
+    fresh = engine.scheduler.reserve_prefilled(req, n, hits)
+    if fresh is None:
+        req.num_computed_tokens = 0
+        return "no free KV blocks"
+    window = kv_block_ids(req, WINDOW)[first_fresh:nb]
+    starts = (h, first_fresh - ws)
+    scatter_grouped(engine.kv_caches, groups, fresh, window,
+                    [tuple(t[starts[g]:] for t, g in zip(kv, gs, strict=True))
+                     for kv, gs in zip(payload.layers, groups, strict=True)])
+    return fresh
 
 
 @dataclass(slots=True)

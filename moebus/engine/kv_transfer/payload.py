@@ -5,6 +5,11 @@ A layer's entry is its whole cache tuple (k, v, *planes), every tensor indexed b
 DeepSeek-V4 compressed layer adds compressor planes, some with fewer rows per block than k. The
 encodings list each layer's tuple length ("layout"), so a decoder rebuilds the tuples exactly.
 
+With bounded sliding windows (engine.kv_groups) a windowed part (sliding K/V, compressor rows)
+is read only near the end, so a payload carries it only from block `window_start` on (the blocks
+the next token's window reads), `groups` naming each tensor's group; a tier block whose window
+part had already been freed holds it as a tensor of 0 rows (KVBlock.has_window).
+
 Every block carries a CRC-32 of its tensor bytes, taken where the block is made (the engine's
 gather) and kept with it through tiers, the broker and transfers; whoever consumes a block checks
 it (tier get, decode), so a flipped bit is dropped and recomputed instead of served.
@@ -19,6 +24,8 @@ import torch
 from moebus.engine.kv_transfer.codec import PackedTensors, crc32_of, unpack
 
 LayerKV = list[tuple[torch.Tensor, ...]]  # per layer: (k, v, *planes)
+Groups = list[tuple[int, ...]]  # per layer, per tensor: 0 full history, 1 windowed (engine.kv_groups)
+WINDOWED = 1
 
 
 class KVChecksumError(ValueError):
@@ -27,7 +34,8 @@ class KVChecksumError(ValueError):
 
 def block_checksum(layers: LayerKV) -> int:
     """CRC-32 of every tensor of every layer, in order (the layout and shapes are the header's,
-    which has its own CRC-32)."""
+    which has its own CRC-32). A missing window part (0 rows) adds no bytes: a block without its
+    window part has the checksum of the parts it holds."""
     return crc32_of(t for kv in layers for t in kv)
 
 
@@ -56,9 +64,26 @@ def _nbytes(layers: LayerKV) -> int:
 
 
 def stack_blocks(blocks: list[KVBlock]) -> LayerKV:
-    """Blocks (same layout) as per-layer tuples of [len(blocks), ...] tensors."""
+    """Blocks (same layout, all parts present) as per-layer tuples of [len(blocks), ...] tensors."""
     return [tuple(torch.stack([b.layers[i][j] for b in blocks]) for j in range(len(kv)))
             for i, kv in enumerate(blocks[0].layers)]
+
+
+def missing_part(t: torch.Tensor) -> torch.Tensor:
+    """The stand-in for a window part a block does not hold: its per-block shape with 0 rows."""
+    return t.new_empty((0, *t.shape[1:]))
+
+
+def block_size_of(blocks: list[KVBlock]) -> int:
+    """Tokens a block holds: the rows of a k part (a block may lack its windowed ones; 0 if all do)."""
+    return max((int(kv[0].shape[0]) for b in blocks for kv in b.layers), default=0)
+
+
+def _window_groups(blocks: list[KVBlock]) -> Groups | None:
+    """Parts some block lacks (0 rows) are windowed; None when every block holds every part."""
+    groups = [tuple(int(any(b.layers[i][j].shape[0] == 0 for b in blocks)) for j in range(len(kv)))
+              for i, kv in enumerate(blocks[0].layers)]
+    return groups if any(any(g) for g in groups) else None
 
 
 @dataclass(slots=True)
@@ -75,6 +100,11 @@ class KVBlock:
 
     def intact(self) -> bool:
         return block_checksum(self.layers) == self.checksum
+
+    def has_window(self, groups: Groups) -> bool:
+        """Whether the block holds its windowed parts (a tier block may hold only the full ones)."""
+        return all(t.shape[0] > 0 for kv, gs in zip(self.layers, groups, strict=True)
+                   for t, g in zip(kv, gs, strict=True) if g == WINDOWED)
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +131,8 @@ class KVBlock:
 
 @dataclass(slots=True)
 class KVPayload:
-    """layers: per layer (k, v, *planes), each [num_blocks, ...]. The blocks hold the KV of token
+    """layers: per layer (k, v, *planes), each [num_blocks, ...] (a windowed one, per `groups`:
+    [num_blocks - window_start, ...], blocks window_start on). The blocks hold the KV of token
     positions [0, num_tokens); block_hashes are the stable hashes of the full ones."""
 
     layers: LayerKV
@@ -115,29 +146,45 @@ class KVPayload:
     generator_state: torch.Tensor | None = None  # seeded sampling continues the same stream
     block_checksums: list[int] = field(default_factory=list)  # per block; computed here when not given
     corrupt_blocks: int = 0  # from_bytes only: blocks that failed their checksum (they and all after are dropped)
+    groups: Groups | None = None  # None: every tensor holds every block
+    window_start: int = 0  # the first block the windowed tensors hold
 
     def __post_init__(self) -> None:
+        if self.groups is not None and [len(g) for g in self.groups] != _layout(self.layers):
+            raise ValueError("groups must name the group of every cache tensor")
         if self.num_tokens > self.num_blocks * self.block_size:
             raise ValueError(f"{self.num_tokens} tokens do not fit {self.num_blocks} blocks")
         if self.token_ids and len(self.token_ids) != self.num_tokens:
             raise ValueError("token_ids must cover exactly num_tokens")
-        if any(t.shape[0] != self.num_blocks for kv in self.layers for t in kv):
-            raise ValueError(f"every cache tensor must hold {self.num_blocks} blocks")
+        if not 0 <= self.window_start <= self.num_blocks or (self.window_start and self.groups is None):
+            raise ValueError(f"window_start {self.window_start} of {self.num_blocks} blocks (groups {self.groups})")
+        if any(t.shape[0] != self.num_blocks - self._start(i, j) for i, kv in enumerate(self.layers)
+               for j, t in enumerate(kv)):
+            raise ValueError(f"every cache tensor must hold {self.num_blocks} blocks (windowed ones from "
+                             f"block {self.window_start})")
         if not self.block_checksums:
             self.block_checksums = [block_checksum(self._block_layers(i)) for i in range(self.num_blocks)]
         elif len(self.block_checksums) != self.num_blocks:
             raise ValueError(f"{len(self.block_checksums)} checksums for {self.num_blocks} blocks")
 
+    def _start(self, layer: int, part: int) -> int:
+        """The first block tensor `part` of `layer` holds."""
+        return self.window_start if self.groups is not None and self.groups[layer][part] == WINDOWED else 0
+
     @property
     def num_blocks(self) -> int:
-        return int(self.layers[0][0].shape[0]) if self.layers else 0
+        return int(self.layers[0][0].shape[0]) + self._start(0, 0) if self.layers else 0
 
     @property
     def nbytes(self) -> int:
         return _nbytes(self.layers)
 
     def _block_layers(self, i: int) -> LayerKV:
-        return [tuple(t[i] for t in kv) for kv in self.layers]
+        """Block i's tensors; a windowed one before window_start as 0 rows (missing_part)."""
+        if not self.window_start:
+            return [tuple(t[i] for t in kv) for kv in self.layers]
+        return [tuple(t[i - self._start(li, j)] if i >= self._start(li, j) else t.new_empty((0, *t.shape[2:]))
+                      for j, t in enumerate(kv)) for li, kv in enumerate(self.layers)]
 
     def block(self, i: int) -> KVBlock:
         return KVBlock(self._block_layers(i), self.block_checksums[i])
@@ -145,8 +192,19 @@ class KVPayload:
     @classmethod
     def from_blocks(cls, blocks: list[KVBlock], block_hashes: list[int], block_size: int,
                     namespace: str = "") -> KVPayload:
-        return cls(stack_blocks(blocks), block_size, len(blocks) * block_size, block_hashes=list(block_hashes),
-                   namespace=namespace, block_checksums=[b.checksum for b in blocks])
+        """Tier blocks as one payload: the windowed parts from the first block after the last one
+        that lacks them (blocks before hold only their full parts)."""
+        groups = _window_groups(blocks)
+        if groups is None:
+            return cls(stack_blocks(blocks), block_size, len(blocks) * block_size, block_hashes=list(block_hashes),
+                       namespace=namespace, block_checksums=[b.checksum for b in blocks])
+        ws = 1 + max(i for i, b in enumerate(blocks) if not b.has_window(groups))
+        layers = [tuple(torch.stack([b.layers[li][j] for b in (blocks[ws:] if g == WINDOWED else blocks)])
+                        if g != WINDOWED or ws < len(blocks) else missing_part(kv[j]).unsqueeze(0)[:0]
+                        for j, g in enumerate(gs)) for li, (kv, gs) in enumerate(zip(blocks[0].layers, groups,
+                                                                                     strict=True))]
+        return cls(layers, block_size, len(blocks) * block_size, block_hashes=list(block_hashes), namespace=namespace,
+                   block_checksums=[b.checksum for b in blocks], groups=groups, window_start=ws)
 
     # --- wire format -----------------------------------------------------------------------
     def packed(self) -> PackedTensors:
@@ -155,7 +213,7 @@ class KVPayload:
                 "request_id": self.request_id, "first_token": self.first_token,
                 "has_generator": self.generator_state is not None, "block_crcs": self.block_checksums,
                 "generator_crc": crc32_of([self.generator_state]) if self.generator_state is not None else None,
-                "layout": _layout(self.layers)}
+                "layout": _layout(self.layers), "groups": self.groups, "window_start": self.window_start}
         tensors = _flat(self.layers)
         if self.generator_state is not None:
             tensors.append(self.generator_state)
@@ -184,19 +242,24 @@ class KVPayload:
         if gen is not None and crc32_of([gen]) != meta["generator_crc"]:
             raise KVChecksumError("the payload's generator state fails its checksum")
         layers = _unflatten(ts, meta.get("layout"))
+        groups = [tuple(g) for g in meta["groups"]] if meta.get("groups") is not None else None
         crcs: list[int] = meta["block_crcs"]
-        num_blocks = int(layers[0][0].shape[0]) if layers else 0
-        if len(crcs) != num_blocks or any(t.shape[0] != num_blocks for kv in layers for t in kv):
-            raise ValueError(f"{len(crcs)} checksums for {num_blocks} blocks, or tensors of other block counts")
-        bad = [i for i in range(num_blocks) if block_checksum([tuple(t[i] for t in kv) for kv in layers]) != crcs[i]]
+        # the block structure is checked here (a whole payload), the checksums below block by block
+        shell = cls(layers, meta["block_size"], 0, block_checksums=[0] * len(crcs), groups=groups,
+                    window_start=meta.get("window_start", 0))
+        num_blocks = shell.num_blocks
+        bad = [i for i in range(num_blocks) if block_checksum(shell._block_layers(i)) != crcs[i]]
         keep, num_tokens, token_ids = num_blocks, meta["num_tokens"], meta["token_ids"]
         if bad:
             keep = bad[0]
-            layers = [tuple(t[:keep] for t in kv) for kv in layers]
+            ws = min(shell.window_start, keep)
+            layers = [tuple(t[: keep - shell._start(li, j)] if keep >= shell._start(li, j) else t[:0]
+                            for j, t in enumerate(kv)) for li, kv in enumerate(layers)]
             num_tokens = min(num_tokens, keep * meta["block_size"])
             token_ids = token_ids[:num_tokens]
+            shell.window_start = ws
         return cls(layers, meta["block_size"], num_tokens, token_ids, meta["block_hashes"][:keep], meta["namespace"],
-                   meta["request_id"], meta["first_token"], gen, crcs[:keep], len(bad))
+                   meta["request_id"], meta["first_token"], gen, crcs[:keep], len(bad), groups, shell.window_start)
 
     @classmethod
     def from_chunks(cls, chunks: list[bytes | memoryview]) -> KVPayload:
@@ -207,7 +270,8 @@ class KVPayload:
         same_meta = (self.block_size, self.num_tokens, self.token_ids, self.block_hashes, self.namespace,
                      self.request_id, self.first_token) == (
             other.block_size, other.num_tokens, other.token_ids, other.block_hashes, other.namespace,
-            other.request_id, other.first_token)
+            other.request_id, other.first_token) and (self.groups, self.window_start) == (
+            other.groups, other.window_start)
         return same_meta and _layout(self.layers) == _layout(other.layers) and all(
             _bitwise(a, b) for a, b in zip(_flat(self.layers), _flat(other.layers), strict=True))
 

@@ -22,7 +22,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from moebus.engine.kv_tiers import CpuTier, DiskTier, Tier, TieredKVStore
-from moebus.engine.kv_transfer import KVPayload
+from moebus.engine.kv_transfer import KVPayload, block_size_of
 from moebus.kvtransport import KVTransferError, NatsKVTransport, NatsTransportConfig
 from moebus.shared.messages import (
     BROKER_HOLDER,
@@ -116,7 +116,7 @@ class KVBrokerService(Service):
         self.counters["gets"] += 1
         blocks = await asyncio.to_thread(self.store.get_prefix, req.hashes)
         if blocks:
-            payload = KVPayload.from_blocks(blocks, req.hashes[: len(blocks)], int(blocks[0].layers[0][0].shape[0]))
+            payload = KVPayload.from_blocks(blocks, req.hashes[: len(blocks)], block_size_of(blocks))
             self.spawn(self._send(payload, req))
         return BlockGetReply(transfer_id=req.transfer_id, num_blocks=len(blocks))
 

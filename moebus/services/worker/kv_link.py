@@ -18,7 +18,7 @@ from typing import Any, Self
 from nats.aio.client import Client as NATS
 
 from moebus.engine.kv_tiers import TieredKVStore
-from moebus.engine.kv_transfer import KVBlock, KVPayload
+from moebus.engine.kv_transfer import KVBlock, KVPayload, block_size_of
 from moebus.kvtransport import (
     KVTransferError,
     KVTransport,
@@ -241,7 +241,7 @@ class KVBlockClient(KVBrokerClient):
         """Offload blocks to the broker's tiers; True once it has stored them."""
         if not blocks:
             return True
-        return await self.put(KVPayload.from_blocks(blocks, hashes, int(blocks[0].layers[0][0].shape[0])))
+        return await self.put(KVPayload.from_blocks(blocks, hashes, block_size_of(blocks)))
 
     async def get_blocks(self, hashes: list[int], timeout: float | None = None) -> list[KVBlock]:
         """The leading run of `hashes` the broker's tiers hold ([] on any failure)."""
