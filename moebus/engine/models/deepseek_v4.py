@@ -11,12 +11,9 @@ and `compressed_sparse_attention` (window + the lightning indexer's top-`index_t
 overlapping compressor); the compressed kinds rotate with the "compress" rope
 (`compress_rope_theta`). Their paged state: deepseek_v4_compressor.
 
-MTP hook: the `num_nextn_predict_layers` draft layers are not instantiated. `load_weights` keeps
-any `mtp.*` tensors in `self.mtp_weights` (names untouched) so a draft-model proposer can build
-its nextn block(s) from them, reusing `embed_tokens`, `lm_head`/`compute_logits` and the block
-classes here (`DeepseekV4DecoderLayer`, `HyperHead`), fed with the hidden states `forward`
-returns (or, if the MTP block wants the mHC streams, from a `forward` variant that stops before
-`hc_head`).
+MTP: the `num_nextn_predict_layers` draft layers are not part of this module. `load_weights`
+keeps any `mtp.*` tensors in `self.mtp_weights` (names untouched); deepseek_v4_mtp builds the nextn
+layer from them, and engine/mtp_proposer drafts with it, fed the mHC streams entering `hc_head`.
 """
 from __future__ import annotations
 
@@ -84,7 +81,7 @@ class DeepseekV4Args:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
-    num_nextn_predict_layers: int = 1  # MTP layers in the checkpoint (not instantiated)
+    num_nextn_predict_layers: int = 1  # MTP layers in the checkpoint (deepseek_v4_mtp)
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
