@@ -3,6 +3,8 @@ blocks (weight_format="gguf"), and llama.cpp through llama-cpp-python, in altern
 
     python loadtest/bench_single_stream.py                     # moebus dense, moebus gguf
     python loadtest/bench_single_stream.py --llama-python /work/peers/llamacpp-venv/bin/python
+    python loadtest/bench_single_stream.py --gguf-activations 16,8,float --no-dense
+    OMP_NUM_THREADS=1 python loadtest/bench_single_stream.py --block-ns   # the GEMV kernels alone
 
 Each run is a fresh process: one request of --prompt-len random tokens, then --output-len greedy
 tokens (EOS ignored); TPOT = (time of the last token - time of the first) / (output-len - 1), in
@@ -10,7 +12,9 @@ process (no HTTP on either side). llama.cpp: `Llama.eval` per token and numpy's 
 logits, n_threads = --threads. Every run gets OMP_WAIT_POLICY=PASSIVE (as
 loadtest/peers/serve_llamacpp.sh: on a shared box spinning OpenMP threads stall each other). Prints
 the CPU flags, a measured read bandwidth and the bytes each system's weights take per token (the
-bound: bytes / bandwidth), then per-run TPOTs and the medians with their spread. Installs nothing.
+bound: bytes / bandwidth), then per-run TPOTs and the medians with their spread, and the CPU time a
+token (process_time over the decode, every thread of the process: robust to a loaded box where
+wall time is not). Installs nothing.
 """
 from __future__ import annotations
 
@@ -34,14 +38,20 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def run_moebus(fmt: str, prompt_len: int, out_len: int, threads: int) -> dict:
+    """fmt: "dense", or "gguf@<bits>" with QuantLinear.activation_bits 16, 8 or float (None)."""
     import torch
 
     torch.set_num_threads(threads)
     from moebus.engine.config import EngineConfig
+    from moebus.engine.cpu_linear import QuantLinear
     from moebus.engine.llm_engine import LLMEngine
     from moebus.engine.sampling import SamplingParams
 
+    fmt, _, bits = fmt.partition("@")
     eng = LLMEngine(EngineConfig(weight_format=fmt, max_num_seqs=1))
+    for mod in eng.model.modules():
+        if isinstance(mod, QuantLinear) and bits:
+            mod.activation_bits = None if bits == "float" else int(bits)
     # Bytes a decode step reads: every weight once (a tied head through lm_head, which pack_linears
     # or the gguf format set), but not the embedding table (a lookup) nor oneDNN's packed copies.
     seen, weight_bytes = set(), 0
@@ -58,9 +68,9 @@ def run_moebus(fmt: str, prompt_len: int, out_len: int, threads: int) -> dict:
         stamps = []
         while eng.has_unfinished_requests():
             if any(o.new_token_ids for o in eng.step()):
-                stamps.append(time.perf_counter())
-        tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
-    return {"tpot_ms": 1000 * tpots[-1], "weight_bytes": weight_bytes}
+                stamps.append((time.perf_counter(), time.process_time()))
+        tpots.append([(stamps[-1][i] - stamps[0][i]) / (len(stamps) - 1) for i in (0, 1)])
+    return {"tpot_ms": 1000 * tpots[-1][0], "cpu_ms": 1000 * tpots[-1][1], "weight_bytes": weight_bytes}
 
 
 def run_llamacpp(gguf: str, prompt_len: int, out_len: int, threads: int) -> dict:
@@ -75,10 +85,50 @@ def run_llamacpp(gguf: str, prompt_len: int, out_len: int, threads: int) -> dict
         stamps = []
         for _ in range(out_len):
             tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), time.process_time()))
             llm.eval([tok])
-        tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
-    return {"tpot_ms": 1000 * tpots[-1], "weight_bytes": os.path.getsize(gguf), "version": llama_cpp.__version__}
+        tpots.append([(stamps[-1][i] - stamps[0][i]) / (len(stamps) - 1) for i in (0, 1)])
+    return {"tpot_ms": 1000 * tpots[-1][0], "cpu_ms": 1000 * tpots[-1][1], "weight_bytes": os.path.getsize(gguf),
+            "version": llama_cpp.__version__}
+
+
+def block_ns(n: int = 576, k: int = 1536, calls: int = 200) -> None:
+    """Single-thread ns per weight block of one GEMV call ([rows, k] x [n, k] blocks, ~0.5-0.9 MB of
+    weight: cache-resident), the float-activation kernel vs the 8- and 16-bit ones, process_time,
+    best of 5 interleaved repeats (load shifts hit every variant alike). Run with OMP_NUM_THREADS=1."""
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from moebus.kernels.quant_matmul import (
+        GGML_TYPES,
+        cpu_function,
+        qa_cpu_library,
+        quant_matmul_cpu_unchecked,
+        quant_matmul_qa_cpu_unchecked,
+    )
+
+    torch.set_num_threads(1)
+    ffn, qfn = cpu_function(), qa_cpu_library().quant_matmul_qa_f32
+    for qt in GGML_TYPES:
+        w = torch.from_numpy(quantize(torch.randn(n, k).numpy(), GGMLQuantizationType[qt]))
+        for rows in (1, 3):
+            x, res = torch.randn(rows, k), {}
+            tid = GGML_TYPES[qt]
+            fs = {"float": lambda x=x, w=w, tid=tid: quant_matmul_cpu_unchecked(ffn, x, w, tid, False),
+                  "int8": lambda x=x, w=w, tid=tid: quant_matmul_qa_cpu_unchecked(qfn, x, w, tid, 8),
+                  "int16": lambda x=x, w=w, tid=tid: quant_matmul_qa_cpu_unchecked(qfn, x, w, tid, 16)}
+            for f in fs.values():
+                for _ in range(20):
+                    f()
+            for _ in range(5):
+                for name, f in fs.items():
+                    t0 = time.process_time()
+                    for _ in range(calls):
+                        f()
+                    res[name] = min(res.get(name, 1e9), (time.process_time() - t0) / calls / (n * k // 32) * 1e9)
+            print(f"{qt} rows={rows}: " + ", ".join(f"{name} {v:.2f}" for name, v in res.items())
+                  + f" ns/block (load {os.getloadavg()[0]:.2f})", flush=True)
 
 
 def read_bandwidth_gbs(threads: int) -> float:
@@ -110,8 +160,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gguf", default=None, help="default: the embedded SmolLM2-135M-Instruct Q4_1")
     ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: no llama.cpp)")
+    ap.add_argument("--gguf-activations", default="16",
+                    help="comma list of moebus gguf runs by QuantLinear.activation_bits: 16, 8, float")
+    ap.add_argument("--no-dense", action="store_true", help="skip the moebus dense fp32 runs")
+    ap.add_argument("--block-ns", action="store_true", help="only the single-thread GEMV kernel timings")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.block_ns:
+        block_ns()
+        return
     if a.worker:
         kind, _, arg = a.worker.partition(":")
         res = (run_llamacpp(arg, a.prompt_len, a.output_len, a.threads) if kind == "llamacpp"
@@ -122,7 +179,9 @@ def main() -> None:
         from moebus.engine.loader.gguf_file import embedded_gguf_path
 
         a.gguf = str(embedded_gguf_path())
-    systems = {"moebus dense fp32": [sys.executable, "moebus:dense"], "moebus gguf": [sys.executable, "moebus:gguf"]}
+    systems = {} if a.no_dense else {"moebus dense fp32": [sys.executable, "moebus:dense"]}
+    for bits in a.gguf_activations.split(","):
+        systems[f"moebus gguf, {bits} activations"] = [sys.executable, f"moebus:gguf@{bits}"]
     if a.llama_python:
         systems["llama.cpp"] = [a.llama_python, f"llamacpp:{a.gguf}"]
     print(cpu_summary())
@@ -142,16 +201,19 @@ def main() -> None:
             res = json.loads(line[7:])
             load = os.getloadavg()[0]
             results[name].append(res)
-            print(f"round {rnd + 1} {name}: TPOT {res['tpot_ms']:.2f} ms (load {load:.2f})", flush=True)
-    print(f"\n| system | weight bytes / token | TPOT ms, median (min-max) over {a.rounds} rounds | tok/s |")
-    print("| --- | ---: | ---: | ---: |")
+            print(f"round {rnd + 1} {name}: TPOT {res['tpot_ms']:.2f} ms, CPU {res['cpu_ms']:.2f} ms a token "
+                  f"(load {load:.2f})", flush=True)
+    print(f"\n| system | weight bytes / token | TPOT ms, median (min-max) over {a.rounds} rounds | tok/s "
+          "| CPU ms a token (all threads), median |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for name, rs in results.items():
         if not rs:
             continue
         t = [r["tpot_ms"] for r in rs]
         med = statistics.median(t)
+        cpu = statistics.median(r["cpu_ms"] for r in rs)
         print(f"| {name} | {rs[0]['weight_bytes'] / 1e6:.0f} MB | {med:.2f} ({min(t):.2f}-{max(t):.2f}) | "
-              f"{1000 / med:.1f} |")
+              f"{1000 / med:.1f} | {cpu:.2f} |")
 
 
 if __name__ == "__main__":
