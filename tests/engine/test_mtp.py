@@ -63,6 +63,21 @@ def test_greedy_output_unchanged_and_acceptance_recorded(ckpt):
           f"({stats.num_accepted}/{stats.num_draft_tokens} drafts)")
 
 
+def test_prefix_cache_hits_keep_greedy_output(ckpt):
+    """A hit skips the cached rows, so the drafter's window starts at the first computed one (a
+    shorter window: other drafts, same verified tokens)."""
+    ps = prompts(5)
+    expected = generate(LLM(ckpt, **ENGINE), ps, GREEDY)
+    llm = LLM(ckpt, num_speculative_tokens=2, speculative_method="mtp",
+              **{**ENGINE, "enable_prefix_caching": True})
+    assert generate(llm, ps, GREEDY) == expected
+    drafted = llm.engine.spec_stats.num_draft_tokens
+    second = llm.generate(ps, GREEDY)  # the prompts' full blocks are hits now
+    assert [r.outputs[0].token_ids for r in second] == expected
+    assert sum(r.num_cached_tokens for r in second) >= 16 * 6  # 17, 40 and 70 tokens: 6 full blocks
+    assert llm.engine.spec_stats.num_draft_tokens > drafted
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
