@@ -174,13 +174,15 @@ static inline __attribute__((always_inline)) void qk_tile8(
         for (int j = 0; j < 8; j++)
             rows[j] = slot_at(kc, k_sn, k_ss, table, t0 + jb + (j < m ? j : 0), bs, es) + kh * k_sh * es;
         for (int g = g0; g < g0 + G; g++) {
+            /* chunk-major: one load of q per chunk for the 8 rows, and 8 independent FMA chains */
             __m256 part[8];
 #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) {
-                __m256 acc = _mm256_setzero_ps();
+            for (int j = 0; j < 8; j++) part[j] = _mm256_setzero_ps();
 #pragma GCC unroll 16
-                for (int i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf[g] + i), load8(t, rows[j] + i * es), acc);
-                part[j] = acc;
+            for (int i = 0; i < D; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(qf[g] + i);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) part[j] = _mm256_fmadd_ps(qv, load8(t, rows[j] + i * es), part[j]);
             }
             float sums[8];
             _mm256_storeu_ps(sums, reduce8(part));
@@ -247,11 +249,14 @@ static inline __attribute__((always_inline)) void decode_one(
     }
     const int64_t k_row = (int64_t)Hkv * k_sh * es, v_row = (int64_t)Hkv * v_sh * es;
     prefetch_rows(kc, k_sn, k_ss, k_row, table, start, len < start + TILE ? len : start + TILE, bs, es);
+    prefetch_rows(vc, v_sn, v_ss, v_row, table, start, len < start + TILE ? len : start + TILE, bs, es);
     for (int t0 = start; t0 < len; t0 += TILE) {
         const int n = len - t0 < TILE ? len - t0 : TILE;
         const int t1 = t0 + n, t2 = len < t1 + TILE ? len : t1 + TILE;
-        prefetch_rows(vc, v_sn, v_ss, v_row, table, t0, t1, bs, es);  /* used after this tile's softmax */
-        prefetch_rows(kc, k_sn, k_ss, k_row, table, t1, t2, bs, es);  /* the next tile's keys */
+        /* the next tile's keys and values: a tile ahead, so the values' misses (issued after this
+         * tile's softmax they stalled the V FMAs: perf, Zen AVX2) are served by the time they are read */
+        prefetch_rows(kc, k_sn, k_ss, k_row, table, t1, t2, bs, es);
+        prefetch_rows(vc, v_sn, v_ss, v_row, table, t1, t2, bs, es);
 #if HAVE_AVX512
         if (D % 16 == 0)
             for (int kh = 0; kh < Hkv; kh++)
