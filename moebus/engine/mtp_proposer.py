@@ -102,10 +102,10 @@ class MTPProposer:
         return drafts
 
 
-def build_mtp(model: torch.nn.Module, block_size: int) -> tuple[MTPProposer, TargetStreams]:
+def build_mtp(model: torch.nn.Module, hf_config: dict, block_size: int) -> tuple[MTPProposer, TargetStreams]:
     """The proposer over a DeepSeek-V4 checkpoint's first nextn layer, and the tap feeding it the
     target's mHC streams (the input of `hc_head`)."""
     if not isinstance(model, DeepseekV4ForCausalLM):
         raise ValueError("speculative_method='mtp' needs a DeepSeek-V4 checkpoint with nextn layers")
-    layer = load_mtp_layers(model)[0]
+    layer = load_mtp_layers(model, hf_config)[0]
     return MTPProposer(model, layer, block_size), TargetStreams(model.hc_head, layer.config.sliding_window)

@@ -199,3 +199,17 @@ def test_sampled_tokens_keep_the_target_distribution(oracle):
     tv = 0.5 * (plain / plain.sum() - spec / spec.sum()).abs().sum().item()
     print(f"total variation {tv:.3f}; acceptance {stats.acceptance_rate:.2f}")
     assert tv < 0.15
+
+
+def test_release_config_lists_the_nextn_layer_after_the_main_ones(ckpt):
+    """V4's config.json `compress_ratios` has one entry per main layer, then the nextn layers' (0)."""
+    from moebus.engine.models import load_model
+    from moebus.engine.models.deepseek_v4 import DeepseekV4Args
+    from moebus.engine.models.deepseek_v4_mtp import load_mtp_layers
+
+    args = DeepseekV4Args.from_hf_config({"num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0]})
+    assert args.layer_types == ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    model = load_model(ckpt).model
+    assert len(load_mtp_layers(model, {"compress_ratios": [0] * 5})) == 1
+    with pytest.raises(NotImplementedError, match="compressed attention"):
+        load_mtp_layers(model, {"compress_ratios": [0] * 4 + [128]})

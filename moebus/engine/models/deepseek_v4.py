@@ -140,7 +140,9 @@ class DeepseekV4Args:
         cfg = dict(config)
         default = {f.name: f.default for f in fields(cls)}  # slotted: no class-level defaults
         if cfg.get("layer_types") is None and cfg.get("compress_ratios") is not None:
-            cfg["layer_types"] = [_LEGACY_COMPRESS_RATIO[r] for r in cfg["compress_ratios"]]
+            # the release lists the nextn layers' ratios after the main layers'; HF keeps the first n
+            n = cfg.get("num_hidden_layers", default["num_hidden_layers"])
+            cfg["layer_types"] = [_LEGACY_COMPRESS_RATIO[r] for r in cfg["compress_ratios"][:n]]
         if cfg.get("mlp_layer_types") is None and cfg.get("num_hash_layers") is not None:
             n, h = cfg.get("num_hidden_layers", default["num_hidden_layers"]), cfg["num_hash_layers"]
             cfg["mlp_layer_types"] = ["hash_moe"] * min(n, h) + ["moe"] * max(n - h, 0)

@@ -79,10 +79,14 @@ def checkpoint_names(mtp_weights: dict[str, torch.Tensor]) -> dict[int, dict[str
     return by_layer
 
 
-def load_mtp_layers(model: DeepseekV4ForCausalLM) -> list[DeepseekV4MTPLayer]:
+def load_mtp_layers(model: DeepseekV4ForCausalLM, hf_config: dict | None = None) -> list[DeepseekV4MTPLayer]:
     """The checkpoint's nextn layers (config `num_nextn_predict_layers` of them), on the model's
-    device and dtype. Raises if the checkpoint lacks them."""
+    device and dtype. Raises if the checkpoint lacks them, or if config.json's legacy
+    `compress_ratios` gives one a compressed attention kind (the release's is 0: sliding)."""
     n = model.config.num_nextn_predict_layers
+    extra = list((hf_config or {}).get("compress_ratios") or [])[model.config.num_hidden_layers:]
+    if any(extra):
+        raise NotImplementedError(f"nextn layers with compressed attention (compress_ratios {extra})")
     by_layer = checkpoint_names(model.mtp_weights)
     if n < 1 or sorted(by_layer) != list(range(n)):
         raise ValueError(f"checkpoint has MTP layers {sorted(by_layer)}; config says "
