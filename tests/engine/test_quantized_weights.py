@@ -117,6 +117,30 @@ def test_greedy_output_identical_to_the_dequantized_model(gguf_llm, dense_llm, c
         assert gguf_llm.generate([prompt], params)[0].outputs[0].token_ids == ref[i], i
 
 
+def test_quant_linear_paths_by_shape_and_bits():
+    """1-3 row calls take the integer-activation kernel (activation_bits), more rows and None the
+    float one; a 3-D x gives the rows of its 2-D view."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from moebus.kernels.quant_matmul import quant_matmul_qa_ref, quant_matmul_ref
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.from_numpy(quantize(torch.randn(40, 96, generator=g).numpy(), GGMLQuantizationType.Q4_1))
+    lin, x = QuantLinear(w, "Q4_1", 96), torch.randn(2, 96, generator=g)
+    assert lin.activation_bits == 16
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), quant_matmul_qa_ref(x, w, "Q4_1", 16), atol=1e-4, rtol=1e-5)
+        assert torch.equal(lin(x[None]), lin(x)[None])
+        big = torch.randn(5, 96, generator=g)  # above QA_MAX_ROWS: float activations
+        torch.testing.assert_close(lin(big), quant_matmul_ref(big, w, "Q4_1"), atol=1e-4, rtol=1e-5)
+        lin.activation_bits = 8  # 8 bits: far enough from float to tell which kernel ran
+        torch.testing.assert_close(lin(x), quant_matmul_qa_ref(x, w, "Q4_1", 8), atol=1e-4, rtol=1e-5)
+        assert (lin(x) - quant_matmul_ref(x, w, "Q4_1")).abs().max() > 1e-3
+        lin.activation_bits = None
+        torch.testing.assert_close(lin(x), quant_matmul_ref(x, w, "Q4_1"), atol=1e-4, rtol=1e-5)
+
+
 def test_bad_weight_format_is_refused(smol_dir):
     with pytest.raises(ValueError, match="weight_format"):
         load_model("smollm2", weight_format="int3")
