@@ -251,3 +251,23 @@ def test_v4_chunked_prefill_and_a_partial_local_hit(ckpt, engines, reference, bo
     assert [pre.first_token] + out.tokens == reference[n]
     assert out.computed == GREEDY32.max_tokens - 1
     b.block_manager.reset_prefix_cache()
+
+
+def test_v4_local_hit_reaching_into_the_window(engines, reference, bounded):
+    """The decode engine caches the prompt's first 8 blocks, window parts included: bounded, the
+    window of token 140 (blocks 6..8) takes 6, 7 from the local hit and only block 8 from A."""
+    a, b = engines
+    n = LENGTHS[0]
+    prompt = v4_prompts(0, LENGTHS)[0]
+    pre = prefill(a, "deep-p", prompt, GREEDY32)
+    b.block_manager.reset_prefix_cache()
+    run(b, "warm-deep", prompt[:130], GREEDY32)  # 8 full prompt blocks in B's prefix cache
+    res = inject_prefilled(b, "deep-d", prompt, pre.first_token, GREEDY32, pre.payload)
+    assert res.injected and res.num_local_hit_blocks == 8 and res.num_copied_blocks == 1, res.reason
+    if bounded:
+        window = kv_block_ids(b.get_request("deep-d"), WINDOW_GROUP)
+        assert window[:6] == [-1] * 6 and min(window[6:9]) >= 0
+    out = run(b, "deep-d")
+    assert [pre.first_token] + out.tokens == reference[n]
+    assert out.computed == GREEDY32.max_tokens - 1
+    b.block_manager.reset_prefix_cache()
