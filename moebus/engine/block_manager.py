@@ -45,7 +45,7 @@ class BlockManager:
     def blocks_needed(self, req: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
 
-    def _pop_free(self) -> int:
+    def pop_free(self) -> int:
         bid, _ = self.free.popitem(last=False)
         self.allocated += 1
         blk = self.blocks[bid]
@@ -56,7 +56,7 @@ class BlockManager:
         blk.ref_count = 1
         return bid
 
-    def _take(self, bid: int) -> None:
+    def take(self, bid: int) -> None:
         blk = self.blocks[bid]
         if blk.ref_count == 0:
             del self.free[bid]
@@ -109,13 +109,13 @@ class BlockManager:
     def allocate(self, req: Request, num_tokens: int, cached: list[int] = ()) -> None:
         """Grow req's block table to hold num_tokens, first reusing cached prefix blocks."""
         for bid in cached:
-            self._take(bid)
+            self.take(bid)
             req.block_ids.append(bid)
         if cached:
             req.num_computed_tokens = len(cached) * self.block_size
             req.num_cached_tokens = req.num_computed_tokens
         for _ in range(self.blocks_needed(req, num_tokens)):
-            req.block_ids.append(self._pop_free())
+            req.block_ids.append(self.pop_free())
 
     def cache_blocks(self, req: Request) -> None:
         """Publish the hashes of req's blocks that are now full and computed."""
@@ -124,18 +124,26 @@ class BlockManager:
         hashes = self.full_block_hashes(req)
         n_full = min(req.num_computed_tokens // self.block_size, len(hashes), len(req.block_ids))
         for i in range(n_full):
-            blk = self.blocks[req.block_ids[i]]
-            if blk.block_hash is None and hashes[i] not in self.cached:
-                blk.block_hash = hashes[i]
-                self.cached[hashes[i]] = blk.block_id
+            self.publish(req.block_ids[i], hashes[i])
+
+    def release(self, bid: int) -> None:
+        """Drop one reference; a block nobody holds joins the LRU free list (its hash kept)."""
+        blk = self.blocks[bid]
+        blk.ref_count -= 1
+        if blk.ref_count == 0:
+            self.free[bid] = None
+
+    def publish(self, bid: int, block_hash: int) -> None:
+        """Name a full, computed block by its chained hash in the prefix cache (first holder wins)."""
+        blk = self.blocks[bid]
+        if blk.block_hash is None and block_hash not in self.cached:
+            blk.block_hash = block_hash
+            self.cached[block_hash] = bid
 
     def free_request(self, req: Request) -> None:
         # Tail blocks first so the LRU evicts a prefix's last blocks before its shared first ones.
         for bid in reversed(req.block_ids):
-            blk = self.blocks[bid]
-            blk.ref_count -= 1
-            if blk.ref_count == 0:
-                self.free[bid] = None
+            self.release(bid)
         req.block_ids = []
 
     def reset_prefix_cache(self) -> None:

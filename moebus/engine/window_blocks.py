@@ -83,7 +83,7 @@ class WindowedBlockManager(BlockManager):
         if not super().can_allocate(req, num_tokens, cached):
             return False
         _, hits, missing = self._window_plan(req, num_tokens, cached)
-        return missing + self.win.num_free_of(hits) <= len(self.win.free)
+        return missing + self.win.num_free_of(hits) <= self.win.num_free_blocks
 
     def allocate(self, req: Request, num_tokens: int, cached: list[int] = ()) -> None:
         lo, hits, _ = self._window_plan(req, num_tokens, cached)
@@ -92,26 +92,20 @@ class WindowedBlockManager(BlockManager):
         hi = -(-num_tokens // self.block_size)
         ids.extend([-1] * (max(hi, len(cached)) - len(ids)))
         for k, bid in enumerate(hits):
-            self.win._take(bid)
+            self.win.take(bid)
             ids[lo + k] = bid
         for i in range(lo, hi):
             if ids[i] < 0:
-                ids[i] = self.win._pop_free()
+                ids[i] = self.win.pop_free()
 
     def trim(self, req: Request) -> None:
         """Free the window blocks no token from req.num_computed_tokens on reads (tail first)."""
         ids = req.window_block_ids
         i = min(self.first_live(req.num_computed_tokens), len(ids)) - 1
         while i >= 0 and ids[i] >= 0:
-            self._release(ids[i])
+            self.win.release(ids[i])
             ids[i] = -1
             i -= 1
-
-    def _release(self, bid: int) -> None:
-        blk = self.win.blocks[bid]
-        blk.ref_count -= 1
-        if blk.ref_count == 0:
-            self.win.free[bid] = None
 
     def cache_blocks(self, req: Request) -> None:
         super().cache_blocks(req)
@@ -120,16 +114,13 @@ class WindowedBlockManager(BlockManager):
         hashes, ids = req.block_hashes, req.window_block_ids
         n_full = min(req.num_computed_tokens // self.block_size, len(hashes), len(ids))
         for i in range(_first_held(ids), n_full):
-            blk = self.win.blocks[ids[i]]
-            if blk.block_hash is None and hashes[i] not in self.win.cached:
-                blk.block_hash = hashes[i]
-                self.win.cached[hashes[i]] = blk.block_id
+            self.win.publish(ids[i], hashes[i])
 
     def free_request(self, req: Request) -> None:
         super().free_request(req)
         for bid in reversed(req.window_block_ids):
             if bid >= 0:
-                self._release(bid)
+                self.win.release(bid)
         req.window_block_ids = []
 
     def reset_prefix_cache(self) -> None:
