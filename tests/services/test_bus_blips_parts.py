@@ -131,7 +131,8 @@ async def test_a_bus_that_gives_up_is_down_for_good() -> None:
     bus.watch(seen.append)
     try:
         await asyncio.to_thread(server.stop)
-        await wait_for(lambda: bus.nc.is_closed, timeout=5)
+        # nats-py marks the client closed before its closed callback runs: wait for both.
+        await wait_for(lambda: bus.nc.is_closed and len(seen) >= 2, timeout=5)
         assert seen == [False, False] and bus.down_for() == math.inf and bus.evidence_since == math.inf
     finally:
         await bus.drain()
