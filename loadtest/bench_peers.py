@@ -134,7 +134,8 @@ async def drive(url: str, prompts: list[str], concurrency: int, output_len: int)
     async def one(i: int) -> RequestRecord:
         async with sem:
             rec = RequestRecord(index=i, scheduled_s=0.0, input_tokens=0, output_tokens=output_len)
-            return await send(client, MODEL, rec, prompt=prompts[i], t0=t0)
+            # greedy, like the in-process engine run (without it every server sampled at temperature 1)
+            return await send(client, MODEL, rec, prompt=prompts[i], t0=t0, temperature=0)
 
     recs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     wall = time.perf_counter() - t0

@@ -49,11 +49,14 @@ def make_client(base_url: str, api_key: str = "none", timeout_s: float = 600.0) 
 
 
 async def send(client: openai.AsyncOpenAI, model: str, rec: RequestRecord, *, prompt: str | None = None,
-               messages: list[dict] | None = None, t0: float) -> RequestRecord:
-    """Send one request and fill `rec` (never raises for HTTP or transport errors)."""
+               messages: list[dict] | None = None, t0: float, temperature: float | None = None) -> RequestRecord:
+    """Send one request and fill `rec` (never raises for HTTP or transport errors). temperature None
+    leaves the server's default (the API's is 1: sampling); 0 asks for greedy decoding."""
     n = rec.output_tokens
     extra = {"min_tokens": n, "ignore_eos": True}
-    opts = {"stream_options": {"include_usage": True}}
+    opts: dict = {"stream_options": {"include_usage": True}}
+    if temperature is not None:
+        opts["temperature"] = temperature
     start = time.perf_counter()
     rec.sent_s = start - t0
     rec.sent_unix = time.time()
