@@ -47,13 +47,19 @@ def test_window_blocks_are_freed_and_bounded():
     assert bm.win.num_free_blocks == 8 and bm.num_free_blocks == 64
 
 
-def test_prefix_hit_needs_the_window_tail():
-    bm = WindowedBlockManager(64, 16, True, window_blocks=8, horizon=32)
-    a = _req("a", 100)
-    bm.allocate(a, 100)
-    a.num_computed_tokens = 100
+def _computed_and_freed(bm: WindowedBlockManager, n: int) -> Request:
+    """A request of n tokens, computed, its full blocks published, then freed (cached, unheld)."""
+    a = _req("a", n)
+    bm.allocate(a, n)
+    a.num_computed_tokens = n
     bm.cache_blocks(a)
     bm.free_request(a)
+    return a
+
+
+def test_prefix_hit_needs_the_window_tail():
+    bm = WindowedBlockManager(64, 16, True, window_blocks=8, horizon=32)
+    a = _computed_and_freed(bm, 100)
     b = _req("b", 100)
     hits = bm.match_prefix(b)  # 6 full blocks; the window of token 96 reads blocks 4 and 5
     assert len(hits) == 6
@@ -97,11 +103,7 @@ def test_pool_sizes_split_the_bytes():
 
 def test_a_hit_without_its_window_tail_is_refused():
     bm = WindowedBlockManager(64, 16, True, window_blocks=16, horizon=32)
-    a = _req("a", 100)
-    bm.allocate(a, 100)
-    a.num_computed_tokens = 100
-    bm.cache_blocks(a)
-    bm.free_request(a)
+    a = _computed_and_freed(bm, 100)
     bm.win.cached.pop(a.block_hashes[2])  # a 3-block hit resumes at token 48, whose window reads blocks 1, 2
     b = _req("b", 100)
     hits = bm.cached_prefix(bm.full_block_hashes(b))[:3]  # the full pool has them; match_prefix would not
