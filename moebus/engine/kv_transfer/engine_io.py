@@ -43,24 +43,34 @@ def kv_groups(engine: LLMEngine) -> Groups | None:
     return [tuple(g) for g in layout.groups] if layout is not None and layout.grouped else None
 
 
-def gather_grouped(kv_caches: KVCaches, groups: Groups, full_ids: list[int], window_ids: list[int],
-                   device: str | torch.device = "cpu") -> LayerKV:
-    """gather_blocks for two groups: each tensor at its own group's ids."""
+def _per_group(kv_caches: KVCaches, groups: Groups | None) -> Groups:
+    """groups, or every tensor FULL for an engine with one group."""
+    return groups if groups is not None else [(FULL,) * len(layer) for layer in kv_caches]
+
+
+def _group_index(kv_caches: KVCaches, full_ids: list[int], window_ids: list[int]) -> tuple[torch.Tensor, ...]:
     dev = kv_caches[0][0].device
-    idx = (torch.tensor(full_ids, dtype=torch.long, device=dev), torch.tensor(window_ids, dtype=torch.long, device=dev))
+    return tuple(torch.tensor(ids, dtype=torch.long, device=dev) for ids in (full_ids, window_ids))
+
+
+def gather_grouped(kv_caches: KVCaches, groups: Groups | None, full_ids: list[int], window_ids: list[int],
+                   device: str | torch.device = "cpu") -> LayerKV:
+    """Per layer (k, v, *planes): each tensor's blocks at its own group's ids, one gather per tensor
+    (groups None: one group, every tensor at full_ids)."""
+    idx = _group_index(kv_caches, full_ids, window_ids)
     return [tuple(t.index_select(0, idx[g]).to(device) for t, g in zip(layer, gs, strict=True))
-            for layer, gs in zip(kv_caches, groups, strict=True)]
+            for layer, gs in zip(kv_caches, _per_group(kv_caches, groups), strict=True)]
 
 
-def scatter_grouped(kv_caches: KVCaches, groups: Groups, full_ids: list[int], window_ids: list[int],
+def scatter_grouped(kv_caches: KVCaches, groups: Groups | None, full_ids: list[int], window_ids: list[int],
                     layers: LayerKV) -> None:
-    """scatter_blocks for two groups: each tensor's first rows into its own group's ids."""
+    """Write per-layer block data into the cache: each tensor's first rows into its own group's ids
+    (groups None: one group, every tensor into full_ids)."""
     if problem := layout_problem(layers, kv_caches):
         raise ValueError(problem)
-    dev = kv_caches[0][0].device
     ids = (full_ids, window_ids)
-    idx = (torch.tensor(full_ids, dtype=torch.long, device=dev), torch.tensor(window_ids, dtype=torch.long, device=dev))
-    for dst, src, gs in zip(kv_caches, layers, groups, strict=True):
+    idx = _group_index(kv_caches, full_ids, window_ids)
+    for dst, src, gs in zip(kv_caches, layers, _per_group(kv_caches, groups), strict=True):
         for d, s, g in zip(dst, src, gs, strict=True):
             if ids[g]:
                 d.index_copy_(0, idx[g], s[: len(ids[g])].to(d.device, d.dtype))
@@ -68,8 +78,7 @@ def scatter_grouped(kv_caches: KVCaches, groups: Groups, full_ids: list[int], wi
 
 def gather_blocks(kv_caches: KVCaches, block_ids: list[int], device: str | torch.device = "cpu") -> LayerKV:
     """Per layer (k, v, *planes), each [len(block_ids), ...]: one gather per cache tensor."""
-    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
-    return [tuple(t.index_select(0, idx).to(device) for t in layer) for layer in kv_caches]
+    return gather_grouped(kv_caches, None, block_ids, [], device)
 
 
 def layout_problem(layers: LayerKV, kv_caches: KVCaches) -> str:
@@ -88,13 +97,7 @@ def layout_problem(layers: LayerKV, kv_caches: KVCaches) -> str:
 
 def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], layers: LayerKV) -> None:
     """Write per-layer block data (first len(block_ids) blocks of each tensor) into the cache."""
-    if problem := layout_problem(layers, kv_caches):
-        raise ValueError(problem)
-    n = len(block_ids)
-    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
-    for dst, src in zip(kv_caches, layers, strict=True):
-        for d, s in zip(dst, src, strict=True):
-            d.index_copy_(0, idx, s[:n].to(d.device, d.dtype))
+    scatter_grouped(kv_caches, None, block_ids, [], layers)
 
 
 def lookup(engine: LLMEngine, request: str | Request) -> Request:
