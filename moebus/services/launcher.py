@@ -188,7 +188,9 @@ class Stack:
             for i in range(n):
                 wcfg = {"role": role, **template}
                 out.append(("worker", classes["worker"](instance_id=f"{prefix}-{i}", **wcfg, **common)))
-        fcfg = {"accept_images": self.num_encoders > 0, **c.frontend}
+        # the frontend renders prompts with its own copy of the tokenizer service's tokenizer (no bus round trip)
+        local = {"model": c.model, "served_model_name": name, "chat_template": c.tokenizer.get("chat_template")}
+        fcfg = {"accept_images": self.num_encoders > 0, "local_render": local, **c.frontend}
         from .frontend.tool_parser_deepseek import parser_for  # no deepseek_recipe import: config.json only
 
         if (parser := parser_for(c.model)) is not None:  # DeepSeek-V4: its own reasoning and call format

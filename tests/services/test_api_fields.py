@@ -3,7 +3,6 @@ SamplingOptions / the chat template, or is a 400 naming it, or (unknown) one war
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Any
 
 import openai
@@ -11,9 +10,9 @@ import pytest
 
 from moebus.devmodel.toy import ToyEngine, ToyEngineConfig, ToyTokenizer
 from moebus.services.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from moebus.services.tokenizer.service import TokenizerService
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import RenderRequest, StructuredOptions
+from moebus.shared.prompt_render import apply_template
 
 from .conftest import toy_stack
 
@@ -131,13 +130,13 @@ def test_template_kwargs_and_reasoning_effort_reach_the_template() -> None:
     body = ChatCompletionRequest.model_validate({"model": "toy", "messages": CHAT, "reasoning_effort": "low",
                                                  "chat_template_kwargs": {"enable_thinking": False}})
     req = RenderRequest(model="toy", messages=[], chat_template_kwargs=body.template_kwargs())
-    text = TokenizerService._apply_template(SimpleNamespace(tok=_KwTokenizer()), req, CHAT)
+    text = apply_template(_KwTokenizer(), req, CHAT)
     assert text.endswith("[('enable_thinking', False), ('reasoning_effort', 'low')]")
     plain = RenderRequest(model="toy", messages=[])  # no kwargs: a template without them still works
-    assert TokenizerService._apply_template(SimpleNamespace(tok=ToyTokenizer()), plain, CHAT).endswith("<|assistant|>\n")
+    assert apply_template(ToyTokenizer(), plain, CHAT).endswith("<|assistant|>\n")
     gone = RenderRequest(model="toy", messages=[], continue_final_message=True, add_generation_prompt=False)
     with pytest.raises(ServiceError, match="continue_final_message"):
-        TokenizerService._apply_template(SimpleNamespace(tok=ToyTokenizer()), gone, [{"role": "assistant"}])
+        apply_template(ToyTokenizer(), gone, [{"role": "assistant"}])
 
 
 async def test_stop_reason_is_the_matched_stop_string(stack) -> None:

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from moebus.devmodel.toy import ToyTokenizer
-from moebus.services.tokenizer.service import TokenizerService
 from moebus.shared.messages import ChatMessage, RenderRequest
+from moebus.shared.prompt_render import apply_template
 
 from .conftest import toy_stack
 
@@ -91,13 +91,11 @@ async def test_histories_with_tool_turns_render(stack) -> None:
 
 
 async def test_tools_and_calls_reach_the_template() -> None:
-    svc = TokenizerService.__new__(TokenizerService)
-    svc.tok = ToyTokenizer()
     msgs = [ChatMessage(role="user", content="hi"),
             ChatMessage(role="assistant", tool_calls=[{"id": "c", "type": "function",
                                                        "function": {"name": "f", "arguments": {"a": 1}}}])]
-    text = svc._apply_template(RenderRequest(model="toy", messages=msgs, tools=[TOOLS[0]]),
-                               [m.model_dump(exclude_none=True) for m in msgs])
+    text = apply_template(ToyTokenizer(), RenderRequest(model="toy", messages=msgs, tools=[TOOLS[0]]),
+                          [m.model_dump(exclude_none=True) for m in msgs])
     assert text.startswith("<|tools|>\n" + json.dumps([TOOLS[0]])) and '"arguments": {"a": 1}' in text
 
 

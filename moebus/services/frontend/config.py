@@ -71,6 +71,18 @@ class AdmissionConfig(BaseModel):
     default_tenant: TenantLimits = TenantLimits()  # requests with an `api_keys` key, or all when auth is off
 
 
+class LocalRender(BaseModel):
+    """The tokenizer service's model and template, for a frontend that renders prompts itself
+    (local_render.py): the same tokenizer loaded in this process, so no bus round trip comes
+    before routing. Detokenizing and DeepSeek-V4's recipe prompts stay with the tokenizer service."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str  # as TokenizerConfig.model: an engine model name or checkpoint dir; "toy"
+    served_model_name: str | None = None  # the name clients use; default: `model`
+    chat_template: str | None = None  # a jinja file that replaces the model's (TokenizerConfig.chat_template)
+
+
 class FrontendConfig(ServiceConfig):
     host: str = "0.0.0.0"
     port: int = 8000
@@ -85,6 +97,9 @@ class FrontendConfig(ServiceConfig):
     admission: AdmissionConfig = AdmissionConfig()
     limits: RequestLimits = RequestLimits()
     tokenizer_timeout_s: float = 10.0
+    # Render prompts in this process with this tokenizer (`moebus up` sets it; it loads torch for a
+    # real model's tokenizer); None, or a tokenizer that fails to load: the tokenizer service renders.
+    local_render: LocalRender | None = None
     route_timeout_s: float = 15.0
     stream_idle_timeout_s: float = 120.0  # no chunk for this long: give up on the request
     # Bus blips (generation.py): a gap in a stream's chunk numbers is filled from the worker's

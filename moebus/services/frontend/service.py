@@ -28,6 +28,7 @@ from .errors import APIError
 from .generation import Generation
 from .images import image_input
 from .latency import Latencies, TimedChoice
+from .local_render import LocalRenderer
 from .readiness import WorkerWatch
 from .router import StreamRouter
 from .spans import finish_generation, generation_span
@@ -44,6 +45,7 @@ class FrontendService(Service):
         self.router: StreamRouter | None = None
         self.encoders: EncoderPicker | None = None  # when images are accepted
         self.workers: WorkerWatch | None = None  # which models have a ready worker (/ready)
+        self.local: LocalRenderer | None = None  # prompts rendered in this process (cfg.local_render)
         m = self.metrics
         self.m_http = m.counter("http_requests_total", "HTTP requests", ["route", "status"])
         self.m_latency = m.histogram("http_request_seconds", "HTTP request latency", ["route"])
@@ -55,6 +57,8 @@ class FrontendService(Service):
         self.admission = Admission(cfg.admission, m)
 
     async def setup(self) -> None:
+        if self.cfg.local_render is not None:
+            self.local = await LocalRenderer.load(self.cfg.local_render, self.tracing)
         self.router = StreamRouter(self.bus, self.subjects, self.instance_id, self.cfg, self.metrics,
                                    incarnation=self.incarnation)
         await self.router.start()
@@ -77,6 +81,8 @@ class FrontendService(Service):
         """Prompt token ids; the tokenizer refuses prompts that leave no room in the context."""
         req.max_prompt_tokens = self.cfg.limits.max_model_len
         try:
+            if self.local is not None and self.local.serves(req):
+                return await self.local.render(req)
             return await self.bus.request(self.subjects.tokenizer_render, req, RenderReply,
                                           timeout=self.cfg.tokenizer_timeout_s,
                                           wait_for_responders_s=self.cfg.restart_wait_s, idempotent=True)
