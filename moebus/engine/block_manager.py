@@ -117,6 +117,10 @@ class BlockManager:
         for _ in range(self.blocks_needed(req, num_tokens)):
             req.block_ids.append(self.pop_free())
 
+    def trim(self, req: Request) -> None:
+        """Free blocks no further token of req reads: none in a full-attention pool (the windowed
+        manager overrides it)."""
+
     def cache_blocks(self, req: Request) -> None:
         """Publish the hashes of req's blocks that are now full and computed."""
         if not self.enable_prefix_caching:

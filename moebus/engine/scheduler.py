@@ -51,9 +51,6 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
-        # With a windowed KV group (engine.kv_groups), blocks a window has passed are freed before
-        # each step's allocation; None for one group, so its steps do no extra work.
-        self._trim = getattr(block_manager, "trim", None)
 
     # --- verbs -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -146,8 +143,7 @@ class Scheduler:
         n = min(req.num_tokens + drafts - req.num_computed_tokens, budget)
         if n <= 0:
             return 0
-        if self._trim is not None:
-            self._trim(req)
+        self.bm.trim(req)  # blocks a sliding window has passed go back before this step allocates
         while not self.bm.can_allocate(req, req.num_computed_tokens + n):
             victim = self.running[-1]
             self._preempt(victim, out)
