@@ -4,6 +4,8 @@ blocks (weight_format="gguf"), and llama.cpp through llama-cpp-python, in altern
     python loadtest/bench_single_stream.py                     # moebus dense, moebus gguf
     python loadtest/bench_single_stream.py --llama-python /work/peers/llamacpp-venv/bin/python
     python loadtest/bench_single_stream.py --gguf-activations 16,8,float --no-dense
+    python loadtest/bench_single_stream.py --module-path         # also each gguf run without the fast path
+    python loadtest/bench_single_stream.py --ab-steps 64          # in process: decode steps, fast path on/off
     OMP_NUM_THREADS=1 python loadtest/bench_single_stream.py --block-ns   # the GEMV kernels alone
 
 Each run is a fresh process: one request of --prompt-len random tokens, then --output-len greedy
@@ -38,7 +40,8 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def run_moebus(fmt: str, prompt_len: int, out_len: int, threads: int) -> dict:
-    """fmt: "dense", or "gguf@<bits>" with QuantLinear.activation_bits 16, 8 or float (None)."""
+    """fmt: "dense", or "gguf@<bits>" with QuantLinear.activation_bits 16, 8 or float (None); a
+    "@module" suffix turns the batch-1 decode fast path (engine/models/llama_decode.py) off."""
     import torch
 
     torch.set_num_threads(threads)
@@ -48,7 +51,10 @@ def run_moebus(fmt: str, prompt_len: int, out_len: int, threads: int) -> dict:
     from moebus.engine.sampling import SamplingParams
 
     fmt, _, bits = fmt.partition("@")
+    bits, _, path = bits.partition("@")
     eng = LLMEngine(EngineConfig(weight_format=fmt, max_num_seqs=1))
+    if path == "module":
+        eng.model.decode_fast_path = None
     for mod in eng.model.modules():
         if isinstance(mod, QuantLinear) and bits:
             mod.activation_bits = None if bits == "float" else int(bits)
@@ -131,6 +137,35 @@ def block_ns(n: int = 576, k: int = 1536, calls: int = 200) -> None:
                   + f" ns/block (load {os.getloadavg()[0]:.2f})", flush=True)
 
 
+def ab_steps(steps: int, prompt_len: int, threads: int) -> None:
+    """Paired in-process A/B of the batch-1 decode step, fast path on vs off (the module path): one
+    gguf@16 request, consecutive decode steps alternating the two (so both see the same context
+    lengths and the same load), wall and CPU time of each LLMEngine.step; medians."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from moebus.engine.config import EngineConfig
+    from moebus.engine.llm_engine import LLMEngine
+    from moebus.engine.sampling import SamplingParams
+
+    eng = LLMEngine(EngineConfig(weight_format="gguf", max_num_seqs=1))
+    fast = eng.model.decode_fast_path
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 8, ignore_eos=True)
+    eng.add_request("ab", _prompt(prompt_len), params)
+    times: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+    for i in range(2 * steps + 8):
+        mode = "on" if i % 2 else "off"
+        eng.model.decode_fast_path = fast if mode == "on" else None
+        t0, c0 = time.perf_counter(), time.process_time()
+        eng.step()
+        if i >= 8:  # prefill and warm-up steps left out
+            times[mode].append((time.perf_counter() - t0, time.process_time() - c0))
+    med = {m: [1000 * statistics.median(t[j] for t in ts) for j in (0, 1)] for m, ts in times.items()}
+    print(f"decode step, {steps} pairs after a {prompt_len}-token prompt, {threads} threads "
+          f"(load {os.getloadavg()[0]:.2f}): fast path {med['on'][0]:.2f} ms (CPU {med['on'][1]:.2f}), "
+          f"module path {med['off'][0]:.2f} ms (CPU {med['off'][1]:.2f}): {med['off'][0] / med['on'][0]:.2f}x")
+
+
 def read_bandwidth_gbs(threads: int) -> float:
     """Best of 5 sums over a 512 MiB float32 tensor (much larger than any cache)."""
     import torch
@@ -164,10 +199,16 @@ def main() -> None:
                     help="comma list of moebus gguf runs by QuantLinear.activation_bits: 16, 8, float")
     ap.add_argument("--no-dense", action="store_true", help="skip the moebus dense fp32 runs")
     ap.add_argument("--block-ns", action="store_true", help="only the single-thread GEMV kernel timings")
+    ap.add_argument("--module-path", action="store_true",
+                    help="also run each gguf width with the batch-1 decode fast path off")
+    ap.add_argument("--ab-steps", type=int, default=0, help="only the in-process fast path on/off A/B, N pairs")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.block_ns:
         block_ns()
+        return
+    if a.ab_steps:
+        ab_steps(a.ab_steps, a.prompt_len, a.threads)
         return
     if a.worker:
         kind, _, arg = a.worker.partition(":")
@@ -182,6 +223,8 @@ def main() -> None:
     systems = {} if a.no_dense else {"moebus dense fp32": [sys.executable, "moebus:dense"]}
     for bits in a.gguf_activations.split(","):
         systems[f"moebus gguf, {bits} activations"] = [sys.executable, f"moebus:gguf@{bits}"]
+        if a.module_path:
+            systems[f"moebus gguf, {bits} activations, module path"] = [sys.executable, f"moebus:gguf@{bits}@module"]
     if a.llama_python:
         systems["llama.cpp"] = [a.llama_python, f"llamacpp:{a.gguf}"]
     print(cpu_summary())

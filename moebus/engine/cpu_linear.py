@@ -155,15 +155,21 @@ class QuantLinear(nn.Module):
         out = None
         if flat.dtype == torch.float32 and not flat.is_cuda and not w.is_cuda:
             # batch-invariant mode keeps one float path for every row count
-            bits = self.activation_bits
-            if (bits and (bits == 8 or self._qa16) and self._qa_fn is not None and flat.shape[0] <= QA_MAX_ROWS
-                    and not self.batch_invariant):
+            bits = self.few_rows_activation_bits() if flat.shape[0] <= QA_MAX_ROWS else None
+            if bits:
                 out = quant_matmul_qa_cpu_unchecked(self._qa_fn, flat, w, self._qtype_id, bits)
             elif self._cpu_fn is not None:
                 out = quant_matmul_cpu_unchecked(self._cpu_fn, flat, w, self._qtype_id, self.batch_invariant)
         if out is None:
             out = quant_matmul(flat, w, self.qtype, one_path=self.batch_invariant)
         return out if two_d else out.reshape(*x.shape[:-1], self.out_features)
+
+    def few_rows_activation_bits(self) -> int | None:
+        """The integer activation width a float32 CPU call of at most QA_MAX_ROWS rows takes, or None
+        for float activations (the batch-1 decode step of engine/models/llama_decode.py asks too)."""
+        bits = self.activation_bits
+        ok = bits and (bits == 8 or self._qa16) and self._qa_fn is not None and not self.batch_invariant
+        return bits if ok else None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "

@@ -8,6 +8,7 @@ from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
 from moebus.engine.cpu_linear import QuantLinear
+from moebus.engine.models.llama_decode import DecodeFastPath
 from moebus.engine.multimodal import MMEmbeds
 from moebus.kernels import apply_rotary, fused_add_rms_norm, rms_norm, rotary_cos_sin, silu_and_mul
 
@@ -115,6 +116,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # One sequence, one new token on CPU: the whole stack in one C call (llama_decode.py says when).
+        self.decode_fast_path: DecodeFastPath | None = DecodeFastPath()
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         a = self.args
@@ -123,6 +126,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 mm_embeds: MMEmbeds | None = None) -> torch.Tensor:
+        if self.decode_fast_path is not None and mm_embeds is None:
+            hidden = self.decode_fast_path(self, input_ids, positions, meta, kv_caches)
+            if hidden is not None:
+                return hidden
         cos, sin = rotary_cos_sin(positions, self.args.head_dim, self.args.rope_theta, torch.float32)
         x, residual = self.embed_tokens(input_ids), None
         if mm_embeds is not None:  # image rows replace their placeholder tokens' embeddings

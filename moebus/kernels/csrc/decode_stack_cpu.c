@@ -1,0 +1,266 @@
+/* One batch-1 decode step of a llama decoder stack in one call: for each layer RMSNorm -> QKV
+ * GEMV -> rotary -> K/V into the paged cache -> attention over the sequence -> O GEMV + residual
+ * -> RMSNorm -> gate/up GEMV -> SiLU * up -> down GEMV + residual, then the final RMSNorm.
+ *
+ * Why: one token through SmolLM2's 30 layers is ~270 module calls and ~360 tensor allocations;
+ * at batch 1 nothing amortises that host work and it cost more than the GEMVs (Zen 3 profile:
+ * ~15 of 31 ms). Here the step is C end to end, on scratch the caller allocates once.
+ *
+ * The semantics are the engine's module path (engine/models/llama.py: the torch reference the
+ * tests compare with). The GEMVs are those the module path's linear layers take for one row, from
+ * the same headers: GGUF blocks on integer activations (quant_dot.h) or on float activations
+ * (quant_direct.h), float32 weights on cpu_dot.h's tiles (the module path there is torch's GEMM:
+ * results differ by summation order). Layouts: caches float32 [blocks, bs, Hkv, D], contiguous;
+ * cos / sin float32 [max_pos, D / 2] (neox rotary over the whole head); norms float32 [hidden].
+ */
+#include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "quant_direct.h"
+#include "quant_dot.h"
+
+#define W_F32 0           /* dlinear.kind of a float32 weight; else the GGUF type id */
+#define SPINS 4096        /* barrier polls before yielding the core */
+
+struct dlinear {
+    const void *w; /* float32 [n, k] or GGUF blocks [n, k / 32 * block bytes] */
+    int64_t ws;    /* row stride in bytes */
+    int32_t kind;  /* W_F32 or a GGUF type id */
+    int32_t bits;  /* GGUF: 16 or 8 = integer activations of that width, 0 = float activations */
+    int32_t n, k;
+};
+
+struct dlayer {
+    const float *in_norm, *post_norm;
+    struct dlinear qkv, o, gate_up, down;
+};
+
+struct dmodel {
+    int32_t n_layers, hidden, inter, nh, nkv, hd, block_size, max_pos;
+    float eps, scale;
+    const float *final_norm, *cos, *sin;
+    const struct dlayer *layers;
+};
+
+/* Scratch floats. Shared: the layer's activations (qkv, attention out, projection out, gate/up);
+ * per thread: the normed row, the rotated K/V of this token, the scores over ctx positions and the
+ * quantized row (int16 K + (d, d * sum) pairs, or the block sums), each padded to 64 bytes. */
+static int64_t per_thread(const struct dmodel *m, int64_t ctx) {
+    int64_t kmax = m->hidden > m->inter ? m->hidden : m->inter;
+    kmax = kmax > (int64_t)m->nh * m->hd ? kmax : (int64_t)m->nh * m->hd;
+    return (m->hidden + 2 * (int64_t)m->nkv * m->hd + ctx + kmax / 2 + 2 * (kmax / QK) + 4 * 16 + 15) & ~15;
+}
+
+static int64_t shared_floats(const struct dmodel *m) {
+    const int64_t qkv = (int64_t)(m->nh + 2 * m->nkv) * m->hd;
+    return (qkv + (int64_t)m->nh * m->hd + m->hidden + 3 * (int64_t)m->inter + 16 + 15) & ~15;
+}
+
+int64_t decode_stack_scratch(const struct dmodel *m, int64_t max_ctx) {
+    return shared_floats(m) + omp_get_max_threads() * per_thread(m, max_ctx) + 16;
+}
+
+/* A spinning barrier for the threads of one parallel region: ~150 phases a step are too short for
+ * OpenMP's barrier, which (OMP_WAIT_POLICY=PASSIVE, as the benchmarks run) sleeps in the kernel at
+ * each. Polls SPINS times, then yields the core each poll (a loaded box: the partner may be off-CPU). */
+struct barrier {
+    _Atomic int arrived, phase;
+};
+
+static void barrier_wait(struct barrier *b, int nt) {
+    if (nt == 1) return;
+    const int ph = atomic_load_explicit(&b->phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nt - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->phase, ph + 1, memory_order_release);
+        return;
+    }
+    for (int i = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == ph; i++) {
+        if (i < SPINS) {
+#if MOEBUS_DOT_AVX2
+            _mm_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+    }
+}
+
+/* This thread's share [*n0, *n1) of n rows, in multiples of 8 rows. */
+static void share(int64_t n, int tid, int nt, int64_t *n0, int64_t *n1) {
+    const int64_t units = (n + 7) / 8;
+    *n0 = units * tid / nt * 8;
+    *n1 = units * (tid + 1) / nt * 8;
+    *n1 = *n1 < n ? *n1 : n;
+}
+
+/* The row x prepared for L's GEMV in qbuf: quantized (integer activations) or its block sums. */
+static void prepare(const struct dlinear *L, const float *x, void *qbuf) {
+    const int nb = L->k / QK;
+    float *dd = (float *)((char *)qbuf + (int64_t)L->k * 2);
+    if (L->kind != W_F32 && L->bits) {
+        quantize_row(L->bits == 16, x, nb, qbuf, dd, dd + 1, 2);
+    } else if (L->kind != W_F32) {
+        for (int b = 0; b < nb; b++) {
+            float s = 0.f;
+            for (int j = 0; j < QK; j++) s += x[b * QK + j];
+            dd[b] = s;
+        }
+    }
+}
+
+/* out[n] = L_n . x for weight rows [n0, n1), x prepared in qbuf. */
+static void linear_rows(const struct dlinear *L, const float *x, const void *qbuf, int64_t n0, int64_t n1,
+                        float *out) {
+    if (n0 >= n1) return;
+    const int nb = L->k / QK;
+    const float *dd = (const float *)((const char *)qbuf + (int64_t)L->k * 2);
+    const uint8_t *w = L->w;
+    const int64_t N = L->n;
+    if (L->kind == W_F32) {
+        const float *rows[1] = {x};
+        float *dst[1] = {out + n0};
+        dots_rows(F32, 4, (const char *)w + n0 * L->ws, L->ws, (int)(n1 - n0), rows, 1, L->k, dst);
+    } else if (L->bits) { /* type and width compile-time constants in each instance */
+#define QA_TYPES(WIDE)                                                                  \
+    switch (L->kind) {                                                                  \
+    case Q4_0: qa_path(Q4_0, WIDE, qbuf, dd, nb, w, L->ws, 1, n0, n1, out, N); break; \
+    case Q4_1: qa_path(Q4_1, WIDE, qbuf, dd, nb, w, L->ws, 1, n0, n1, out, N); break; \
+    default: qa_path(Q8_0, WIDE, qbuf, dd, nb, w, L->ws, 1, n0, n1, out, N);          \
+    }
+        if (L->bits == 16) QA_TYPES(1) else QA_TYPES(0)
+#undef QA_TYPES
+    } else {
+        switch (L->kind) {
+        case Q4_0: direct_path(Q4_0, x, L->k, dd, nb, w, L->ws, 1, n0, n1, out, N); break;
+        case Q4_1: direct_path(Q4_1, x, L->k, dd, nb, w, L->ws, 1, n0, n1, out, N); break;
+        default: direct_path(Q8_0, x, L->k, dd, nb, w, L->ws, 1, n0, n1, out, N);
+        }
+    }
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w, as kernels/rmsnorm.py's reference. */
+static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+/* Neox rotary (rotate halves) of one head of width d at x into o (may alias x). */
+static void rotate(const float *x, float *o, int d, const float *c, const float *s) {
+    const int half = d / 2;
+#pragma omp simd
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        o[i] = a * c[i] - b * s[i];
+        o[i + half] = b * c[i] + a * s[i];
+    }
+}
+
+/* Softmax attention of one query head q over positions [0, len): [0, len - 1) from the paged cache
+ * (kv head offset off), the last from this token's k / v. */
+static void attend_head(const struct dmodel *m, const float *q, const float *kc, const float *vc,
+                        const int32_t *table, int len, int64_t off, const float *k, const float *v, float *s,
+                        float *o) {
+    const int hd = m->hd, bs = m->block_size;
+    const int64_t row = (int64_t)m->nkv * hd; /* floats a cache slot */
+    float mx = -INFINITY;
+    for (int p = 0; p < len; p++) {
+        const float *kp = p < len - 1 ? kc + ((int64_t)table[p / bs] * bs + p % bs) * row + off : k;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int i = 0; i < hd; i++) acc += q[i] * kp[i];
+        s[p] = acc * m->scale;
+        mx = s[p] > mx ? s[p] : mx;
+    }
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int p = 0; p < len; p++) {
+        s[p] = fast_exp(s[p] - mx);
+        sum += s[p];
+    }
+    for (int i = 0; i < hd; i++) o[i] = 0.f;
+    for (int p = 0; p < len; p++) {
+        const float *vp = p < len - 1 ? vc + ((int64_t)table[p / bs] * bs + p % bs) * row + off : v, w = s[p];
+#pragma omp simd
+        for (int i = 0; i < hd; i++) o[i] += w * vp[i];
+    }
+    const float inv = 1.f / sum; /* sum >= 1: the maximum's term */
+    for (int i = 0; i < hd; i++) o[i] *= inv;
+}
+
+/* h [hidden]: this token's embedding in, the residual stream after the last layer out; out
+ * [hidden] = final_norm(h). The token sits at position pos = seq_len - 1 in cache slot `slot`
+ * (its place in `table`) and attends to positions [0, seq_len). k_caches / v_caches: one per
+ * layer. One parallel region for the whole step: each thread takes its share of every GEMV's rows
+ * and of the heads, and recomputes the cheap serial parts (norms, K/V rotation) itself; 5 barriers
+ * a layer. Returns 0; 1 when the arguments do not fit (the caller falls back to the module path). */
+int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, int64_t slot, int64_t seq_len,
+                     const int32_t *table, float *const *k_caches, float *const *v_caches, float *scratch,
+                     int64_t scratch_len) {
+    const int bs = m->block_size;
+    if (pos < 0 || pos >= m->max_pos || pos != seq_len - 1 || bs <= 0 || m->hd % 2 || m->nh % m->nkv ||
+        slot != (int64_t)table[pos / bs] * bs + pos % bs || scratch_len < decode_stack_scratch(m, seq_len))
+        return 1;
+    const int H = m->hidden, I = m->inter, hd = m->hd, g = m->nh / m->nkv, len = (int)seq_len;
+    const int64_t nq = (int64_t)m->nh * hd, nk = (int64_t)m->nkv * hd, pt = per_thread(m, seq_len);
+    float *qkv = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63), *att = qkv + nq + 2 * nk;
+    float *tmp = att + nq, *gu = tmp + H, *act = gu + 2 * (int64_t)I, *priv = qkv + shared_floats(m);
+    const float *c = m->cos + pos * (hd / 2), *s = m->sin + pos * (hd / 2);
+    struct barrier bar = {0, 0};
+#pragma omp parallel
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *xn = priv + tid * pt, *kv = xn + ((H + 15) & ~15), *sc = kv + 2 * nk;
+        void *qbuf = sc + ((len + 15) & ~15);
+        int64_t h0, h1, q0, q1, i0, i1; /* this thread's rows of H, heads of nh, rows of I */
+        share(H, tid, nt, &h0, &h1), share(I, tid, nt, &i0, &i1);
+        q0 = (int64_t)m->nh * tid / nt, q1 = (int64_t)m->nh * (tid + 1) / nt;
+        for (int l = 0; l < m->n_layers; l++) {
+            const struct dlayer *L = m->layers + l;
+            rms_norm(h, L->in_norm, H, m->eps, xn);
+            prepare(&L->qkv, xn, qbuf);
+            int64_t r0, r1;
+            share(L->qkv.n, tid, nt, &r0, &r1);
+            linear_rows(&L->qkv, xn, qbuf, r0, r1, qkv);
+            barrier_wait(&bar, nt);
+            for (int j = 0; j < m->nkv; j++) { /* this token's K (rotated) and V, every thread its copy */
+                rotate(qkv + nq + j * hd, kv + j * hd, hd, c, s);
+                memcpy(kv + nk + j * hd, qkv + nq + nk + j * hd, (size_t)hd * sizeof(float));
+            }
+            if (tid == 0) { /* the cache slot is read by no one this step: attention takes kv */
+                memcpy(k_caches[l] + slot * nk, kv, (size_t)nk * sizeof(float));
+                memcpy(v_caches[l] + slot * nk, kv + nk, (size_t)nk * sizeof(float));
+            }
+            for (int64_t q = q0; q < q1; q++) {
+                const int64_t off = (q / g) * hd;
+                rotate(qkv + q * hd, xn, hd, c, s); /* xn is free until the next norm */
+                attend_head(m, xn, k_caches[l], v_caches[l], table, len, off, kv + off, kv + nk + off, sc,
+                            att + q * hd);
+            }
+            barrier_wait(&bar, nt);
+            prepare(&L->o, att, qbuf);
+            linear_rows(&L->o, att, qbuf, h0, h1, tmp);
+            for (int64_t i = h0; i < h1; i++) h[i] += tmp[i];
+            barrier_wait(&bar, nt);
+            rms_norm(h, L->post_norm, H, m->eps, xn);
+            prepare(&L->gate_up, xn, qbuf);
+            linear_rows(&L->gate_up, xn, qbuf, i0, i1, gu);
+            linear_rows(&L->gate_up, xn, qbuf, I + i0, I + i1, gu);
+#pragma omp simd
+            for (int64_t i = i0; i < i1; i++) act[i] = gu[i] / (1.f + fast_exp(-gu[i])) * gu[I + i];
+            barrier_wait(&bar, nt);
+            prepare(&L->down, act, qbuf);
+            linear_rows(&L->down, act, qbuf, h0, h1, tmp);
+            for (int64_t i = h0; i < h1; i++) h[i] += tmp[i];
+            barrier_wait(&bar, nt);
+        }
+        if (tid == 0) rms_norm(h, m->final_norm, H, m->eps, out);
+    }
+    return 0;
+}

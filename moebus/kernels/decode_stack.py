@@ -1,0 +1,168 @@
+"""A llama decoder stack's batch-1 decode step in one C call (csrc/decode_stack_cpu.c), CPU only.
+
+One token: per layer RMSNorm -> QKV -> neox rotary -> K/V into the paged cache -> attention over
+the sequence -> O + residual -> RMSNorm -> gate/up -> SiLU * up -> down + residual; then the final
+RMSNorm. Linear weights are float32 [N, K] or GGUF blocks (quant_matmul.py's layout) taken on
+integer activations of `act_bits` (quant_matmul_qa_ref) or on float ones (quant_matmul_ref).
+Caches float32 [blocks, block_size, Hkv, D], contiguous. `decode_stack_ref` is the same step on
+the kernels' torch references (the spec); engine/models/llama_decode.py decides when it applies.
+
+Why: at batch 1 the module path's host work (~270 module calls and ~360 allocations a token on
+SmolLM2) cost about as much as the GEMVs; no batch amortises it.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_build import I64, PTR, library
+from .paged_attention import paged_attention_decode_ref
+from .quant_matmul import GGML_TYPES, check_weight, quant_matmul_qa_ref, quant_matmul_ref
+from .rmsnorm import rms_norm_ref
+from .rotary import apply_rotary_ref, rotary_cos_sin
+from .silu_mul import silu_and_mul_ref
+
+_SOURCE = "decode_stack_cpu.c"
+_I32 = ctypes.c_int32
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", PTR), ("ws", I64), ("kind", _I32), ("bits", _I32), ("n", _I32), ("k", _I32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", PTR), ("post_norm", PTR), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("n_layers", _I32), ("hidden", _I32), ("inter", _I32), ("nh", _I32), ("nkv", _I32), ("hd", _I32),
+                ("block_size", _I32), ("max_pos", _I32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("final_norm", PTR), ("cos", PTR), ("sin", PTR), ("layers", ctypes.POINTER(_Layer))]
+
+
+@dataclass(frozen=True, slots=True)
+class StackLinear:
+    weight: torch.Tensor  # float32 [N, K], or uint8 GGUF blocks [N, K / 32 * block bytes]
+    in_features: int
+    qtype: str | None = None  # None: float32 weight
+    act_bits: int | None = None  # GGUF: 8 / 16-bit integer activations, None: float activations
+
+    def __post_init__(self) -> None:
+        w = self.weight
+        assert w.device.type == "cpu" and w.is_contiguous(), "CPU, contiguous weights"
+        if self.qtype is None:
+            assert w.dtype == torch.float32 and w.shape[1] == self.in_features, (w.dtype, w.shape)
+            assert self.act_bits is None
+        else:
+            check_weight(w, self.qtype, self.in_features)
+            assert self.act_bits in (None, 8, 16), self.act_bits
+
+    def ref(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qtype is None:
+            return F.linear(x, self.weight)
+        if self.act_bits:
+            return quant_matmul_qa_ref(x, self.weight, self.qtype, self.act_bits)
+        return quant_matmul_ref(x, self.weight, self.qtype)
+
+    def struct(self) -> _Linear:
+        w = self.weight
+        kind = 0 if self.qtype is None else GGML_TYPES[self.qtype]
+        return _Linear(w.data_ptr(), w.stride(0) * w.element_size(), kind, self.act_bits or 0, w.shape[0],
+                       self.in_features)
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayer:
+    in_norm: torch.Tensor  # float32 [hidden]
+    post_norm: torch.Tensor
+    qkv: StackLinear  # [(Hq + 2 Hkv) D, hidden]: q, k, v rows in that order
+    o: StackLinear
+    gate_up: StackLinear  # [2 I, hidden]: gate rows, then up rows
+    down: StackLinear
+
+
+@dataclass(frozen=True, slots=True)
+class StackShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    rope_theta: float
+    max_positions: int  # positions the rotary table covers
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
+            raise ValueError(f"unsupported head layout {self}")
+
+
+def decode_stack_ref(layers: list[StackLayer], final_norm: torch.Tensor, shape: StackShape, h: torch.Tensor,
+                     pos: int, slot: int, seq_len: int, table: torch.Tensor,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step on the torch references: (final_norm(h'), h') for h [hidden], the residual stream h'."""
+    nh, nkv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    cos, sin = rotary_cos_sin(torch.tensor([pos]), hd, shape.rope_theta)
+    h = h[None].float()
+    for layer, (kc, vc) in zip(layers, kv_caches, strict=True):
+        q, k, v = layer.qkv.ref(rms_norm_ref(h, layer.in_norm, shape.eps)).split([nh * hd, nkv * hd, nkv * hd], -1)
+        q, k = apply_rotary_ref(q.view(1, nh, hd), k.view(1, nkv, hd), cos, sin)
+        kc.view(-1, nkv, hd)[slot], vc.view(-1, nkv, hd)[slot] = k[0], v.view(nkv, hd)
+        o = paged_attention_decode_ref(q, kc, vc, table[None], torch.tensor([seq_len], dtype=torch.int32),
+                                       hd**-0.5)
+        h = h + layer.o.ref(o.flatten(1))
+        x = rms_norm_ref(h, layer.post_norm, shape.eps)
+        h = h + layer.down.ref(silu_and_mul_ref(layer.gate_up.ref(x)))
+    return rms_norm_ref(h, final_norm, shape.eps)[0], h[0]
+
+
+def cpu_kernel_available() -> bool:
+    return library(_SOURCE).get() is not None
+
+
+class DecodeStack:
+    """The C step over fixed weights: the structs point into the given tensors (kept here alive
+    and never moved), the scratch grows with the context. One instance per model; not thread-safe."""
+
+    def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor, shape: StackShape) -> None:
+        lib = library(_SOURCE).get()
+        if lib is None:
+            raise RuntimeError("decode_stack_cpu.c could not be built")
+        self._fn, self._scratch_fn = lib.decode_stack_f32, lib.decode_stack_scratch
+        self._fn.argtypes = [PTR, PTR, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, I64]
+        self._fn.restype = ctypes.c_int
+        self._scratch_fn.argtypes, self._scratch_fn.restype = [PTR, I64], I64
+        hidden, inter = final_norm.shape[0], layers[0].down.in_features
+        self.shape, self.hidden = shape, hidden
+        self._keep = (layers, final_norm.float().contiguous())
+        self._cos, self._sin = rotary_cos_sin(torch.arange(shape.max_positions), shape.head_dim, shape.rope_theta)
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(ly.in_norm.data_ptr(), ly.post_norm.data_ptr(), ly.qkv.struct(), ly.o.struct(),
+                   ly.gate_up.struct(), ly.down.struct()) for ly in layers])
+        for ly in layers:
+            assert ly.in_norm.dtype == ly.post_norm.dtype == torch.float32 and ly.in_norm.is_contiguous()
+        self._model = _Model(len(layers), hidden, inter, shape.num_heads, shape.num_kv_heads, shape.head_dim, 0,
+                             shape.max_positions, shape.eps, shape.head_dim**-0.5, self._keep[1].data_ptr(),
+                             self._cos.data_ptr(), self._sin.data_ptr(),
+                             ctypes.cast(self._layers, ctypes.POINTER(_Layer)))
+        self._model_ref = ctypes.byref(self._model)
+        self._scratch = torch.empty(0)
+        self._k_ptrs, self._v_ptrs = (ctypes.c_void_p * len(layers))(), (ctypes.c_void_p * len(layers))()
+
+    def step(self, h: torch.Tensor, pos: int, slot: int, seq_len: int, table: torch.Tensor,
+             kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """final_norm(h') [hidden] for this token's embedding h (float32 [hidden], contiguous: updated
+        in place to the residual stream h'); table: the sequence's int32 block table, contiguous.
+        Caches as the module docstring, checked by the caller. None when the C call refuses."""
+        self._model.block_size = kv_caches[0][0].shape[1]
+        need = self._scratch_fn(self._model_ref, seq_len)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
+        for i, (kc, vc) in enumerate(kv_caches):
+            self._k_ptrs[i], self._v_ptrs[i] = kc.data_ptr(), vc.data_ptr()
+        out = torch.empty(self.hidden)
+        status = self._fn(self._model_ref, h.data_ptr(), out.data_ptr(), pos, slot, seq_len, table.data_ptr(),
+                          self._k_ptrs, self._v_ptrs, self._scratch.data_ptr(), self._scratch.numel())
+        return out if status == 0 else None

@@ -1,0 +1,78 @@
+"""The batch-1 decode step in one C call (kernels/decode_stack.py) against its torch reference
+(decode_stack_ref: the kernels' references in the module path's order), on a small random stack:
+float32, Q4_0, Q4_1 and Q8_0 weights on float and 8/16-bit integer activations, GQA, positions on
+both sides of cache block boundaries; the hidden state out, the residual stream and the K/V rows
+written into the cache."""
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from moebus.kernels.decode_stack import (
+    DecodeStack,
+    StackLayer,
+    StackLinear,
+    StackShape,
+    cpu_kernel_available,
+    decode_stack_ref,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
+
+HIDDEN, INTER, NH, NKV, HD, LAYERS, BS = 96, 160, 3, 1, 32, 2, 4
+SHAPE = StackShape(NH, NKV, HD, 1e-5, 10000.0, 64)
+# float32 sums in another order through 2 layers (values ~1): ~1e-6; integer activations add the
+# chance that a reordered norm flips one rounding of a quantized element (d / 2, d ~ max|x| / 32767).
+TOL = {"atol": 2e-4, "rtol": 1e-4}
+
+
+def _linear(n: int, k: int, qtype: str | None, bits: int | None, g: torch.Generator) -> StackLinear:
+    w = torch.randn(n, k, generator=g) / k**0.5
+    if qtype is None:
+        return StackLinear(w, k)
+    blocks = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType[qtype]))
+    return StackLinear(blocks, k, qtype, bits)
+
+
+def _stack(qtype: str | None, bits: int | None, seed: int = 0) -> list[StackLayer]:
+    g = torch.Generator().manual_seed(seed)
+    return [StackLayer(1 + 0.1 * torch.randn(HIDDEN, generator=g), 1 + 0.1 * torch.randn(HIDDEN, generator=g),
+                       _linear((NH + 2 * NKV) * HD, HIDDEN, qtype, bits, g), _linear(HIDDEN, NH * HD, qtype, bits, g),
+                       _linear(2 * INTER, HIDDEN, qtype, bits, g), _linear(HIDDEN, INTER, qtype, bits, g))
+            for _ in range(LAYERS)]
+
+
+def _caches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(6, BS, NKV, HD, generator=g), torch.randn(6, BS, NKV, HD, generator=g))
+            for _ in range(LAYERS)]
+
+
+CASES = [(None, None), ("Q4_0", 16), ("Q4_1", 16), ("Q4_1", 8), ("Q8_0", None), ("Q8_0", 8), ("Q4_1", None)]
+
+
+@pytest.mark.parametrize(("qtype", "bits"), CASES)
+@pytest.mark.parametrize("pos", [0, 3, 4, 9, 19])  # first slot, last of a block, first of the next
+def test_step_matches_reference(qtype, bits, pos):
+    layers = _stack(qtype, bits)
+    norm = 1 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1))
+    table = torch.tensor([5, 2, 0, 4, 1, 3], dtype=torch.int32)  # scattered pages
+    slot = int(table[pos // BS]) * BS + pos % BS
+    h0 = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(pos))
+    ref_caches, caches = _caches(pos), _caches(pos)
+    want_out, want_h = decode_stack_ref(layers, norm, SHAPE, h0, pos, slot, pos + 1, table, ref_caches)
+    h = h0.clone()
+    out = DecodeStack(layers, norm, SHAPE).step(h, pos, slot, pos + 1, table, caches)
+    assert out is not None
+    torch.testing.assert_close(out, want_out, **TOL)
+    torch.testing.assert_close(h, want_h, **TOL)
+    for (kc, vc), (rk, rv) in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(kc, rk, **TOL)
+        torch.testing.assert_close(vc, rv, **TOL)
+    assert (h - h0).abs().max() > 0.1  # the layers did something
+
+
+def test_refuses_positions_outside_the_rotary_table():
+    stack = DecodeStack(_stack(None, None), torch.ones(HIDDEN), SHAPE)
+    table = torch.arange(6, dtype=torch.int32)
+    assert stack.step(torch.zeros(HIDDEN), SHAPE.max_positions, 0, 1, table, _caches(0)) is None
