@@ -6,7 +6,7 @@
 Times are `time.process_time` with torch on --threads (default 1): on a box loaded by other
 processes the fraction of the step per component is robust even when absolute times are not.
 Components are timed by wrapping the llama model's kernel entry points, PackedLinear.forward and the
-runner's prepare/execute for the run (SmolLM2-135M, fp32, greedy, --prompt-len tokens each).
+runner's prepare/execute for the run (SmolLM2-135M, --dtype, greedy, --prompt-len tokens each).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _timed(acc: collections.Counter, targets: list[tuple[object, str, str]]):
             setattr(owner, name, f)
 
 
-def profile(batch: int, steps: int, prompt_len: int) -> None:
+def profile(batch: int, steps: int, prompt_len: int, dtype: str = "float32") -> None:
     import moebus.engine.cpu_linear as cl
     import moebus.engine.model_runner as mr
     import moebus.engine.models.llama as llama
@@ -50,7 +50,7 @@ def profile(batch: int, steps: int, prompt_len: int) -> None:
     from moebus.engine.sampling import SamplingParams
 
     kernels = ["apply_rotary", "attend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_cos_sin"]
-    eng = LLMEngine(EngineConfig(model="smollm2", dtype="float32", max_num_seqs=max(batch, 1),
+    eng = LLMEngine(EngineConfig(model="smollm2", dtype=dtype, max_num_seqs=max(batch, 1),
                                  max_num_batched_tokens=4096))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, min_tokens=steps + 16, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
@@ -80,7 +80,7 @@ def profile(batch: int, steps: int, prompt_len: int) -> None:
     finally:
         cl.PackedLinear.forward = orig_linear
         eng.close()
-    print(f"\nbatch={batch} steps={steps} torch_threads={torch.get_num_threads()}: cpu {1e3 * cpu / steps:.1f} ms/step, "
+    print(f"\n{dtype} batch={batch} steps={steps} torch_threads={torch.get_num_threads()}: cpu {1e3 * cpu / steps:.1f} ms/step, "
           f"wall {1e3 * wall / steps:.1f} ms/step -> {batch * steps / cpu:.1f} tok/s per cpu-second")
     for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
         if k != "runner.execute":
@@ -129,14 +129,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", nargs="*", default=["float32"], help="float32 / bfloat16 / auto, each profiled")
     ap.add_argument("--ceiling", action="store_true", help="only the GEMM / bandwidth ceilings")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ceiling:
         ceiling()
         return
-    for b in args.batch:
-        profile(b, args.steps, args.prompt_len)
+    for dtype in args.dtype:
+        for b in args.batch:
+            profile(b, args.steps, args.prompt_len, dtype)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ._compat import check_launchable, next_pow2, tl, triton, upcast_dots, use_triton
 from .cpu_build import I32, I64, PTR, library, on_cpu
 
-_CPU_ARGTYPES = [PTR, I64, PTR, I64, I64, I32, PTR]
+_CPU_ARGTYPES = [PTR, I64, PTR, I64, I64, I32, I32, PTR]
 
 
 def lm_head_argmax_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -83,19 +83,41 @@ def lm_head_argmax_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int = 16
 
 
 PANEL = 16  # vocabulary rows per panel of the C kernel's weight layout
+BF16_K_ALIGN = 32  # bf16 panels are padded in K to whole AMX tile rows (32 bf16)
+# The C kernel's bf16 paths (its `isa` argument): 0 picks the best one the CPU and build have.
+BF16_ISAS = {"auto": 0, "fma": 1, "avx512_bf16": 2, "amx": 3}
+
+
+def panels_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    if dtype == torch.bfloat16:
+        return -(-n // PANEL), -(-k // BF16_K_ALIGN) * BF16_K_ALIGN // 2, 2 * PANEL
+    return -(-n // PANEL), k, PANEL
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / 16), K, 16] (zero rows past N): the C kernel's layout, in which a panel's
-    16 columns at one k are contiguous. A copy: pack once per weight, as PackedLinear does."""
+    16 columns at one k are contiguous. bf16: [ceil(N / 16), Kp / 2, 32], k in pairs (a panel's
+    (w[n, 2i], w[n, 2i + 1]) for its 16 n at pair i, Kp = K rounded up to 32 with zeros): AMX's and
+    vdpbf16ps's operand layout. A copy: pack once per weight, as PackedLinear does."""
     n, k = w.shape
+    if w.dtype == torch.bfloat16:
+        padded = F.pad(w.detach(), (0, -k % BF16_K_ALIGN, 0, -n % PANEL))
+        return padded.view(-1, PANEL, padded.shape[1] // 2, 2).transpose(1, 2).reshape(panels_shape(n, k, w.dtype))
     padded = F.pad(w.detach(), (0, 0, 0, -n % PANEL))
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def lm_head_argmax_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor | None:
+def bf16_isas() -> list[str]:
+    """The bf16 paths the C kernel can run on this CPU and build ("fma": the float32 FMA tiles)."""
+    lib = library("lm_head_argmax_cpu.c").get()
+    bits = lib.lm_head_argmax_bf16_isas() if lib is not None else 0
+    return [name for name, i in BF16_ISAS.items() if i and bits >> i & 1]
+
+
+def lm_head_argmax_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None, *,
+                       isa: str = "auto") -> torch.Tensor | None:
     """The C kernel in csrc/lm_head_argmax_cpu.c; None when it does not apply. `panels` is
-    pack_panels(w), packed here when not given."""
+    pack_panels(w), packed here when not given; `isa`: the bf16 path (BF16_ISAS; others ignore it)."""
     if not (x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and w.shape[0] > 0 and on_cpu(x, w)):
         return None
     fn = library("lm_head_argmax_cpu.c").function("lm_head_argmax", x.dtype, _CPU_ARGTYPES)
@@ -104,9 +126,9 @@ def lm_head_argmax_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | 
     if panels is None:
         panels = pack_panels(w)
     n, k = w.shape
-    assert panels.shape == (-(-n // PANEL), k, PANEL) and panels.dtype == x.dtype and panels.is_contiguous()
+    assert panels.shape == panels_shape(n, k, x.dtype) and panels.dtype == x.dtype and panels.is_contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    status = fn(x.data_ptr(), x.stride(0), panels.data_ptr(), x.shape[0], n, k, out.data_ptr())
+    status = fn(x.data_ptr(), x.stride(0), panels.data_ptr(), x.shape[0], n, k, BF16_ISAS[isa], out.data_ptr())
     return out if status == 0 else None
 
 

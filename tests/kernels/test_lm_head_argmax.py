@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from moebus.kernels.lm_head_argmax import (
+    BF16_ISAS,
+    bf16_isas,
     lm_head_argmax,
     lm_head_argmax_cpu,
     lm_head_argmax_ref,
@@ -119,6 +121,55 @@ def test_pack_panels_layout():
     assert p.shape == (2, 3, 16)
     assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 3], w[19])
     assert torch.equal(p[1, :, 4:], torch.zeros(3, 12))  # padding past N
+
+
+BF16_PATHS = pytest.mark.parametrize("isa", [i for i in BF16_ISAS if i != "auto"])
+
+
+def _needs(isa: str) -> None:
+    if isa not in bf16_isas():
+        pytest.skip(f"no {isa} bf16 path on this CPU / build")
+
+
+@NEEDS_CC
+@BF16_PATHS
+@pytest.mark.parametrize("shape", [*SHAPES, (64, 128, 4099), (45, 70, 33), (33, 576, 4112)])
+def test_cpu_bf16_paths_match_naive(shape, isa):
+    """Each bf16 path on the k-pair panels (AMX: rows in blocks of 32 and panels in pairs, so odd
+    counts of both; K not a multiple of 32 runs on the zero padding)."""
+    _needs(isa)
+    x, w = _cases(*shape, torch.bfloat16)
+    assert torch.equal(lm_head_argmax_cpu(x, w, pack_panels(w), isa=isa), naive(x, w))
+
+
+@NEEDS_CC
+@BF16_PATHS
+def test_cpu_bf16_paths_nan_and_all_neg_inf_rows(isa):
+    _needs(isa)
+    x, w = _with_specials(*_cases(7, 40, 1001, torch.bfloat16))
+    assert torch.equal(lm_head_argmax_cpu(x, w, isa=isa), naive(x, w))
+
+
+@NEEDS_CC
+@BF16_PATHS
+def test_cpu_bf16_paths_are_batch_invariant_and_near_the_logits(isa):
+    _needs(isa)
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(40, 96, generator=g).bfloat16(), torch.randn(3000, 96, generator=g).bfloat16()
+    panels = pack_panels(w)
+    together = lm_head_argmax_cpu(x, w, panels, isa=isa)
+    alone = torch.cat([lm_head_argmax_cpu(x[i:i + 1], w, panels, isa=isa) for i in range(x.shape[0])])
+    assert torch.equal(together, alone)
+    logits = (x.double() @ w.double().t()).bfloat16().double()  # the chosen logit is a maximum up to rounding
+    assert (logits.max(dim=1).values - logits.gather(1, together[:, None])[:, 0]).abs().max() <= 0.07
+
+
+def test_pack_panels_bf16_layout():
+    w = torch.arange(20 * 35, dtype=torch.float32).view(20, 35).bfloat16()
+    p = pack_panels(w)
+    assert p.shape == (2, 32, 32)  # K 35 -> 64 in pairs
+    assert torch.equal(p[0, :, 10:12].reshape(-1)[:35], w[5]) and torch.equal(p[1, :, 6:8].reshape(-1)[:35], w[19])
+    assert not p[1, :, 8:].any() and not p[:, 18:].any()  # padding past N and past K
 
 
 def test_cpu_declines_what_it_cannot_take():
