@@ -7,16 +7,15 @@ max_tokens and min_tokens count them, penalties see them, the grammar has accept
 detokenizer and stop-string matcher have read them (the text they made was already sent, so it is
 dropped; text held back at a partial character or a partial stop string stays held, as it would
 have). A seeded choice's generator is advanced by one draw per token, exactly the draws the
-sampler makes (one Exp(1) row of the vocabulary per sampled token), so seeded sampling continues
+sampler makes (sampling.sampler.advance_generator), so seeded sampling continues
 token-identically, except after speculative decoding, whose rejection sampler draws differently.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from moebus.engine.request_table import Tracked
+from moebus.engine.sampling.sampler import advance_generator
 
 
 class ChoiceFinished(ValueError):
@@ -60,6 +59,4 @@ def prime(tr: Tracked, tokens: list[int], vocab_size: int) -> None:
     if tr.stops.stopped:
         raise ChoiceFinished(f"choice {tr.index} had already stopped at a stop string")
     if req.generator is not None and not params.greedy:
-        noise = torch.empty(vocab_size)
-        for _ in tokens:
-            noise.exponential_(generator=req.generator)
+        advance_generator(req.generator, len(tokens))

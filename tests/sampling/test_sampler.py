@@ -12,7 +12,7 @@ from moebus.engine.sampling import (
     SamplingParams,
     make_generator,
 )
-from moebus.engine.sampling.sampler import prepare_logits, sampling_probs
+from moebus.engine.sampling.sampler import advance_generator, prepare_logits, sampling_probs
 
 V = 64
 
@@ -185,6 +185,36 @@ def test_seeded_row_is_batch_invariant() -> None:
         together.append(tok[n_other // 2].item())
     assert alone == together
     assert len(set(alone)) > 1  # it did sample, not a degenerate argmax
+
+
+def test_temperature_only_rows_are_batch_invariant_and_reproducible() -> None:
+    """The plain path (no top-k/top-p/min-p): a seeded row's tokens depend on its seed and logits
+    only, whatever shares the batch; greedy rows there take their argmax; the generator advances
+    exactly as advance_generator says (what a resumed request relies on)."""
+    steps, target = 10, SamplingParams(temperature=1.0, seed=42)
+    rows = torch.randn(steps, 1, V, generator=make_generator(8)) * 2
+    runs = []
+    for n_other in (0, 3, 8):
+        gen, toks = make_generator(42), []
+        shared = Sampler(make_generator(n_other))
+        for step in range(steps):
+            others = torch.randn(n_other, V) * 2
+            logits = torch.cat([others[:1], rows[step], others[1:]]) if n_other else rows[step]
+            params = [SamplingParams(temperature=0.0 if i % 2 else 0.5 + i) for i in range(n_other)]
+            params.insert(min(1, n_other), target)
+            gens = [None] * len(params)
+            gens[min(1, n_other)] = gen
+            out = shared(logits, build(params, gens=gens)).sampled_token_ids
+            toks.append(out[min(1, n_other)].item())
+            for i, p in enumerate(params):
+                if p.greedy:
+                    assert out[i].item() == logits[i].argmax().item()
+        runs.append(toks)
+        fresh = make_generator(42)
+        advance_generator(fresh, steps)
+        assert torch.equal(fresh.get_state(), gen.get_state())
+    assert runs[0] == runs[1] == runs[2]
+    assert len(set(runs[0])) > 1
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:

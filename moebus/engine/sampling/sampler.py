@@ -2,15 +2,21 @@
 
 Pipeline per step (all rows at once):
   logit_bias -> penalties -> bans (min_tokens stop ids, structured-output mask) -> greedy rows: argmax
-  -> temperature -> top-k -> top-p -> min-p -> sample (exponential race).
+  -> temperature -> top-k -> top-p -> min-p -> sample (kernels.sample_logits: inverse CDF of the
+  softmax, one uniform per row).
+
+Rows that only sample at a temperature (no top-k/top-p/min-p: the OpenAI API default) skip the
+[B, V] copy, the softmax and all [B, V] noise: sample_logits takes the (prepared) logits and the
+temperatures directly, and greedy rows in the batch go through it as temperature 0 (their argmax).
 
 Logprobs are the log_softmax of the RAW logits the model produced, before penalties, masks,
 temperature and truncation (vLLM's default "raw_logprobs"): they describe the model, not the
 sampling policy, and stay comparable across requests with different sampling settings.
 
-Determinism: a row with its own torch.Generator draws its Exp(1) noise from that generator
-alone, so its token does not depend on which other rows share the batch. Rows without one
-share the Sampler's generator (or torch's global RNG).
+Determinism: a row with its own torch.Generator draws its one float64 uniform per step from that
+generator alone (`draw_uniforms`), and its token is a function of its logits and that uniform, so
+it does not depend on which other rows share the batch. Rows without one share the Sampler's
+generator (or torch's global RNG).
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from moebus.kernels import sample_logits
 
 from .batch import SamplingBatch
 from .processors import (
@@ -27,7 +35,6 @@ from .processors import (
     apply_repetition_penalty,
     apply_temperature,
     apply_top_k_top_p,
-    exponential_race,
     row_argmax,
 )
 
@@ -79,23 +86,34 @@ def prepare_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return x
 
 
-def sampling_probs(x: Tensor, batch: SamplingBatch) -> Tensor:
-    """Temperature, top-k, top-p, min-p, softmax over prepared logits (consumes x)."""
+def truncated_logits(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """Temperature, top-k, top-p, min-p over prepared logits (consumes x); dropped tokens are -inf."""
     x = apply_temperature(x, batch.temperature)
     x = apply_top_k_top_p(x, batch.top_k, batch.top_p)
     if batch.min_p is not None:
         x = apply_min_p(x, batch.min_p)
-    return x.softmax(dim=1)
+    return x
 
 
-def draw_exponentials(
-    batch: SamplingBatch, rows: int, vocab: int, device: torch.device, shared: torch.Generator | None
-) -> Tensor:
-    """`[rows, vocab]` Exp(1) noise; seeded rows draw from their own generator only."""
-    q = torch.empty(rows, vocab, device=device).exponential_(generator=shared)
+def sampling_probs(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """The distribution sampled rows draw from (consumes x)."""
+    return truncated_logits(x, batch).softmax(dim=1)
+
+
+def draw_uniforms(batch: SamplingBatch, device: torch.device, shared: torch.Generator | None) -> Tensor:
+    """`[B]` float64 U[0, 1), one per row; a seeded row draws its own from its generator only."""
+    u = torch.rand(batch.size, dtype=torch.float64, device=device, generator=shared)
     for r in batch.seeded_rows:  # only rows that asked for a seed pay the python loop
-        q[r].exponential_(generator=batch.generators[r])
-    return q
+        u[r : r + 1].uniform_(generator=batch.generators[r])
+    return u
+
+
+def advance_generator(generator: torch.Generator, tokens: int) -> None:
+    """Advance a seeded request's generator by the draws `tokens` sampled tokens take (one uniform
+    each, as draw_uniforms), e.g. when a migrated request resumes after tokens sampled elsewhere."""
+    u = torch.empty(1, dtype=torch.float64, device=generator.device)
+    for _ in range(tokens):
+        u.uniform_(generator=generator)
 
 
 class Sampler:
@@ -105,15 +123,20 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape != (batch.size, batch.vocab_size):
             raise ValueError(f"logits {tuple(logits.shape)} != [{batch.size}, {batch.vocab_size}]")
-        if batch.all_greedy and not batch.modifies_logits:
-            x = logits  # nothing to apply: argmax of the raw logits, no [B, V] copy
+        # Nothing to apply: sample or take the argmax of the raw logits, no [B, V] copy.
+        x = prepare_logits(logits, batch) if batch.modifies_logits else logits
+        if batch.all_greedy:
+            tokens = row_argmax(x)
+        elif batch.top_k is None and batch.top_p is None and batch.min_p is None:
+            temperature = batch.temperature.masked_fill(batch.greedy, 0.0)  # 0: the row's argmax
+            tokens = sample_logits(x, temperature, draw_uniforms(batch, x.device, self.generator))
         else:
-            x = prepare_logits(logits, batch)
-        tokens = row_argmax(x)
-        if not batch.all_greedy:
-            probs = sampling_probs(x, batch)
-            q = draw_exponentials(batch, *probs.shape, probs.device, self.generator)
-            tokens = torch.where(batch.greedy, tokens, exponential_race(probs, q))
+            if x is logits:
+                x = logits.to(torch.float32, copy=True)  # truncation works in place
+            greedy = row_argmax(x)
+            y = truncated_logits(x, batch)
+            u = draw_uniforms(batch, x.device, self.generator)
+            tokens = torch.where(batch.greedy, greedy, sample_logits(y, torch.ones_like(batch.temperature), u))
         lp = None
         if batch.max_num_logprobs is not None:
             lp = compute_logprobs(logits, tokens, batch.max_num_logprobs)

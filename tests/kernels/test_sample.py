@@ -1,0 +1,133 @@
+"""Inverse-CDF sampling from logits (kernels/sample.py): the reference against a float64 loop, the C
+kernel against the reference's CDF, and the drawn frequencies against softmax(x / T)."""
+import math
+
+import pytest
+import torch
+
+from moebus.kernels import sample_logits, sample_logits_ref
+from moebus.kernels.paged_attention import cpu_kernel_available
+from moebus.kernels.sample import sample_logits_cpu
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+SHAPES = [(1, 1), (3, 17), (7, 257), (64, 4113), (600, 300)]  # 257: one past the C block; 600 rows: OpenMP
+needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
+
+
+def _cases(shape, dtype, seed=0):
+    """Strided rows of random logits, some masked to -inf, with temperatures (some 0: greedy) and
+    uniforms (0 and the largest double below 1 among them), plus the special rows: NaN, all -inf,
+    +inf, a tie for the max on a greedy row."""
+    b, n = shape
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(b, n + 5, generator=g))[:, :n].to(dtype)
+    x[torch.rand(b, n, generator=g) < 0.3] = -math.inf
+    temp = 0.2 + 2 * torch.rand(b, generator=g)
+    temp[::5] = 0.0
+    u = torch.rand(b, dtype=torch.float64, generator=g)
+    u[1::7] = 0.0
+    u[2::7] = 1.0 - 2.0**-53
+    if n > 5 and b >= 7:
+        x[3, 4] = x[3, n - 1] = math.nan
+        x[4] = -math.inf
+        x[6, 2] = math.inf
+        x[5, 1] = x[5, n - 2] = 1e4  # row 5 is greedy: the first of the tie
+    return x, temp, u
+
+
+def naive(x, temp, u):
+    out = []
+    for row, t, ub in zip(x.double().tolist(), temp.tolist(), u.tolist(), strict=True):
+        nans = [i for i, v in enumerate(row) if v != v]
+        m = max(row)
+        if nans:
+            out.append(nans[0])
+        elif t <= 0 or math.isinf(m):
+            out.append(row.index(m))
+        else:
+            p = [math.exp((v - m) / t) for v in row]
+            target, cum = ub * sum(p), 0.0
+            out.append(next((i for i, pi in enumerate(p) if (cum := cum + pi) > target), len(p) - 1))
+    return torch.tensor(out)
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_ref_matches_naive(shape, dtype):
+    x, temp, u = _cases(shape, dtype)
+    assert torch.equal(sample_logits_ref(x, temp, u), naive(x, temp, u))
+
+
+def _assert_within_cdf_step(x, temp, u, got):
+    """got[b] is the token whose CDF step holds u_b * total, up to 1e-5 of the total (the C kernel's
+    float32 exp and sums); the special rows match the reference exactly, and the others but a few.
+    The reference's exp keeps masses below e^-87 that the kernel's flushes to 0, so the rows with u
+    at the ends (0, 1 - 2^-53) may pick another token among those, and are left out of the count."""
+    ref = sample_logits_ref(x, temp, u)
+    sampled = (temp > 0) & x.double().amax(1).isfinite()
+    assert torch.equal(got[~sampled], ref[~sampled])
+    xd = x.double()[sampled]
+    p = ((xd - xd.amax(1, keepdim=True)) / temp[sampled].double().unsqueeze(1)).exp()
+    cdf = p.cumsum(1)
+    total = cdf[:, -1]
+    target = u[sampled] * total
+    tok = got[sampled].unsqueeze(1)
+    hi = cdf.gather(1, tok).squeeze(1)
+    lo = hi - p.gather(1, tok).squeeze(1)
+    assert (p.gather(1, tok) > 0).all(), "drew a token without mass"
+    slack = 1e-5 * total
+    assert ((lo <= target + slack) & (target < hi + slack)).all()
+    inner = sampled & (u > 1e-6) & (u < 1 - 1e-6)
+    assert (got[inner] == ref[inner]).sum() >= 0.99 * inner.sum()
+
+
+@needs_cpu_kernel
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cpu_draws_the_cdf_step_of_u(shape, dtype):
+    x, temp, u = _cases(shape, dtype)
+    got = sample_logits_cpu(x, temp, u)
+    assert got is not None and got.dtype == torch.int64
+    _assert_within_cdf_step(x, temp, u, got)
+    assert torch.equal(sample_logits(x, temp, u), got)
+
+
+@needs_cpu_kernel
+def test_cpu_rows_are_batch_invariant():
+    x, temp, u = _cases((64, 4113), torch.float32, seed=3)
+    batched = sample_logits_cpu(x, temp, u)
+    for b in (0, 9, 31, 63):
+        assert sample_logits_cpu(x[b : b + 1], temp[b : b + 1], u[b : b + 1]).item() == batched[b].item()
+
+
+def _assert_chi_square(draws, probs):
+    counts = torch.bincount(draws, minlength=probs.numel()).double()
+    expected = probs * draws.numel()
+    keep = expected > 5
+    assert (counts[probs == 0] == 0).all()
+    stat, df = float((((counts - expected) ** 2) / expected)[keep].sum()), int(keep.sum()) - 1
+    # ~5 standard deviations above the chi-square mean (df, var 2 df): loose, with a fixed seed.
+    assert stat < df + 5 * math.sqrt(2 * df), (stat, df)
+
+
+@pytest.mark.parametrize("impl", ["ref", pytest.param("cpu", marks=needs_cpu_kernel)])
+@pytest.mark.parametrize("vocab", [12, 700])  # 700: the draw walks several blocks of the C kernel
+def test_draws_follow_the_softmax(impl, vocab):
+    g = torch.Generator().manual_seed(11)
+    n, temp = 60000, 0.8
+    logits = torch.randn(vocab, generator=g) * (2.0 if vocab < 100 else 0.7)
+    logits[torch.randperm(vocab, generator=g)[: vocab // 6]] = -math.inf
+    x = logits.expand(n, vocab).contiguous()
+    u = torch.rand(n, dtype=torch.float64, generator=g)
+    fn = sample_logits_ref if impl == "ref" else sample_logits_cpu
+    draws = fn(x, torch.full((n,), temp), u)
+    _assert_chi_square(draws, (logits.double() / temp).softmax(0))
+
+
+@needs_cpu_kernel
+def test_cpu_declines_what_it_cannot_take():
+    t, u = torch.ones(2), torch.zeros(2, dtype=torch.float64)
+    assert sample_logits_cpu(torch.randn(2, 0), t, u) is None
+    assert sample_logits_cpu(torch.randn(2, 3, 4), t, u) is None
+    assert sample_logits_cpu(torch.randn(2, 8, dtype=torch.float64), t, u) is None
+    assert sample_logits(torch.randn(2, 8, dtype=torch.float64), t, u).shape == (2,)
