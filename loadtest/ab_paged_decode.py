@@ -1,7 +1,7 @@
 """A/B of the CPU paged decode kernel (csrc/paged_attention_cpu.c): a git revision's source vs the
 working tree's, both built with the project's flags and called alternately in one process.
 
-    OMP_NUM_THREADS=1 python loadtest/ab_paged_decode.py --batch 64 --len 192 --rounds 11 [--rev HEAD~1]
+    OMP_NUM_THREADS=1 python loadtest/ab_paged_decode.py --batch 64 --len 192 --rounds 11 [--rev HEAD~1] [--dtype bfloat16]
 
 Prints median ms per call (time.process_time, 20 calls a round) and in how many rounds the new
 build was faster; SmolLM2's heads (9 query, 3 kv, dim 64), block 16, scattered blocks.
@@ -35,31 +35,33 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--len", type=int, default=192)
     ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    dt = getattr(torch, args.dtype)
     rel = "moebus/kernels/csrc/paged_attention_cpu.c"
     old_src = subprocess.run(["git", "show", f"{args.rev}:{rel}"], capture_output=True, text=True, check=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
         fns = {}
         for tag, src in (("old", old_src), ("new", (cpu_build._CSRC / "paged_attention_cpu.c").read_text())):
-            f = _build(src, Path(tmp) / f"pa_{tag}.so").paged_decode_f32
+            f = getattr(_build(src, Path(tmp) / f"pa_{tag}.so"), f"paged_decode_{cpu_build.DTYPE_SUFFIX[dt]}")
             f.argtypes, f.restype = pa._CPU_ARGTYPES, ctypes.c_int
             fns[tag] = f
         b, bs, n = args.batch, 16, args.len
         nb = -(-n // bs)
-        kc, vc = torch.randn(b * nb + 1, bs, 3, 64), torch.randn(b * nb + 1, bs, 3, 64)
+        kc, vc = torch.randn(b * nb + 1, bs, 3, 64).to(dt), torch.randn(b * nb + 1, bs, 3, 64).to(dt)
         bt = (torch.randperm(b * nb).view(b, nb) + 1).int()
-        q, sl = torch.randn(b, 9, 64), torch.full((b,), n, dtype=torch.int32)
+        q, sl = torch.randn(b, 9, 64).to(dt), torch.full((b,), n, dtype=torch.int32)
 
         def call(fn) -> torch.Tensor:
-            out = torch.empty(b, 9, 64)
+            out = torch.empty(b, 9, 64, dtype=dt)
             status = fn(q.data_ptr(), q.stride(0), q.stride(1), kc.data_ptr(), *kc.stride()[:3], vc.data_ptr(),
                         *vc.stride()[:3], bt.data_ptr(), bt.stride(0), sl.data_ptr(), None, out.data_ptr(),
                         out.stride(0), out.stride(1), b, 9, 3, 64, 64, bs, 0, 0.125)
             assert status == 0
             return out
 
-        diff = (call(fns["old"]) - call(fns["new"])).abs().max().item()
+        diff = (call(fns["old"]).float() - call(fns["new"]).float()).abs().max().item()
         res: dict[str, list[float]] = {"old": [], "new": []}
         for r in range(args.rounds):
             for tag in ("old", "new") if r % 2 == 0 else ("new", "old"):

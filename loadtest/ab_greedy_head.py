@@ -1,0 +1,82 @@
+"""Paired A/B of the in-process engine's decode steps (issue 21, target 2): bf16 with the greedy
+LM head's best C path (AMX where the CPU has it) vs its float32 FMA tiles, with float32 beside.
+
+    flock /tmp/moebus-bench.lock python loadtest/ab_greedy_head.py --batch 16 64 --rounds 7
+
+One engine per dtype (SmolLM2-135M, greedy, --prompt-len random tokens each); each round runs
+--steps decode steps per arm, the arms in alternating order, and times them with
+time.process_time (torch on --threads): the median tok/s per CPU-second of each arm.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _engine(dtype: str, batch: int, prompt_len: int, tokens: int):
+    from moebus.engine.config import EngineConfig
+    from moebus.engine.llm_engine import LLMEngine
+    from moebus.engine.sampling import SamplingParams
+
+    eng = LLMEngine(EngineConfig(model="smollm2", dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=4096))
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    for i, p in enumerate(torch.randint(100, 49000, (batch, prompt_len), generator=g).tolist()):
+        eng.add_request(f"p{i}", p, params)
+    for _ in range(3):  # prefill, then a couple of decode steps
+        eng.step()
+    return eng
+
+
+def run(batch: int, rounds: int, steps: int, prompt_len: int) -> None:
+    import moebus.engine.model_runner as mr
+    from moebus.kernels.lm_head_argmax import lm_head_argmax, lm_head_argmax_cpu
+
+    def fma_head(x, w, panels):
+        out = lm_head_argmax_cpu(x, w, panels, isa="fma")
+        return out if out is not None else lm_head_argmax(x, w, panels)
+
+    tokens = 3 + 2 * rounds * steps + 16
+    engines = {"bf16": _engine("bfloat16", batch, prompt_len, tokens), "fp32": _engine("float32", batch, prompt_len, tokens)}
+    arms = {"bf16 head auto": ("bf16", lm_head_argmax), "bf16 head fma": ("bf16", fma_head),
+            "fp32": ("fp32", lm_head_argmax)}
+    rates: dict[str, list[float]] = {k: [] for k in arms}
+    try:
+        for r in range(rounds):
+            order = list(arms) if r % 2 == 0 else list(reversed(arms))
+            for name in order:
+                eng_name, head = arms[name]
+                mr.lm_head_argmax = head
+                eng = engines[eng_name]
+                t = time.process_time()
+                for _ in range(steps):
+                    eng.step()
+                rates[name].append(batch * steps / (time.process_time() - t))
+    finally:
+        mr.lm_head_argmax = lm_head_argmax
+        for eng in engines.values():
+            eng.close()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    wins = sum(a > b for a, b in zip(rates["bf16 head auto"], rates["bf16 head fma"], strict=True))
+    print(f"batch={batch} rounds={rounds} steps/round={steps} threads={torch.get_num_threads()}: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in med.items()) + f" tok/s per cpu-second; auto > fma in {wins}/{rounds} rounds")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="*", default=[16, 64])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    for b in args.batch:
+        run(b, args.rounds, args.steps, args.prompt_len)
+
+
+if __name__ == "__main__":
+    main()
