@@ -215,8 +215,9 @@ def main() -> None:
               + ", ".join(f"{f['load'][0]:.1f}" for f in floors))
     if args.floor:
         load, xs = os.getloadavg()[0], nats_round_trips(args.requests)
-        print(f"bus floor (raw nats-py request/reply between two processes; a first token crosses the bus 5 "
-              f"times one way: render there and back, to the balancer, to the worker, the chunk back): p50 {statistics.median(xs):.2f} [{quantile(xs, 0.1):.2f}-{quantile(xs, 0.9):.2f}] ms; "
+        print(f"bus floor (raw nats-py request/reply between two processes; a first token crosses the bus 3 "
+              f"times one way: to the balancer, to the worker, the chunk back; 5 when the tokenizer service renders "
+              f"(there and back too)): p50 {statistics.median(xs):.2f} [{quantile(xs, 0.1):.2f}-{quantile(xs, 0.9):.2f}] ms; "
               f"load avg 1m {load:.1f}")
     print(f"\nspans, logs, per-run JSON: {out}; load averages now: {os.getloadavg()}")
 

@@ -2,7 +2,8 @@
 (`moebus up --trace-file`, shared/trace_export.py) and the client's own send and first-token times.
 
 The legs follow the critical path to the first token, so they add up to the client's TTFT:
-client -> HTTP span -> tokenizer `render` -> balancer `route` -> worker `generate` (admission) ->
+client -> HTTP span -> `render` (in the frontend with `local_render`, which `moebus up` sets; else the
+tokenizer service's) -> balancer `route` -> worker `generate` (admission) ->
 the engine step that made the first token (`prefill`) -> the client reading it. The route's reply
 to the frontend runs beside the worker's queue and step, off that path. `engine_step` is the
 engine's own work; every other leg is the stack's overhead (issue 21, target 3).

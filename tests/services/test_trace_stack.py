@@ -1,6 +1,6 @@
 """Spans from real processes: a disaggregated SmolLM2 stack started as `moebus up --trace-file`
 does (nats-server, one process per service); one streamed chat request is one trace over the
-frontend, tokenizer, balancer and both workers, the KV transfer included, its parent links intact
+frontend (which renders the prompt itself: local_render), balancer and both workers, the KV transfer included, its parent links intact
 across processes; an unsampled request gives the same text and no spans; `moebus trace` shows it."""
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ async def test_disaggregated_request_is_one_trace_across_processes(traced_stack)
     where = {}
     for s in spans:
         where.setdefault(s["name"], set()).add(s["instance"])
-    assert where["render"] == {"tokenizer-0"} and where["route"] == {"balancer-0"}
+    assert where["render"] == {"frontend-0"} and where["route"] == {"balancer-0"}
     assert where["generate"] == {"prefill-0", "decode-0"}
     assert where["prefill"] == where["kv.extract"] == where["kv.send"] == {"prefill-0"}
     assert where["kv.receive"] == where["kv.inject"] == where["decode"] == {"decode-0"}
@@ -99,6 +99,6 @@ async def test_disaggregated_request_is_one_trace_across_processes(traced_stack)
         assert cli_main(["trace", "disagg-trace-1", "--file", path]) == 0
     shown = out.getvalue()
     print(shown)
-    for process in ("frontend-0", "tokenizer-0", "balancer-0", "prefill-0", "decode-0"):
+    for process in ("frontend-0", "balancer-0", "prefill-0", "decode-0"):
         assert f" {process} " in shown, process
     assert "kv.send" in shown and "kv.bytes=" in shown
