@@ -63,3 +63,16 @@ async def test_a_tokenizer_that_does_not_load_leaves_rendering_to_the_service(tm
     missing = LocalRender(model="toy", chat_template=str(tmp_path / "missing.jinja"))
     assert await LocalRenderer.load(missing, Tracing("test")) is None
     assert await LocalRenderer.load(LocalRender(model="toy"), Tracing("test")) is not None
+
+
+def test_moebus_up_lets_the_frontend_render_with_the_tokenizer_services_model_and_template(tmp_path) -> None:
+    from moebus.services.launcher import Stack, StackConfig
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages | length }}")
+    cfgs = dict(Stack(StackConfig(model="toy", served_model_name="t", tokenizer={"chat_template": str(path)}))
+                .service_configs())
+    assert cfgs["frontend"].local_render == LocalRender(model="toy", served_model_name="t", chat_template=str(path))
+    assert cfgs["tokenizer"].chat_template == cfgs["frontend"].local_render.chat_template
+    off = dict(Stack(StackConfig(model="toy", frontend={"local_render": None})).service_configs())
+    assert off["frontend"].local_render is None
