@@ -6,33 +6,40 @@ It applies only where it computes what the module path computes: float32 activat
 on CPU, linear layers that are plain float32 nn.Linear / PackedLinear or QuantLinear (taking the
 GEMV a 1-row call of theirs takes: QuantLinear.few_rows_activation_bits), no forward hooks, no
 batch-invariant mode, no grad, no image embeddings, no windowed KV group. Every step re-reads that
-state (a tuple of the modules and their settings), so swapping a layer, adding a hook or changing
-activation_bits rebuilds or drops the plan; anything else falls back to the module path.
+state (DecodeFastPath), so swapping a linear layer, adding a hook or changing activation_bits
+rebuilds or drops the plan; anything else falls back to the module path. Weights must be updated
+in place (load_weights does), never replaced by new tensors: the plan holds their addresses.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
+from torch.utils.hooks import RemovableHandle
 
 from moebus.engine.attention import AttentionMetadata
 from moebus.engine.cpu_linear import PackedLinear, QuantLinear
 from moebus.kernels.decode_stack import DecodeStack, StackLayer, StackLinear, StackShape, cpu_kernel_available
 
 
-def _linears(model: nn.Module) -> list[nn.Module]:
-    return [m for ly in model.layers for m in (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj,
-                                               ly.mlp.down_proj)]
+def _linears(model: nn.Module) -> tuple[nn.Module, ...]:
+    """Every layer's four linear modules, read from the _modules dicts (nn.Module.__getattr__ would
+    cost ~100 us a step over 30 layers)."""
+    out = []
+    for ly in model.layers._modules.values():
+        attn, mlp = ly._modules["self_attn"]._modules, ly._modules["mlp"]._modules
+        out += (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
+    return tuple(out)
 
 
-def _state(model: nn.Module) -> tuple:
-    """What the plan depends on beyond the weights' values: the linear modules and their activation
-    widths, and whether any module of the step carries a hook (which the C call would skip)."""
-    lins = _linears(model)
-    hooked = bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
+def _hooked(model: nn.Module) -> bool:
+    """Whether a forward hook (global or on any module) would see this step: the C call skips them."""
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
         m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-    bits = tuple(m.few_rows_activation_bits() if type(m) is QuantLinear else None for m in lins)
-    return (*lins, bits, hooked)
+
+
+def _widths(lins: tuple[nn.Module, ...]) -> tuple:
+    return tuple((m.activation_bits, m.batch_invariant) if type(m) is QuantLinear else None for m in lins)
 
 
 def _stack_linear(m: nn.Module) -> StackLinear | None:
@@ -75,11 +82,21 @@ def build_plan(model: nn.Module) -> DecodeStack | None:
 
 
 class DecodeFastPath:
-    """Per model: the plan for its current state, rebuilt when that state changes."""
+    """Per model: the plan for its current state, rebuilt when that state changes. The state is the
+    linear modules, their activation widths and whether anything is hooked; hooks are rescanned
+    only when torch has handed out a hook handle since the last scan (RemovableHandle.next_id), or
+    while one was found (so a removed hook gives the fast path back)."""
 
     def __init__(self) -> None:
         self._state: tuple | None = None
         self._plan: DecodeStack | None = None
+        self._hook_id, self._hooked = -1, True
+
+    def _current(self, model: nn.Module) -> tuple:
+        if self._hooked or RemovableHandle.next_id != self._hook_id:
+            self._hook_id, self._hooked = RemovableHandle.next_id, _hooked(model)
+        lins = _linears(model)
+        return lins, _widths(lins), self._hooked
 
     def __call__(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
@@ -93,7 +110,7 @@ class DecodeFastPath:
                 or kc.device.type != "cpu" or kc.shape[2:] != (a.num_key_value_heads, a.head_dim)
                 or vc.shape != kc.shape):
             return None
-        state = _state(model)
+        state = self._current(model)
         if state != self._state:
             self._state, self._plan = state, None if state[-1] else build_plan(model)
         plan = self._plan
