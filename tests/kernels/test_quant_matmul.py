@@ -5,19 +5,29 @@ not a multiple of the C kernel's 4-row and 16-row tiles), both C paths. The inte
 kernel (csrc/quant_dot_cpu.c, 8 and 16 bits) against its torch reference (the activation
 quantization bit for bit, the products up to float32 summation order) and against float64 within
 the activation's rounding bound."""
+import ctypes
+import shutil
+import subprocess
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from moebus.kernels import cpu_build
 from moebus.kernels.quant_matmul import (
+    _CPU_ARGTYPES,
+    _QA_ARGTYPES,
     BLOCK_BYTES,
     CPU_TILED_MIN_ROWS,
+    GGML_TYPES,
     cpu_kernel_available,
     dequantize_ref,
     quant_matmul,
     quant_matmul_cpu,
+    quant_matmul_cpu_unchecked,
     quant_matmul_qa_cpu,
+    quant_matmul_qa_cpu_unchecked,
     quant_matmul_qa_ref,
     quant_matmul_ref,
     quant_matmul_triton,
@@ -156,6 +166,41 @@ def test_qa_cpu_threaded_and_row_independent(qtype, bits, close):
     close(together, quant_matmul_qa_ref(x, w, qtype, bits), **TOL)
     alone = [quant_matmul_qa_cpu(x[i:i + 1], w, qtype, bits) for i in range(3)]
     assert torch.equal(together, torch.cat(alone))
+
+
+# The build the C kernels get here is -march=native; these rebuild the sources without the paths a
+# CPU may lack, so that those a smaller CPU takes stay tested: AVX2 without VNNI (maddubs + madd for
+# the 8-bit dots: on a VNNI CPU the default build uses dpbusd), and no AVX2 at all (the scalar loops).
+FALLBACK_BUILDS = {"avx2-no-vnni": ["-mno-avxvnni", "-mno-avx512vnni"], "scalar": ["-mno-avx2", "-mno-fma"]}
+
+
+@pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
+def fallback_libs(request, tmp_path_factory):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    libs = []
+    for source, fn, argtypes in (("quant_dot_cpu.c", "quant_matmul_qa_f32", _QA_ARGTYPES),
+                                 ("quant_matmul_cpu.c", "quant_matmul_f32", _CPU_ARGTYPES)):
+        out = tmp_path_factory.mktemp(request.param) / source.replace(".c", ".so")
+        subprocess.run([cc, *cpu_build._FLAGS, *FALLBACK_BUILDS[request.param], "-o", str(out),
+                        str(cpu_build._CSRC / source), "-lm"], check=True, capture_output=True)
+        f = getattr(ctypes.CDLL(str(out)), fn)
+        f.argtypes, f.restype = argtypes, ctypes.c_int
+        libs.append(f)
+    return libs
+
+
+@QTYPES
+@pytest.mark.parametrize("shape", [(1, 96, 37), (3, 160, 16)])
+def test_fallback_builds_match_their_references(fallback_libs, shape, qtype, close):
+    qa_fn, float_fn = fallback_libs
+    x, w, _ = _case(*shape, qtype)
+    x = x.contiguous()
+    for bits in (8, 16):
+        close(quant_matmul_qa_cpu_unchecked(qa_fn, x, w, GGML_TYPES[qtype], bits),
+              quant_matmul_qa_ref(x, w, qtype, bits), **TOL)
+    close(quant_matmul_cpu_unchecked(float_fn, x, w, GGML_TYPES[qtype], True), quant_matmul_ref(x, w, qtype), **TOL)
 
 
 @QTYPES

@@ -38,7 +38,6 @@ static void tiled_path(int qt, const float *const *xrows, int nb, const uint8_t 
     }
 }
 
-
 /* Returns 0 on success; 1 for an unknown type, K not a multiple of 32 or no memory (the caller
  * falls back to the reference). min_tiled_rows: the fewest rows that take the tiled path
  * (INT_MAX: always the direct path). */
