@@ -7,13 +7,14 @@
 Parts (SmolLM2-135M's real LM head: hidden 576, vocab 49152; random hidden rows), medians of --repeat
 calls, alternating: (a) the greedy fused head+argmax; (b) temperature 1, (c) temperature 1 with
 top_k=50, top_p=0.9: the logits GEMM (compute_logits), SamplingBatch.build, and the Sampler, now
-and as it was before the inverse-CDF kernel (`legacy`: float32 copy, softmax, [B, V] Exp(1) noise
-from torch's exponential_, exponential race), each piece timed alone.
+and as it was before the inverse-CDF kernel (`legacy`: float32 copy, temperature, top-k/top-p by a
+full sort, softmax, [B, V] Exp(1) noise from torch's exponential_, exponential race), each piece
+timed alone.
 
-Engine: one engine per variant (greedy; temperature 1; temperature 1 on the legacy sampler), B
-requests decoding in each; --steps decode steps per variant per round, variants alternating for
---rounds rounds; prints the median wall ms per step and tok/s. Times are perf_counter on a shared box:
-compare within a run, and note the load average printed with it.
+Engine: one engine per variant (greedy; temperature 1 and temperature 1 with top_k=50, top_p=0.9,
+each on the Sampler and on the legacy one), B requests decoding in each; --steps decode steps per
+variant per round, variants alternating for --rounds rounds; prints the median wall ms per step and
+tok/s. Times are perf_counter on a shared box: compare within a run, with the load average printed.
 """
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ import torch
 from moebus.engine.config import EngineConfig
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.sampling import SamplingBatch, SamplingParams
-from moebus.engine.sampling.processors import exponential_race, row_argmax
+from moebus.engine.sampling.processors import NEG_INF, exponential_race, row_argmax
 from moebus.engine.sampling.sampler import (
     Sampler,
     SamplerOutput,
     compute_logprobs,
+    draw_uniforms,
     prepare_logits,
-    sampling_probs,
-    truncated_logits,
+    sampling_floor,
 )
 from moebus.kernels import lm_head_argmax, sample_logits
 
@@ -51,6 +52,28 @@ def draw_exponentials(batch: SamplingBatch, rows: int, vocab: int) -> torch.Tens
     return q
 
 
+def legacy_probs(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k, top-p (by a full sort when top_p is set), softmax, as the Sampler did
+    before truncation_floor (min-p left out: not benchmarked). Consumes x."""
+    x = x.div_(batch.temperature.unsqueeze(1))
+    top_k, top_p, vocab = batch.top_k, batch.top_p, x.shape[1]
+    if top_p is not None:
+        sorted_logits, order = x.sort(dim=1, descending=True)
+        if top_k is not None:
+            kth = sorted_logits.gather(1, (top_k.clamp(max=vocab) - 1).unsqueeze(1))
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
+        probs = sorted_logits.softmax(dim=1)
+        drop = (probs.cumsum(dim=1) - probs) >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        drop &= (top_p < 1.0).unsqueeze(1)
+        x = torch.empty_like(x).scatter_(1, order, sorted_logits.masked_fill(drop, NEG_INF))
+    elif top_k is not None:
+        k = top_k.clamp(max=vocab)
+        kth = x.topk(int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
+        x = x.masked_fill(x < kth, NEG_INF)
+    return x.softmax(dim=1)
+
+
 class LegacySampler(Sampler):
     """The Sampler before the inverse-CDF kernel (exponential race over [B, V] noise), for A/B."""
 
@@ -58,7 +81,7 @@ class LegacySampler(Sampler):
         x = logits if batch.all_greedy and not batch.modifies_logits else prepare_logits(logits, batch)
         tokens = row_argmax(x)
         if not batch.all_greedy:
-            probs = sampling_probs(x, batch)
+            probs = legacy_probs(x, batch)
             q = draw_exponentials(batch, *probs.shape)
             tokens = torch.where(batch.greedy, tokens, exponential_race(probs, q))
         lp = compute_logprobs(logits, tokens, batch.max_num_logprobs) if batch.max_num_logprobs is not None else None
@@ -90,19 +113,20 @@ def parts(runner, b: int, repeat: int) -> None:
            "row_argmax of the logits": lambda: row_argmax(logits)}
     for tag, p in (("(b) T=1", PLAIN), ("(c) T=1 top_k=50 top_p=0.9", TRUNC)):
         batch = SamplingBatch.build([p] * b, [[1, 2, 3]] * b, [[5] * 128] * b, [None] * b, vocab, "cpu")
-        probs = sampling_probs(prepare_logits(logits, batch), batch)
+        probs = legacy_probs(prepare_logits(logits, batch), batch)
         fns |= {
             f"{tag} SamplingBatch.build": lambda p=p: SamplingBatch.build([p] * b, [[1, 2, 3]] * b, [[5] * 128] * b,
                                                                         [None] * b, vocab, "cpu"),
             f"{tag} legacy Sampler total": lambda batch=batch: legacy(logits, batch),
             f"{tag} legacy: float32 copy": lambda batch=batch: prepare_logits(logits, batch),
-            f"{tag} legacy: temp/trunc + softmax": lambda batch=batch: sampling_probs(logits.clone(), batch),
+            f"{tag} legacy: temp/trunc + softmax": lambda batch=batch: legacy_probs(logits.clone(), batch),
             f"{tag} legacy: Exp(1) noise": lambda batch=batch: draw_exponentials(batch, b, vocab),
             f"{tag} legacy: race": lambda probs=probs: exponential_race(probs, torch.ones_like(probs)),
             f"{tag} new Sampler total": lambda batch=batch: sampler(logits, batch),
+            f"{tag} new: draw_uniforms": lambda batch=batch: draw_uniforms(batch, logits.device, None),
         }
         if p is TRUNC:
-            fns[f"{tag} new: temp + top-k/top-p"] = lambda batch=batch: truncated_logits(logits.clone(), batch)
+            fns[f"{tag} new: sampling_floor (top-k/top-p)"] = lambda batch=batch: sampling_floor(logits, batch)
     t, u = torch.ones(b), torch.rand(b, dtype=torch.float64)
     fns["sample_logits kernel alone"] = lambda: sample_logits(logits, t, u)
     print(f"\nB={b} vocab={vocab}: median ms of {repeat} interleaved calls")
@@ -115,7 +139,8 @@ def _engine(b: int) -> LLMEngine:
 
 
 def engine_ab(b: int, prompt_len: int, steps: int, rounds: int) -> None:
-    variants = {"greedy": (GREEDY, None), "T=1": (PLAIN, None), "T=1 legacy sampler": (PLAIN, LegacySampler())}
+    variants = {"greedy": (GREEDY, None), "T=1": (PLAIN, None), "T=1 legacy sampler": (PLAIN, LegacySampler()),
+                "T=1 k50 p0.9": (TRUNC, None), "T=1 k50 p0.9 legacy": (TRUNC, LegacySampler())}
     engines = {}
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, 49000, (b, prompt_len), generator=g).tolist()

@@ -10,7 +10,7 @@ reference everywhere else. The references are vectorized: they are the productio
 | paged_attention.py | `paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, sinks)` |
 | fused_moe.py | `fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None)`; `moe_align` (token grouping); C kernel for <= 256 tokens |
 | argmax.py | `row_argmax(x[B, N]) -> [B]` int64 (first maximum, NaN wins: torch's `max(dim=1).indices`) |
-| sample.py | `sample_logits(x[B, V], temperature[B], u[B]) -> [B]` int64: a draw from softmax(x / T) by inverse CDF at the caller's uniform u (T <= 0: argmax); C kernel on CPU, no Triton twin |
+| sample.py | `sample_logits(x[B, V], temperature[B], u[B], floor=None) -> [B]` int64: a draw from softmax(x / T) over the logits >= floor, by inverse CDF at the caller's uniform u (T <= 0: argmax); C kernel on CPU, no Triton twin |
 | lm_head_argmax.py | `lm_head_argmax(x[M, K], w[N, K], panels=None) -> [M]` int64: greedy tokens from the LM head without the logits (`pack_panels(w)`: the C kernel's weight layout) |
 | quant_matmul.py | `quant_matmul(x[M, K], w, qtype) -> [M, N]`: GGUF Q4_0/Q4_1/Q8_0 blocks `w` (uint8 [N, K/32 * block bytes]) dequantized inside the GEMV/GEMM; C kernel on CPU |
 | mhc.py | `hc_mix(mix, base, scale, n, iters, eps) -> (pre, post, comb)` (mHC gates + Sinkhorn mixture), `hc_merge(streams, block_out, post, comb)`, `hc_pre(streams, fn, base, scale, n, iters, hc_eps, norm_eps)` (the whole pre-block: a C kernel on CPU, no Triton twin; elsewhere the reference, its GEMM on the tensor cores and its mixing in `hc_mix`) |

@@ -1,13 +1,15 @@
 """One token per row from softmax(logits / T), by inversion of the CDF with one uniform per row.
 
-    sample_logits(x [B, V], temperature [B] float32, u [B] float64 in [0, 1)) -> [B] int64
+    sample_logits(x [B, V], temperature [B] float32, u [B] float64 in [0, 1), floor [B] | None) -> [B] int64
 
-Row b takes the first v whose running sum of p_v = exp((x_v - max_b) / T_b) exceeds u_b * sum(p):
-a draw from the softmax when u_b ~ U[0, 1), and a deterministic function of (row, T, u), so the
-caller owns all randomness (a seeded request draws its u from its own generator) and the token of
-a row never depends on the other rows. Masked logits (-inf) have no mass and are never drawn.
-Rows with T <= 0 (greedy), a NaN or an infinite max take the row argmax instead: torch's
-`max(dim=1).indices`, the first maximum or the first NaN (a +inf logit holds all the mass).
+Row b takes the first v whose running sum of p_v = exp((x_v - max_b) / T_b) exceeds u_b * sum(p),
+where p_v = 0 for x_v < floor_b (a truncation: top-k, top-p and min-p each keep the logits at or
+above some value): a draw from the truncated softmax when u_b ~ U[0, 1), and a deterministic
+function of (row, T, u, floor), so the caller owns all randomness (a seeded request draws its u from
+its own generator) and the token of a row never depends on the other rows. Masked logits (-inf)
+have no mass and are never drawn. Rows with T <= 0 (greedy), a NaN, an infinite max or a floor
+above the max take the row argmax instead: torch's `max(dim=1).indices`, the first maximum or the
+first NaN (a +inf logit holds all the mass).
 
 Why: the sampler's torch path (float32 copy, softmax, [B, V] Exp(1) noise from torch's scalar
 exponential_, exponential race) cost ~100 ms at B=64 over a 49152-token vocabulary on one core;
@@ -17,30 +19,36 @@ float64 reference only when u_b lands within ~1e-6 (relative) of a CDF step.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .argmax import row_argmax_ref
 from .cpu_build import I64, PTR, library, on_cpu
 
-_CPU_ARGTYPES = [PTR, I64, I64, I64, PTR, PTR, PTR]
+_CPU_ARGTYPES = [PTR, I64, I64, I64, PTR, PTR, PTR, PTR]
 
 
-def sample_logits_ref(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sample_logits_ref(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                      floor: torch.Tensor | None = None) -> torch.Tensor:
     """float64 reference of the semantics above."""
     assert x.dim() == 2 and temperature.shape == u.shape == x.shape[:1], (x.shape, temperature.shape, u.shape)
     first_max = row_argmax_ref(x)
     xd = x.double()
     m = xd.amax(dim=1)  # NaN when the row has one
-    special = (temperature <= 0) | ~m.isfinite()
+    lo = torch.full_like(m, -math.inf) if floor is None else floor.double()
+    special = (temperature <= 0) | ~m.isfinite() | ~(lo <= m)
     t = torch.where(special, 1.0, temperature.double())
     p = ((xd - torch.where(special, 0.0, m).unsqueeze(1)) / t.unsqueeze(1)).exp()
+    p = p.masked_fill(xd < lo.unsqueeze(1), 0.0)
     cdf = p.cumsum(dim=1)
     target = (u.double() * cdf[:, -1]).unsqueeze(1)
     drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=x.shape[1] - 1)
     return torch.where(special, first_max, drawn)
 
 
-def sample_logits_cpu(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+def sample_logits_cpu(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                      floor: torch.Tensor | None = None) -> torch.Tensor | None:
     """The C kernel in csrc/sample_cpu.c; None when it does not apply."""
     if x.dim() != 2 or x.shape[1] == 0 or not on_cpu(x) or temperature.device.type != "cpu":
         return None
@@ -49,12 +57,15 @@ def sample_logits_cpu(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tenso
         return None
     temp = temperature.to(torch.float32).contiguous()
     u64 = u.to(torch.float64).contiguous()
-    assert temp.shape == u64.shape == x.shape[:1], (x.shape, temp.shape, u64.shape)
+    lo = None if floor is None else floor.to(torch.float32).contiguous()
+    assert temp.shape == u64.shape == x.shape[:1] and (lo is None or lo.shape == temp.shape), (x.shape, temp.shape)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    status = fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], temp.data_ptr(), u64.data_ptr(), out.data_ptr())
+    status = fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], temp.data_ptr(), u64.data_ptr(),
+                None if lo is None else lo.data_ptr(), out.data_ptr())
     return out if status == 0 else None
 
 
-def sample_logits(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    out = sample_logits_cpu(x, temperature, u)
-    return out if out is not None else sample_logits_ref(x, temperature, u)
+def sample_logits(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
+                  floor: torch.Tensor | None = None) -> torch.Tensor:
+    out = sample_logits_cpu(x, temperature, u, floor)
+    return out if out is not None else sample_logits_ref(x, temperature, u, floor)

@@ -15,9 +15,10 @@ needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="no C c
 
 
 def _cases(shape, dtype, seed=0):
-    """Strided rows of random logits, some masked to -inf, with temperatures (some 0: greedy) and
-    uniforms (0 and the largest double below 1 among them), plus the special rows: NaN, all -inf,
-    +inf, a tie for the max on a greedy row."""
+    """Strided rows of random logits, some masked to -inf, with temperatures (some 0: greedy),
+    uniforms (0 and the largest double below 1 among them) and floors (-inf, a row's 3rd largest
+    logit, its median, one above the max), plus the special rows: NaN, all -inf, +inf, a tie for
+    the max on a greedy row."""
     b, n = shape
     g = torch.Generator().manual_seed(seed)
     x = (3 * torch.randn(b, n + 5, generator=g))[:, :n].to(dtype)
@@ -27,25 +28,30 @@ def _cases(shape, dtype, seed=0):
     u = torch.rand(b, dtype=torch.float64, generator=g)
     u[1::7] = 0.0
     u[2::7] = 1.0 - 2.0**-53
+    xs = x.float().sort(dim=1, descending=True).values
+    floor = torch.full((b,), -math.inf)
+    floor[1::3] = xs[1::3, min(2, n - 1)]
+    floor[2::3] = xs[2::3, n // 2]
+    floor[-1] = xs[-1, 0] + 1.0
     if n > 5 and b >= 7:
         x[3, 4] = x[3, n - 1] = math.nan
         x[4] = -math.inf
         x[6, 2] = math.inf
         x[5, 1] = x[5, n - 2] = 1e4  # row 5 is greedy: the first of the tie
-    return x, temp, u
+    return x, temp, u, floor
 
 
-def naive(x, temp, u):
+def naive(x, temp, u, floor):
     out = []
-    for row, t, ub in zip(x.double().tolist(), temp.tolist(), u.tolist(), strict=True):
+    for row, t, ub, lo in zip(x.double().tolist(), temp.tolist(), u.tolist(), floor.tolist(), strict=True):
         nans = [i for i, v in enumerate(row) if v != v]
         m = max(row)
         if nans:
             out.append(nans[0])
-        elif t <= 0 or math.isinf(m):
+        elif t <= 0 or math.isinf(m) or lo > m:
             out.append(row.index(m))
         else:
-            p = [math.exp((v - m) / t) for v in row]
+            p = [math.exp((v - m) / t) if v >= lo else 0.0 for v in row]
             target, cum = ub * sum(p), 0.0
             out.append(next((i for i, pi in enumerate(p) if (cum := cum + pi) > target), len(p) - 1))
     return torch.tensor(out)
@@ -54,20 +60,23 @@ def naive(x, temp, u):
 @DTYPES
 @pytest.mark.parametrize("shape", SHAPES[:4])
 def test_ref_matches_naive(shape, dtype):
-    x, temp, u = _cases(shape, dtype)
-    assert torch.equal(sample_logits_ref(x, temp, u), naive(x, temp, u))
+    x, temp, u, floor = _cases(shape, dtype)
+    assert torch.equal(sample_logits_ref(x, temp, u, floor), naive(x, temp, u, floor))
+    assert torch.equal(sample_logits_ref(x, temp, u), naive(x, temp, u, torch.full_like(floor, -math.inf)))
 
 
-def _assert_within_cdf_step(x, temp, u, got):
+def _assert_within_cdf_step(x, temp, u, floor, got):
     """got[b] is the token whose CDF step holds u_b * total, up to 1e-5 of the total (the C kernel's
     float32 exp and sums); the special rows match the reference exactly, and the others but a few.
     The reference's exp keeps masses below e^-87 that the kernel's flushes to 0, so the rows with u
     at the ends (0, 1 - 2^-53) may pick another token among those, and are left out of the count."""
-    ref = sample_logits_ref(x, temp, u)
-    sampled = (temp > 0) & x.double().amax(1).isfinite()
+    ref = sample_logits_ref(x, temp, u, floor)
+    m = x.double().amax(1)
+    sampled = (temp > 0) & m.isfinite() & (floor <= m)
     assert torch.equal(got[~sampled], ref[~sampled])
     xd = x.double()[sampled]
     p = ((xd - xd.amax(1, keepdim=True)) / temp[sampled].double().unsqueeze(1)).exp()
+    p = p.masked_fill(xd < floor[sampled].double().unsqueeze(1), 0.0)
     cdf = p.cumsum(1)
     total = cdf[:, -1]
     target = u[sampled] * total
@@ -85,19 +94,22 @@ def _assert_within_cdf_step(x, temp, u, got):
 @DTYPES
 @pytest.mark.parametrize("shape", SHAPES)
 def test_cpu_draws_the_cdf_step_of_u(shape, dtype):
-    x, temp, u = _cases(shape, dtype)
-    got = sample_logits_cpu(x, temp, u)
+    x, temp, u, floor = _cases(shape, dtype)
+    got = sample_logits_cpu(x, temp, u, floor)
     assert got is not None and got.dtype == torch.int64
-    _assert_within_cdf_step(x, temp, u, got)
-    assert torch.equal(sample_logits(x, temp, u), got)
+    _assert_within_cdf_step(x, temp, u, floor, got)
+    assert torch.equal(sample_logits(x, temp, u, floor), got)
+    no_floor = torch.full_like(floor, -math.inf)
+    _assert_within_cdf_step(x, temp, u, no_floor, sample_logits_cpu(x, temp, u))
 
 
 @needs_cpu_kernel
 def test_cpu_rows_are_batch_invariant():
-    x, temp, u = _cases((64, 4113), torch.float32, seed=3)
-    batched = sample_logits_cpu(x, temp, u)
+    x, temp, u, floor = _cases((64, 4113), torch.float32, seed=3)
+    batched = sample_logits_cpu(x, temp, u, floor)
     for b in (0, 9, 31, 63):
-        assert sample_logits_cpu(x[b : b + 1], temp[b : b + 1], u[b : b + 1]).item() == batched[b].item()
+        alone = sample_logits_cpu(x[b : b + 1], temp[b : b + 1], u[b : b + 1], floor[b : b + 1])
+        assert alone.item() == batched[b].item()
 
 
 def _assert_chi_square(draws, probs):
@@ -122,6 +134,9 @@ def test_draws_follow_the_softmax(impl, vocab):
     fn = sample_logits_ref if impl == "ref" else sample_logits_cpu
     draws = fn(x, torch.full((n,), temp), u)
     _assert_chi_square(draws, (logits.double() / temp).softmax(0))
+    lo = logits.sort(descending=True).values[vocab // 3]  # keep the top third (a truncation)
+    draws = fn(x, torch.full((n,), temp), u, torch.full((n,), float(lo)))
+    _assert_chi_square(draws, (logits.double() / temp).masked_fill(logits < lo, -math.inf).softmax(0))
 
 
 @needs_cpu_kernel

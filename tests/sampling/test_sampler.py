@@ -77,6 +77,30 @@ def test_truncation_matches_reference(mixed: bool) -> None:
         torch.testing.assert_close(probs[i].double(), ref, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [0.3, 1.0, 4.0])
+def test_wide_vocab_truncation_matches_reference(scale: float) -> None:
+    """A vocabulary past the 64 logits truncation_floor sorts first: flat rows (scale 0.3) hold
+    top-p nuclei of thousands of tokens, so it widens its sorted candidates up to the whole row."""
+    vocab = 3000
+    cases = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+             SamplingParams(temperature=1.5, top_k=700, top_p=0.5, min_p=0.01), SamplingParams(temperature=1.0),
+             SamplingParams(temperature=0.0, top_p=0.3)]  # a greedy row: its own top_p must not matter
+    logits = torch.randn(len(cases), vocab, generator=make_generator(9)) * scale
+    batch = build(cases, vocab=vocab)
+    probs = sampling_probs(prepare_logits(logits, batch), batch)
+    for i, p in enumerate(cases[:4]):
+        ref = ref_probs(logits[i], p)
+        assert torch.equal(probs[i] > 0, ref > 0), f"row {i}: kept set differs"
+        torch.testing.assert_close(probs[i].double(), ref, atol=1e-6, rtol=1e-5)
+
+
+def test_top_p_keeps_ties_with_its_last_token() -> None:
+    logits = torch.tensor([[3.0, 0.0, 3.0, 1.0, 3.0, 0.0]])
+    batch = build([SamplingParams(top_p=0.1)], vocab=6)
+    probs = sampling_probs(prepare_logits(logits, batch), batch)
+    assert (probs[0] > 0).tolist() == [True, False, True, False, True, False]
+
+
 def test_top_k_keeps_ties() -> None:
     logits = torch.tensor([[3.0, 1.0, 3.0, 2.0, 3.0, 0.0]])
     batch = build([SamplingParams(top_k=2)], vocab=6)

@@ -2,7 +2,8 @@
 
 Each takes per-row parameter tensors (shape `[B]`) where a neutral value means "off" for that
 row (penalty 0 / 1, top_k >= V, top_p = 1, min_p = 0), so one call serves a mixed batch with no
-per-row python loop. All of them return a new tensor or modify `logits` in place as noted.
+per-row python loop. The penalties modify `logits` in place; the truncations (top-k, top-p,
+min-p) leave it alone and give one floor per row (truncation_floor) that the sampler applies.
 """
 from __future__ import annotations
 
@@ -34,49 +35,61 @@ def apply_frequency_presence_penalties(
     return logits
 
 
-def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
-    """In place. Greedy rows must carry temperature 1 here (they never use the result)."""
-    return logits.div_(temperature.unsqueeze(1))
+def truncation_floor(x: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Tensor | None,
+                     min_p: Tensor | None) -> Tensor:
+    """`[B]` float32: the smallest logit each row keeps (-inf: all) under top-k, then top-p over the
+    top-k survivors, then min-p, all at the row's temperature. Each keeps the logits at or above a
+    value, so their sequence keeps those at or above the greatest of the three:
 
+    top-k: the k-th largest logit; ties with it are all kept (top_k >= V: off).
+    top-p: the smallest prefix of the survivors by descending probability whose mass reaches top_p;
+        ties with its last logit are all kept (top_p 1: off).
+    min-p: probability >= min_p * the top token's, i.e. x >= max + T * log(min_p) (0: off).
 
-def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """Keep the k largest logits (ties at the k-th value are all kept), then the smallest
-    prefix of the remaining tokens, by descending probability, whose mass reaches top_p.
-
-    top_k: `[B]` int64, values >= V mean off. top_p: `[B]` float, 1.0 means off.
-    Returns a new tensor; masked entries are -inf.
+    Why a floor and not a masked [B, V] copy: the sampler's kernel takes it as is (no copy, no full
+    sort). Top-p needs the survivors in order only up to its prefix, so it sorts the C largest logits
+    (C = the largest top_k in use, at least 64 when top-p is) and widens C 8x while a prefix runs past
+    them, up to a full sort of the rows.
     """
-    if top_k is None and top_p is None:
-        return logits
-    vocab = logits.shape[1]
-    if top_p is None:
-        # topk of the largest k in use is cheaper than a full sort.
-        k = top_k.clamp(max=vocab)
-        kmax = int(k.max())
-        kth = logits.topk(kmax, dim=1).values.gather(1, (k - 1).clamp(max=kmax - 1).unsqueeze(1))
-        kth = kth.masked_fill((top_k >= vocab).unsqueeze(1), NEG_INF)
-        return logits.masked_fill(logits < kth, NEG_INF)
-
-    sorted_logits, order = logits.sort(dim=1, descending=True)
-    if top_k is not None:
-        k = top_k.clamp(max=vocab)
-        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
-    probs = sorted_logits.softmax(dim=1)
-    mass_before = probs.cumsum(dim=1) - probs  # exclusive prefix sum
-    drop = mass_before >= top_p.unsqueeze(1)
-    drop[:, 0] = False  # always keep the most likely token
-    # cumsum can round to >= 1 before the tail: rows with top_p == 1 must drop nothing.
-    drop &= (top_p < 1.0).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    b, vocab = x.shape
+    floor = x.new_full((b,), NEG_INF, dtype=torch.float32)
+    m = x.amax(dim=1)
+    k = top_k.clamp(max=vocab) if top_k is not None else torch.full((b,), vocab, device=x.device)
+    p = top_p if top_p is not None else torch.ones(b, device=x.device)
+    if bool(((k < vocab) | (p < 1)).any()):
+        floor = _top_k_top_p_floor(x, m, temperature, k, p)
+    if min_p is not None:
+        floor = torch.maximum(floor, m + temperature * min_p.log())  # log(0) = -inf: off
+    return floor
 
 
-def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
-    """Drop tokens whose probability is below min_p * (probability of the top token).
-    Comparing logits avoids a softmax: p_i < m * p_max  <=>  l_i < l_max + log(m)."""
-    threshold = logits.amax(dim=1, keepdim=True) + min_p.unsqueeze(1).log()  # log(0) = -inf: off
-    return logits.masked_fill(logits < threshold, NEG_INF)
+def _top_k_top_p_floor(x: Tensor, m: Tensor, temperature: Tensor, k: Tensor, p: Tensor) -> Tensor:
+    x, m = x.float(), m.float()
+    vocab = x.shape[1]
+    top_k_rows = k < vocab
+    c = max(int(k[top_k_rows].max()) if bool(top_k_rows.any()) else 0, 64 if bool((p < 1).any()) else 0)
+    # Rows whose max is not finite are left to the sampler's argmax: no floor needed.
+    settled = ~m.isfinite() | (p >= 1)
+    shift = torch.where(settled, 0.0, m).unsqueeze(1)
+    t = temperature.unsqueeze(1)
+    while True:
+        c = min(c, vocab)
+        vals = x.topk(c, dim=1).values  # descending
+        kth = torch.where(k <= c, vals.gather(1, (k - 1).clamp(max=c - 1).unsqueeze(1)).squeeze(1), NEG_INF)
+        if not bool((p < 1).any()):
+            return kth
+        # Probabilities over the top-k survivors (ties past the C sorted ones included in the sum).
+        e = ((x - shift) / t).exp()
+        z = e.masked_fill(x < kth.unsqueeze(1), 0.0).sum(dim=1, keepdim=True)
+        probs = (((vals - shift) / t).exp() / z).masked_fill(vals < kth.unsqueeze(1), 0.0)
+        cum = probs.cumsum(dim=1)
+        kept = ((cum - probs) < p.unsqueeze(1)).sum(dim=1).clamp(min=1)  # prefix length, top token kept
+        last = vals.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
+        # Every logit past the C sorted ones has mass before it >= cum[:, -1]: dropped if that reached p.
+        done = settled | (cum[:, -1] >= p) | (c == vocab)
+        if bool(done.all()):
+            return torch.maximum(kth, torch.where(p < 1, last, NEG_INF))
+        c *= 8
 
 
 def exponential_race(probs: Tensor, q: Tensor) -> Tensor:

@@ -2,12 +2,12 @@
 
 Pipeline per step (all rows at once):
   logit_bias -> penalties -> bans (min_tokens stop ids, structured-output mask) -> greedy rows: argmax
-  -> temperature -> top-k -> top-p -> min-p -> sample (kernels.sample_logits: inverse CDF of the
-  softmax, one uniform per row).
+  -> temperature, top-k -> top-p -> min-p as one floor per row (processors.truncation_floor) ->
+  sample (kernels.sample_logits: inverse CDF of the truncated softmax, one uniform per row).
 
-Rows that only sample at a temperature (no top-k/top-p/min-p: the OpenAI API default) skip the
-[B, V] copy, the softmax and all [B, V] noise: sample_logits takes the (prepared) logits and the
-temperatures directly, and greedy rows in the batch go through it as temperature 0 (their argmax).
+No [B, V] copy (unless penalties, bias or bans apply), softmax, sort or noise: sample_logits takes
+the logits with each row's temperature and floor, and greedy rows go through it as temperature 0
+(their argmax).
 
 Logprobs are the log_softmax of the RAW logits the model produced, before penalties, masks,
 temperature and truncation (vLLM's default "raw_logprobs"): they describe the model, not the
@@ -31,11 +31,9 @@ from .batch import SamplingBatch
 from .processors import (
     NEG_INF,
     apply_frequency_presence_penalties,
-    apply_min_p,
     apply_repetition_penalty,
-    apply_temperature,
-    apply_top_k_top_p,
     row_argmax,
+    truncation_floor,
 )
 
 
@@ -86,18 +84,23 @@ def prepare_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return x
 
 
-def truncated_logits(x: Tensor, batch: SamplingBatch) -> Tensor:
-    """Temperature, top-k, top-p, min-p over prepared logits (consumes x); dropped tokens are -inf."""
-    x = apply_temperature(x, batch.temperature)
-    x = apply_top_k_top_p(x, batch.top_k, batch.top_p)
-    if batch.min_p is not None:
-        x = apply_min_p(x, batch.min_p)
-    return x
+def sampling_floor(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """`[B]` the smallest logit each sampled row keeps (truncation_floor); greedy rows keep all."""
+    if batch.top_k is None and batch.top_p is None and batch.min_p is None:
+        return x.new_full((batch.size,), NEG_INF, dtype=torch.float32)
+    greedy = batch.greedy
+    return truncation_floor(
+        x, batch.temperature,
+        None if batch.top_k is None else batch.top_k.masked_fill(greedy, batch.vocab_size),
+        None if batch.top_p is None else batch.top_p.masked_fill(greedy, 1.0),
+        None if batch.min_p is None else batch.min_p.masked_fill(greedy, 0.0),
+    )
 
 
 def sampling_probs(x: Tensor, batch: SamplingBatch) -> Tensor:
-    """The distribution sampled rows draw from (consumes x)."""
-    return truncated_logits(x, batch).softmax(dim=1)
+    """The distribution sampled rows draw from: softmax of x / T over the logits at or above the floor."""
+    keep = x >= sampling_floor(x, batch).unsqueeze(1)
+    return (x / batch.temperature.unsqueeze(1)).masked_fill(~keep, NEG_INF).softmax(dim=1)
 
 
 def draw_uniforms(batch: SamplingBatch, device: torch.device, shared: torch.Generator | None) -> Tensor:
@@ -127,16 +130,10 @@ class Sampler:
         x = prepare_logits(logits, batch) if batch.modifies_logits else logits
         if batch.all_greedy:
             tokens = row_argmax(x)
-        elif batch.top_k is None and batch.top_p is None and batch.min_p is None:
-            temperature = batch.temperature.masked_fill(batch.greedy, 0.0)  # 0: the row's argmax
-            tokens = sample_logits(x, temperature, draw_uniforms(batch, x.device, self.generator))
         else:
-            if x is logits:
-                x = logits.to(torch.float32, copy=True)  # truncation works in place
-            greedy = row_argmax(x)
-            y = truncated_logits(x, batch)
+            temperature = batch.temperature.masked_fill(batch.greedy, 0.0)  # 0: the row's argmax
             u = draw_uniforms(batch, x.device, self.generator)
-            tokens = torch.where(batch.greedy, greedy, sample_logits(y, torch.ones_like(batch.temperature), u))
+            tokens = sample_logits(x, temperature, u, sampling_floor(x, batch))
         lp = None
         if batch.max_num_logprobs is not None:
             lp = compute_logprobs(logits, tokens, batch.max_num_logprobs)

@@ -1,7 +1,8 @@
 /* One token per row from softmax(x / T) by inversion of its CDF (kernels/sample.py is the spec):
  * with u ~ U[0, 1) drawn by the caller, the token is the first v whose running sum of
- * p_v = exp((x_v - max) / T) exceeds u * sum(p). x [B, N] with row stride rs (elements), temp [B]
- * float32, u [B] float64, out [B] int64.
+ * p_v = exp((x_v - max) / T) exceeds u * sum(p), where tokens below the row's floor (truncation:
+ * top-k, top-p, min-p) have p_v = 0. x [B, N] with row stride rs (elements), temp [B] float32,
+ * u [B] float64, lo [B] float32 floors or NULL (none), out [B] int64.
  *
  * Why: the torch pipeline wrote a [B, N] float32 copy, its softmax and [B, N] Exp(1) noise for an
  * exponential race (torch's exponential_ is a scalar log per element: ~70 ms of a 64-row step over
@@ -11,8 +12,8 @@
  * Per row: pass 1 takes the max in blocks of BLK (and notes the block of the first max, for greedy
  * rows); pass 2 sums exp((x - max) / T) per block into float64 partials; pass 3 walks the partials
  * to the block holding u * total and rescans only that block. A row reads nothing of the other rows,
- * so its token does not depend on the batch. Rows with T <= 0, a NaN or an infinite max take the row
- * argmax instead (torch's max(dim=1).indices: the first maximum, or the first NaN).
+ * so its token does not depend on the batch. Rows with T <= 0, a NaN, an infinite max or a floor above
+ * the max take the row argmax instead (torch's max(dim=1).indices: the first maximum, or the first NaN).
  */
 #include <stdlib.h>
 
@@ -33,19 +34,20 @@ INLINE float block_max(const float *x, int len, int *nan) {
     return m;
 }
 
-/* e[i] = exp((x[i] - m) * inv) and their float32 sum; the same loop in passes 2 and 3, so the
- * rescan sees the values the partial sums were made of. */
-INLINE float block_exp(const float *x, int len, float m, float inv, float *e) {
+/* e[i] = exp((x[i] - m) * inv), 0 below the floor, and their float32 sum; the same loop in passes 2
+ * and 3, so the rescan sees the values the partial sums were made of. */
+INLINE float block_exp(const float *x, int len, float m, float inv, float fl, float *e) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
     for (int i = 0; i < len; i++) {
-        e[i] = fast_exp((x[i] - m) * inv);
+        e[i] = x[i] >= fl ? fast_exp((x[i] - m) * inv) : 0.f;
         s += e[i];
     }
     return s;
 }
 
-INLINE int64_t sample_row(enum dtype t, int es, const char *row, int64_t n, float temp, double u, double *part) {
+INLINE int64_t sample_row(enum dtype t, int es, const char *row, int64_t n, float temp, double u, float fl,
+                          double *part) {
     float buf[BLK], e[BLK];
     float m = -INFINITY;
     int64_t max_blk = 0;
@@ -59,23 +61,24 @@ INLINE int64_t sample_row(enum dtype t, int es, const char *row, int64_t n, floa
                 if (buf[i] != buf[i]) return b0 + i;
         if (bm > m) m = bm, max_blk = b0;
     }
-    if (!(temp > 0.f) || m == INFINITY || m == -INFINITY) { /* the first maximum (0 if all -inf) */
+    const int argmax = !(temp > 0.f) || m == INFINITY || m == -INFINITY || !(fl <= m);
+    const float inv = 1.f / temp;
+    const int64_t nb = (n + BLK - 1) / BLK;
+    double total = 0.0;
+    for (int64_t b = 0; b < nb && !argmax; b++) {
+        const int len = n - b * BLK < BLK ? (int)(n - b * BLK) : BLK;
+        load_row(t, buf, row + b * BLK * es, len);
+        part[b] = block_exp(buf, len, m, inv, fl, e);
+        total += part[b];
+    }
+    if (argmax || !(total > 0.0)) { /* the first maximum (0 if all -inf) */
         const int len = n - max_blk < BLK ? (int)(n - max_blk) : BLK;
         load_row(t, buf, row + max_blk * es, len);
         for (int i = 0; i < len; i++)
             if (buf[i] == m) return max_blk + i;
         return max_blk;
     }
-    const float inv = 1.f / temp;
-    const int64_t nb = (n + BLK - 1) / BLK;
-    double total = 0.0;
-    for (int64_t b = 0; b < nb; b++) {
-        const int len = n - b * BLK < BLK ? (int)(n - b * BLK) : BLK;
-        load_row(t, buf, row + b * BLK * es, len);
-        part[b] = block_exp(buf, len, m, inv, e);
-        total += part[b];
-    }
-    /* total >= 1 (the max contributes exp(0)), so some block has mass. The walk adds the partials in
+    /* total >= 1 (the max, at or above the floor, contributes exp(0)). The walk adds the partials in
      * the order total did, so it passes target < total unless u * total rounds up to total: then the
      * last block with mass is taken. */
     const double target = u * total;
@@ -93,7 +96,7 @@ INLINE int64_t sample_row(enum dtype t, int es, const char *row, int64_t n, floa
     if (hit < 0) hit = last, cum = total - part[last];
     const int len = n - hit * BLK < BLK ? (int)(n - hit * BLK) : BLK;
     load_row(t, buf, row + hit * BLK * es, len);
-    block_exp(buf, len, m, inv, e);
+    block_exp(buf, len, m, inv, fl, e);
     /* Sequential sums may fall short of the vector partial: then the block's last token with mass. */
     int pick = -1;
     for (int i = 0; i < len; i++) {
@@ -108,13 +111,14 @@ INLINE int64_t sample_row(enum dtype t, int es, const char *row, int64_t n, floa
 /* Returns 0, or 1 when out of memory (the caller falls back to the reference). */
 #define DEFINE_SAMPLE_LOGITS(SUFFIX, DT, ES)                                                                  \
     int sample_logits_##SUFFIX(const void *x, int64_t rs, int64_t rows, int64_t n, const float *temp,       \
-                               const double *u, int64_t *out) {                                              \
+                               const double *u, const float *lo, int64_t *out) {                             \
         const int64_t nb = (n + BLK - 1) / BLK;                                                              \
         double *part = malloc((size_t)(rows * nb + 1) * sizeof(double));                                    \
         if (!part) return 1;                                                                                 \
         _Pragma("omp parallel for schedule(static) if (rows * n >= 65536)")                                  \
         for (int64_t r = 0; r < rows; r++)                                                                   \
-            out[r] = sample_row(DT, ES, (const char *)x + r * rs * ES, n, temp[r], u[r], part + r * nb);     \
+            out[r] = sample_row(DT, ES, (const char *)x + r * rs * ES, n, temp[r], u[r],                     \
+                                lo ? lo[r] : -INFINITY, part + r * nb);                                      \
         free(part);                                                                                          \
         return 0;                                                                                            \
     }
