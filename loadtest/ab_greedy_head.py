@@ -1,7 +1,8 @@
 """Paired A/B of the in-process engine's decode steps (issue 21, target 2): bf16 with the greedy
-LM head's best C path (AMX where the CPU has it) vs its float32 FMA tiles, with float32 beside.
+LM head's auto C path (AMX where the CPU has it) vs another of its bf16 paths (--b-isa, default
+the float32 FMA tiles; avx512_bf16 to try vdpbf16ps, e.g. on Zen 4), with float32 beside.
 
-    flock /tmp/moebus-bench.lock python loadtest/ab_greedy_head.py --batch 16 64 --rounds 7
+    flock /tmp/moebus-bench.lock python loadtest/ab_greedy_head.py --batch 16 64 --rounds 7 [--b-isa avx512_bf16]
 
 One engine per dtype (SmolLM2-135M, greedy, --prompt-len random tokens each); each round runs
 --steps decode steps per arm, the arms in alternating order, and times them with
@@ -31,17 +32,18 @@ def _engine(dtype: str, batch: int, prompt_len: int, tokens: int):
     return eng
 
 
-def run(batch: int, rounds: int, steps: int, prompt_len: int) -> None:
+def run(batch: int, rounds: int, steps: int, prompt_len: int, b_isa: str = "fma") -> None:
     import moebus.engine.model_runner as mr
     from moebus.kernels.lm_head_argmax import lm_head_argmax, lm_head_argmax_cpu
 
-    def fma_head(x, w, panels):
-        out = lm_head_argmax_cpu(x, w, panels, isa="fma")
+    def b_head(x, w, panels):
+        out = lm_head_argmax_cpu(x, w, panels, isa=b_isa)
         return out if out is not None else lm_head_argmax(x, w, panels)
 
     tokens = 3 + 2 * rounds * steps + 16
     engines = {"bf16": _engine("bfloat16", batch, prompt_len, tokens), "fp32": _engine("float32", batch, prompt_len, tokens)}
-    arms = {"bf16 head auto": ("bf16", lm_head_argmax), "bf16 head fma": ("bf16", fma_head),
+    b_arm = f"bf16 head {b_isa}"
+    arms = {"bf16 head auto": ("bf16", lm_head_argmax), b_arm: ("bf16", b_head),
             "fp32": ("fp32", lm_head_argmax)}
     rates: dict[str, list[float]] = {k: [] for k in arms}
     try:
@@ -60,9 +62,9 @@ def run(batch: int, rounds: int, steps: int, prompt_len: int) -> None:
         for eng in engines.values():
             eng.close()
     med = {k: statistics.median(v) for k, v in rates.items()}
-    wins = sum(a > b for a, b in zip(rates["bf16 head auto"], rates["bf16 head fma"], strict=True))
+    wins = sum(a > b for a, b in zip(rates["bf16 head auto"], rates[b_arm], strict=True))
     print(f"batch={batch} rounds={rounds} steps/round={steps} threads={torch.get_num_threads()}: " + ", ".join(
-        f"{k} {v:.1f}" for k, v in med.items()) + f" tok/s per cpu-second; auto > fma in {wins}/{rounds} rounds")
+        f"{k} {v:.1f}" for k, v in med.items()) + f" tok/s per cpu-second; auto > {b_isa} in {wins}/{rounds} rounds")
 
 
 def main() -> None:
@@ -72,10 +74,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--b-isa", default="fma", choices=["fma", "avx512_bf16", "amx"], help="the B arm's bf16 head path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for b in args.batch:
-        run(b, args.rounds, args.steps, args.prompt_len)
+        run(b, args.rounds, args.steps, args.prompt_len, args.b_isa)
 
 
 if __name__ == "__main__":
