@@ -10,8 +10,8 @@ blocks (weight_format="gguf"), and llama.cpp through llama-cpp-python, in altern
 
 Each run is a fresh process: one request of --prompt-len random tokens, then --output-len greedy
 tokens (EOS ignored); TPOT = (time of the last token - time of the first) / (output-len - 1), in
-process (no HTTP on either side). llama.cpp: `Llama.eval` per token and numpy's argmax of its
-logits, n_threads = --threads. Every run gets OMP_WAIT_POLICY=PASSIVE (as
+process (no HTTP on either side). llama.cpp: greedy Llama.create_completion, TPOT from the time of
+--output-len tokens minus that of 1 (run_llamacpp says why), n_threads = --threads. Every run gets OMP_WAIT_POLICY=PASSIVE (as
 loadtest/peers/serve_llamacpp.sh: on a shared box spinning OpenMP threads stall each other). Prints
 the CPU flags, a measured read bandwidth and the bytes each system's weights take per token (the
 bound: bytes / bandwidth), then per-run TPOTs and the medians with their spread, and the CPU time a
@@ -80,22 +80,32 @@ def run_moebus(fmt: str, prompt_len: int, out_len: int, threads: int) -> dict:
 
 
 def run_llamacpp(gguf: str, prompt_len: int, out_len: int, threads: int) -> dict:
+    """Through Llama.create_completion (greedy: top_k 1, EOS banned): TPOT = (time of out_len tokens -
+    time of 1 token) / (out_len - 1), each on a fresh random prompt of the same length (no prefix
+    reuse). llama-cpp-python 0.3.36's eval no longer keeps logits without logits_all (the per-token
+    loop read them), and on a Sapphire Rapids VM it segfaulted in every multi-token batch: the prompt
+    goes a token a ubatch (n_batch = n_ubatch = 1), which decode steps are anyway."""
     import llama_cpp
-    import numpy as np
 
-    llm = llama_cpp.Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512, verbose=False)
-    tpots = []
-    for rep in range(2):
+    llm = llama_cpp.Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1, n_ubatch=1,
+                          verbose=False)
+    bias = {llm.token_eos(): -1e9}
+
+    def timed(n: int, seed: int) -> tuple[float, float]:
         llm.reset()
-        llm.eval(_prompt(prompt_len, rep))
-        stamps = []
-        for _ in range(out_len):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            stamps.append((time.perf_counter(), time.process_time()))
-            llm.eval([tok])
-        tpots.append([(stamps[-1][i] - stamps[0][i]) / (len(stamps) - 1) for i in (0, 1)])
-    return {"tpot_ms": 1000 * tpots[-1][0], "cpu_ms": 1000 * tpots[-1][1], "weight_bytes": os.path.getsize(gguf),
-            "version": llama_cpp.__version__}
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = llm.create_completion(_prompt(prompt_len, seed), max_tokens=n, temperature=0.0, top_k=1,
+                                    logit_bias=bias)
+        assert out["usage"]["completion_tokens"] == n, out["usage"]
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    timed(out_len, 99)  # warm-up
+    tpot = []
+    for rep in range(2):
+        full, one = timed(out_len, 2 * rep), timed(1, 2 * rep + 1)
+        tpot.append([(full[i] - one[i]) / (out_len - 1) for i in (0, 1)])
+    return {"tpot_ms": 1000 * statistics.median(t[0] for t in tpot), "cpu_ms": 1000 * statistics.median(t[1] for t in tpot),
+            "weight_bytes": os.path.getsize(gguf), "version": llama_cpp.__version__}
 
 
 def block_ns(n: int = 576, k: int = 1536, calls: int = 200) -> None:
