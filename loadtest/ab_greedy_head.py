@@ -1,8 +1,9 @@
-"""Paired A/B of the in-process engine's decode steps (issue 21, target 2): bf16 with the greedy
-LM head's auto C path (AMX where the CPU has it) vs another of its bf16 paths (--b-isa, default
-the float32 FMA tiles; avx512_bf16 to try vdpbf16ps, e.g. on Zen 4), with float32 beside.
+"""Paired A/B of the in-process engine's decode steps (issue 21, target 2): the greedy LM head's
+auto C path (bf16: AMX where the CPU has it; fp32: AVX-512 FMA tiles where built) vs another of its
+paths (--b-isa, default fma256: the AVX2 tiles all dtypes took before; avx512_bf16 to try vdpbf16ps,
+e.g. on Zen 4; bf16-only paths leave the fp32 pair at auto).
 
-    flock /tmp/moebus-bench.lock python loadtest/ab_greedy_head.py --batch 16 64 --rounds 7 [--b-isa avx512_bf16]
+    flock /tmp/moebus-bench.lock python loadtest/ab_greedy_head.py --batch 16 64 --rounds 7 [--b-isa fma]
 
 One engine per dtype (SmolLM2-135M, greedy, --prompt-len random tokens each); each round runs
 --steps decode steps per arm, the arms in alternating order, and times them with
@@ -32,19 +33,18 @@ def _engine(dtype: str, batch: int, prompt_len: int, tokens: int):
     return eng
 
 
-def run(batch: int, rounds: int, steps: int, prompt_len: int, b_isa: str = "fma") -> None:
+def run(batch: int, rounds: int, steps: int, prompt_len: int, b_isa: str = "fma256") -> None:
     import moebus.engine.model_runner as mr
-    from moebus.kernels.lm_head_argmax import lm_head_argmax, lm_head_argmax_cpu
+    from moebus.kernels.lm_head_argmax import isas, lm_head_argmax, lm_head_argmax_cpu
 
     def b_head(x, w, panels):
-        out = lm_head_argmax_cpu(x, w, panels, isa=b_isa)
+        out = lm_head_argmax_cpu(x, w, panels, isa=b_isa if b_isa in isas(x.dtype) else "auto")
         return out if out is not None else lm_head_argmax(x, w, panels)
 
     tokens = 3 + 2 * rounds * steps + 16
     engines = {"bf16": _engine("bfloat16", batch, prompt_len, tokens), "fp32": _engine("float32", batch, prompt_len, tokens)}
-    b_arm = f"bf16 head {b_isa}"
-    arms = {"bf16 head auto": ("bf16", lm_head_argmax), b_arm: ("bf16", b_head),
-            "fp32": ("fp32", lm_head_argmax)}
+    arms = {"bf16 head auto": ("bf16", lm_head_argmax), f"bf16 head {b_isa}": ("bf16", b_head),
+            "fp32 head auto": ("fp32", lm_head_argmax), f"fp32 head {b_isa}": ("fp32", b_head)}
     rates: dict[str, list[float]] = {k: [] for k in arms}
     try:
         for r in range(rounds):
@@ -62,9 +62,11 @@ def run(batch: int, rounds: int, steps: int, prompt_len: int, b_isa: str = "fma"
         for eng in engines.values():
             eng.close()
     med = {k: statistics.median(v) for k, v in rates.items()}
-    wins = sum(a > b for a, b in zip(rates["bf16 head auto"], rates[b_arm], strict=True))
+    wins = [sum(a > b for a, b in zip(rates[f"{d} head auto"], rates[f"{d} head {b_isa}"], strict=True))
+            for d in ("bf16", "fp32")]
     print(f"batch={batch} rounds={rounds} steps/round={steps} threads={torch.get_num_threads()}: " + ", ".join(
-        f"{k} {v:.1f}" for k, v in med.items()) + f" tok/s per cpu-second; auto > {b_isa} in {wins}/{rounds} rounds")
+        f"{k} {v:.1f}" for k, v in med.items()) + f" tok/s per cpu-second; auto faster in {wins[0]} (bf16) and "
+        f"{wins[1]} (fp32) of {rounds} rounds")
 
 
 def main() -> None:
@@ -74,7 +76,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--b-isa", default="fma", choices=["fma", "avx512_bf16", "amx"], help="the B arm's bf16 head path")
+    ap.add_argument("--b-isa", default="fma256", choices=["fma", "fma256", "avx512_bf16", "amx"],
+                    help="the B arms' head path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for b in args.batch:

@@ -84,8 +84,11 @@ def lm_head_argmax_triton(x: torch.Tensor, w: torch.Tensor, *, block_m: int = 16
 
 PANEL = 16  # vocabulary rows per panel of the C kernel's weight layout
 BF16_K_ALIGN = 32  # bf16 panels are padded in K to whole AMX tile rows (32 bf16)
-# The C kernel's bf16 paths (its `isa` argument): 0 picks the best one the CPU and build have.
-BF16_ISAS = {"auto": 0, "fma": 1, "avx512_bf16": 2, "amx": 3}
+# The C kernel's paths (its `isa` argument): "auto" picks the best one the CPU and build have; "fma"
+# float32 FMA tiles, AVX-512 where built; "fma256" the AVX2 (or scalar) ones; bf16 only: vdpbf16ps
+# ("avx512_bf16") and AMX tiles.
+ISAS = {"auto": 0, "fma": 1, "avx512_bf16": 2, "amx": 3, "fma256": 4}
+_DTYPE_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def panels_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -107,17 +110,17 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def bf16_isas() -> list[str]:
-    """The bf16 paths the C kernel can run on this CPU and build ("fma": the float32 FMA tiles)."""
+def isas(dtype: torch.dtype) -> list[str]:
+    """The paths (ISAS, less "auto") the C kernel can run for `dtype` on this CPU and build."""
     lib = library("lm_head_argmax_cpu.c").get()
-    bits = lib.lm_head_argmax_bf16_isas() if lib is not None else 0
-    return [name for name, i in BF16_ISAS.items() if i and bits >> i & 1]
+    bits = lib.lm_head_argmax_isas(_DTYPE_ID[dtype]) if lib is not None and dtype in _DTYPE_ID else 0
+    return [name for name, i in ISAS.items() if i and bits >> i & 1]
 
 
 def lm_head_argmax_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None, *,
                        isa: str = "auto") -> torch.Tensor | None:
     """The C kernel in csrc/lm_head_argmax_cpu.c; None when it does not apply. `panels` is
-    pack_panels(w), packed here when not given; `isa`: the bf16 path (BF16_ISAS; others ignore it)."""
+    pack_panels(w), packed here when not given; `isa`: the kernel's path (ISAS)."""
     if not (x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and w.shape[0] > 0 and on_cpu(x, w)):
         return None
     fn = library("lm_head_argmax_cpu.c").function("lm_head_argmax", x.dtype, _CPU_ARGTYPES)
@@ -128,7 +131,7 @@ def lm_head_argmax_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | 
     n, k = w.shape
     assert panels.shape == panels_shape(n, k, x.dtype) and panels.dtype == x.dtype and panels.is_contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    status = fn(x.data_ptr(), x.stride(0), panels.data_ptr(), x.shape[0], n, k, BF16_ISAS[isa], out.data_ptr())
+    status = fn(x.data_ptr(), x.stride(0), panels.data_ptr(), x.shape[0], n, k, ISAS[isa], out.data_ptr())
     return out if status == 0 else None
 
 

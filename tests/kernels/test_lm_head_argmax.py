@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from moebus.kernels.lm_head_argmax import (
-    BF16_ISAS,
-    bf16_isas,
+    ISAS,
+    isas,
     lm_head_argmax,
     lm_head_argmax_cpu,
     lm_head_argmax_ref,
@@ -123,16 +123,16 @@ def test_pack_panels_layout():
     assert torch.equal(p[1, :, 4:], torch.zeros(3, 12))  # padding past N
 
 
-BF16_PATHS = pytest.mark.parametrize("isa", [i for i in BF16_ISAS if i != "auto"])
+PATHS = pytest.mark.parametrize("isa", [i for i in ISAS if i != "auto"])
 
 
-def _needs(isa: str) -> None:
-    if isa not in bf16_isas():
-        pytest.skip(f"no {isa} bf16 path on this CPU / build")
+def _needs(isa: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    if isa not in isas(dtype):
+        pytest.skip(f"no {isa} path for {dtype} on this CPU / build")
 
 
 @NEEDS_CC
-@BF16_PATHS
+@PATHS
 @pytest.mark.parametrize("shape", [*SHAPES, (64, 128, 4099), (45, 70, 33), (33, 576, 4112)])
 def test_cpu_bf16_paths_match_naive(shape, isa):
     """Each bf16 path on the k-pair panels (AMX: rows in blocks of 32 and panels in pairs, so odd
@@ -143,7 +143,7 @@ def test_cpu_bf16_paths_match_naive(shape, isa):
 
 
 @NEEDS_CC
-@BF16_PATHS
+@PATHS
 def test_cpu_bf16_paths_nan_and_all_neg_inf_rows(isa):
     _needs(isa)
     x, w = _with_specials(*_cases(7, 40, 1001, torch.bfloat16))
@@ -151,7 +151,7 @@ def test_cpu_bf16_paths_nan_and_all_neg_inf_rows(isa):
 
 
 @NEEDS_CC
-@BF16_PATHS
+@PATHS
 def test_cpu_bf16_paths_are_batch_invariant_and_near_the_logits(isa):
     _needs(isa)
     g = torch.Generator().manual_seed(2)
@@ -162,6 +162,21 @@ def test_cpu_bf16_paths_are_batch_invariant_and_near_the_logits(isa):
     assert torch.equal(together, alone)
     logits = (x.double() @ w.double().t()).bfloat16().double()  # the chosen logit is a maximum up to rounding
     assert (logits.max(dim=1).values - logits.gather(1, together[:, None])[:, 0]).abs().max() <= 0.07
+
+
+@NEEDS_CC
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("isa", ["fma", "fma256"])
+@pytest.mark.parametrize("shape", [*SHAPES, (64, 128, 4099), (45, 70, 33)])
+def test_cpu_fma_paths_match_naive(shape, isa, dtype):
+    """fp32/fp16: AVX-512 tiles of 12 rows ("fma" where built) and the AVX2 tiles of 6 ("fma256")."""
+    _needs(isa, dtype)
+    x, w = _with_specials(*_cases(*shape, dtype))
+    assert torch.equal(lm_head_argmax_cpu(x, w, pack_panels(w), isa=isa), naive(x, w))
+
+
+def test_cpu_bf16_only_paths_decline_other_dtypes():
+    assert "amx" not in isas(torch.float32) and "avx512_bf16" not in isas(torch.float16)
 
 
 def test_pack_panels_bf16_layout():

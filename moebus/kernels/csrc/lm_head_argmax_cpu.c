@@ -13,8 +13,9 @@
  *
  * bf16 weights come in k pairs instead, wp [P][Kp/2][16][2] (Kp = K rounded up to 32, zeros past
  * K): the layout of AMX's B tiles and of vdpbf16ps's pair products. Three paths read it: AMX tiles
- * (16 x 16 x 32 products an instruction), AVX512-BF16's vdpbf16ps, and the float32 FMA tiles (AVX2
- * or scalar) of the other types; `isa` picks one for tests and A/B runs (0: the best one here).
+ * (16 x 16 x 32 products an instruction), AVX512-BF16's vdpbf16ps, and float32 FMA tiles as the
+ * other types have (AVX-512, AVX2 or scalar); `isa` picks one for tests and A/B runs (0: the best
+ * one here).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -74,9 +75,47 @@ INLINE void tile(enum dtype t, int es, const float *const a[MR], const char *pan
 }
 #endif
 
-/* Panels [p0, p1) against every x row (xf: M float32 rows of K). */
-INLINE void argmax_panels(enum dtype t, int es, const float *xf, int64_t M, int K, const char *wp, int64_t N,
-                          int64_t p0, int64_t p1, lanes_t *best) {
+#if defined(__AVX512F__)
+#define HAVE_FMA512 1
+#define MRW 16 /* x rows an AVX-512 tile: a panel is one register, 16 accumulators */
+/* The same dots 16 lanes wide (a lane's k order as in tile(), so the same sums). */
+INLINE void tile16(enum dtype t, int es, const float *const a[MRW], const char *panel, int K, float out[MRW][NR]) {
+    __m512 acc[MRW];
+    for (int r = 0; r < MRW; r++) acc[r] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const char *pk = panel + (int64_t)k * NR * es;
+        const __m512 b = t == F32 ? _mm512_loadu_ps((const float *)pk) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)pk));
+        for (int r = 0; r < MRW; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r][k]), b, acc[r]);
+    }
+    for (int r = 0; r < MRW; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+#else
+#define HAVE_FMA512 0
+#endif
+
+/* Panels [p0, p1) against every x row (xf: M float32 rows of K); wide: AVX-512 tiles where built
+ * (f32 and f16 only; bf16 has its own panels below). */
+INLINE void argmax_panels(enum dtype t, int es, int wide, const float *xf, int64_t M, int K, const char *wp,
+                          int64_t N, int64_t p0, int64_t p1, lanes_t *best) {
+#if HAVE_FMA512
+    if (wide && t != BF16) {
+        float out[MRW][NR];
+        for (int64_t p = p0; p < p1; p++) {
+            const char *panel = wp + p * K * NR * es;
+            const int32_t c0 = (int32_t)(p * NR);
+            const int32_t n_valid = N - c0 < NR ? (int32_t)(N - c0) : NR;
+            for (int64_t m0 = 0; m0 < M; m0 += MRW) {
+                const float *a[MRW];
+                const int rows = M - m0 < MRW ? (int)(M - m0) : MRW;
+                for (int r = 0; r < MRW; r++) a[r] = xf + (m0 + (r < rows ? r : rows - 1)) * K;
+                tile16(t, es, a, panel, K, out);
+                for (int r = 0; r < rows; r++) fold16(t, out[r], c0, n_valid, best + m0 + r);
+            }
+        }
+        return;
+    }
+#endif
+    (void)wide;
     float out[MR][NR];
     for (int64_t p = p0; p < p1; p++) {
         const char *panel = wp + p * K * NR * es;
@@ -95,7 +134,8 @@ INLINE void argmax_panels(enum dtype t, int es, const float *xf, int64_t M, int 
 /* ---- bf16 on k-pair panels ---- */
 #define KP_ALIGN 32 /* bf16 panels and x rows padded in K to whole AMX tiles (32 bf16 a row) */
 #define PR 32       /* bf16 elements a panel holds per k pair: 16 columns x 2 */
-enum { ISA_AUTO = 0, ISA_BASE = 1, ISA_AVX512BF16 = 2, ISA_AMX = 3 };
+/* Paths (`isa`): FMA: float32 FMA tiles, AVX-512 where built; FMA256: the AVX2 (or scalar) ones. */
+enum { ISA_AUTO = 0, ISA_FMA = 1, ISA_AVX512BF16 = 2, ISA_AMX = 3, ISA_FMA256 = 4 };
 
 /* Float32 FMA tiles on the pair layout (MR rows of xf, Kx floats each, zero past K): k then k + 1
  * into the same accumulator, the order of tile(). */
@@ -127,6 +167,23 @@ INLINE void tile_pairs(const float *const a[MR], const uint16_t *panel, int K2, 
             }
 #endif
 }
+
+#if HAVE_FMA512
+/* tile_pairs 16 lanes wide: a panel's k pair is one register, its even and odd halves widened. */
+INLINE void tile_pairs16(const float *const a[MRW], const uint16_t *panel, int K2, float out[MRW][NR]) {
+    __m512 acc[MRW];
+    for (int r = 0; r < MRW; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int i = 0; i < K2; i++) {
+        const __m512i w = _mm512_loadu_si512(panel + i * PR);
+        const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), o = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
+        for (int r = 0; r < MRW; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r][2 * i + 1]), o,
+                                     _mm512_fmadd_ps(_mm512_set1_ps(a[r][2 * i]), e, acc[r]));
+    }
+    for (int r = 0; r < MRW; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+#endif
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -206,27 +263,30 @@ INLINE void amx_block(const uint16_t *xb, int Kx, int64_t m0, const uint16_t *q0
 static int amx_permitted(void) { return 0; }
 #endif
 
-/* The bf16 path `isa` asks for (0: the best one here), or -1 when it is not available. Auto skips
+/* The path `isa` asks for for dtype t (0: the best one here), or -1 when it is not available. Auto skips
  * vdpbf16ps: on a Sapphire Rapids core it was slower than the FMA tiles at 16 rows (23.8 vs 15.5 ms
  * for 16 x 576 x 49152; 34.7 vs 38.9 ms at 64 rows, AMX 5.1 / 7.8 ms); unmeasured on Zen 4. */
-static int pick_isa(int isa) {
-    const int amx = HAVE_AMX && amx_permitted();
-    if (isa == ISA_AUTO) return amx ? ISA_AMX : ISA_BASE;
-    if (isa == ISA_BASE || (isa == ISA_AVX512BF16 && HAVE_DPBF16) || (isa == ISA_AMX && amx)) return isa;
+static int pick_isa(enum dtype t, int isa) {
+    const int amx = t == BF16 && HAVE_AMX && amx_permitted();
+    if (isa == ISA_AUTO) return amx ? ISA_AMX : ISA_FMA;
+    if (isa == ISA_FMA || isa == ISA_FMA256 || (isa == ISA_AVX512BF16 && t == BF16 && HAVE_DPBF16) ||
+        (isa == ISA_AMX && amx))
+        return isa;
     return -1;
 }
 
-/* Bit i set: bf16 path i can run here (bit 1 always). */
-int lm_head_argmax_bf16_isas(void) {
+/* Bit i set: path i can run here for dtype t (0 f32, 1 bf16, 2 f16). */
+int lm_head_argmax_isas(int t) {
     int bits = 0;
-    for (int i = ISA_BASE; i <= ISA_AMX; i++) bits |= (pick_isa(i) == i) << i;
+    for (int i = ISA_FMA; i <= ISA_FMA256; i++) bits |= (pick_isa((enum dtype)t, i) == i) << i;
     return bits;
 }
 
 /* Panels [p0, p1) of bf16 k-pair panels (Kx / 2 pairs each) against every x row: xf (float32, for
- * ISA_BASE) or xb (bf16, Mx rows) as the path needs. */
+ * the FMA paths) or xb (bf16, Mx rows) as the path needs. */
 static void argmax_panels_bf16(int isa, const float *xf, const uint16_t *xb, int64_t M, int Kx, const char *wpc,
                                int64_t N, int64_t p0, int64_t p1, lanes_t *best) {
+    (void)isa; /* read only where AMX / AVX-512 paths are built */
     const uint16_t *wp = (const uint16_t *)wpc;
     const int K2 = Kx / 2;
     const int64_t ps = (int64_t)K2 * PR; /* elements a panel */
@@ -269,6 +329,23 @@ static void argmax_panels_bf16(int isa, const float *xf, const uint16_t *xb, int
     }
 #endif
     (void)xb;
+#if HAVE_FMA512
+    if (isa == ISA_FMA) {
+        float out[MRW][NR];
+        for (int64_t p = p0; p < p1; p++) {
+            const int32_t c0 = (int32_t)(p * NR);
+            const int32_t n_valid = N - c0 < NR ? (int32_t)(N - c0) : NR;
+            for (int64_t m0 = 0; m0 < M; m0 += MRW) {
+                const float *a[MRW];
+                const int rows = M - m0 < MRW ? (int)(M - m0) : MRW;
+                for (int r = 0; r < MRW; r++) a[r] = xf + (m0 + (r < rows ? r : rows - 1)) * Kx;
+                tile_pairs16(a, wp + p * ps, K2, out);
+                for (int r = 0; r < rows; r++) fold16(BF16, out[r], c0, n_valid, best + m0 + r);
+            }
+        }
+        return;
+    }
+#endif
     float out[MR][NR];
     for (int64_t p = p0; p < p1; p++) {
         const int32_t c0 = (int32_t)(p * NR);
@@ -287,16 +364,17 @@ INLINE int lm_head_argmax_impl(enum dtype t, int es, const char *x, int64_t xs, 
                                int K, int isa, int64_t *out) {
     if (M <= 0) return 0;
     if (N <= 0 || N >= INT32_MAX - NR) return 1;
-    if (t == BF16) isa = pick_isa(isa);
+    isa = pick_isa(t, isa);
     if (isa < 0) return 1;
     const int nt_max = omp_get_max_threads();
     const int Kx = t == BF16 ? (K + KP_ALIGN - 1) / KP_ALIGN * KP_ALIGN : K; /* x rows padded with zeros */
     const int64_t Mx = (M + 31) / 32 * 32;                                  /* AMX: whole pairs of 16-row blocks */
     float *xf = calloc((size_t)M * Kx + 1, sizeof(float));
-    uint16_t *xb = t == BF16 && isa != ISA_BASE ? calloc((size_t)Mx * Kx, sizeof(uint16_t)) : NULL;
+    const int wants_xb = isa == ISA_AMX || isa == ISA_AVX512BF16;
+    uint16_t *xb = wants_xb ? calloc((size_t)Mx * Kx, sizeof(uint16_t)) : NULL;
     lanes_t *best = malloc((size_t)nt_max * M * sizeof(lanes_t));
     int *used = calloc((size_t)nt_max, sizeof(int));
-    if (!xf || !best || !used || (t == BF16 && isa != ISA_BASE && !xb)) {
+    if (!xf || !best || !used || (wants_xb && !xb)) {
         free(xf), free(best), free(used), free(xb);
         return 1;
     }
@@ -317,7 +395,7 @@ INLINE int lm_head_argmax_impl(enum dtype t, int es, const char *x, int64_t xs, 
             if (t == BF16)
                 argmax_panels_bf16(isa, xf, xb, M, Kx, wp, N, p0, p1, mine);
             else
-                WITH_DTYPE(t, argmax_panels(t_, es_, xf, M, K, wp, N, p0, p1, mine));
+                WITH_DTYPE(t, argmax_panels(t_, es_, isa == ISA_FMA, xf, M, K, wp, N, p0, p1, mine));
         }
     }
     for (int64_t m = 0; m < M; m++) {
@@ -339,8 +417,8 @@ INLINE int lm_head_argmax_impl(enum dtype t, int es, const char *x, int64_t xs, 
     return 0;
 }
 
-/* Returns 0 on success, 1 when out of memory, N is out of range or the bf16 path `isa` cannot run
- * here (the caller falls back). `isa` is read for bf16 only. */
+/* Returns 0 on success, 1 when out of memory, N is out of range or the path `isa` cannot run here
+ * for this dtype (the caller falls back). */
 #define DEFINE_LM_HEAD_ARGMAX(SUFFIX, DT, ES)                                                               \
     int lm_head_argmax_##SUFFIX(const void *x, int64_t xs, const void *wp, int64_t M, int64_t N, int K,     \
                                 int isa, int64_t *out) {                                                     \
