@@ -1,10 +1,16 @@
 """LM head fused with greedy argmax (kernels/lm_head_argmax.py): reference, Triton and C against a
 float64 loop, on shapes that hit every edge of the C kernel's tiles (rows not a multiple of 6,
 vocab not a multiple of 16, K not a multiple of 8) and on the hard rows: ties, NaN, all -inf."""
+import ctypes
+import shutil
+import subprocess
+
 import pytest
 import torch
 
+from moebus.kernels import cpu_build
 from moebus.kernels.lm_head_argmax import (
+    _CPU_ARGTYPES,
     ISAS,
     isas,
     lm_head_argmax,
@@ -171,12 +177,46 @@ def test_cpu_bf16_paths_are_batch_invariant_and_near_the_logits(isa):
 def test_cpu_fma_paths_match_naive(shape, isa, dtype):
     """fp32/fp16: AVX-512 tiles of 12 rows ("fma" where built) and the AVX2 tiles of 6 ("fma256")."""
     _needs(isa, dtype)
-    x, w = _with_specials(*_cases(*shape, dtype))
-    assert torch.equal(lm_head_argmax_cpu(x, w, pack_panels(w), isa=isa), naive(x, w))
+    plain = _cases(*shape, dtype)
+    for x, w in (plain, _with_specials(*plain)):
+        assert torch.equal(lm_head_argmax_cpu(x, w, pack_panels(w), isa=isa), naive(x, w))
 
 
 def test_cpu_bf16_only_paths_decline_other_dtypes():
     assert "amx" not in isas(torch.float32) and "avx512_bf16" not in isas(torch.float16)
+
+
+# The C kernels here build with -march=native (AMX, AVX-512); these rebuild the source without the
+# paths an AVX2-only or a pre-AVX2 CPU lacks, so that their tiles are checked on this machine too.
+NO_AVX512 = ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16"]
+FALLBACK_BUILDS = {"avx2": NO_AVX512, "scalar": [*NO_AVX512, "-mno-avx2", "-mno-fma"]}
+
+
+@pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
+def fallback_lib(request, tmp_path_factory):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp(request.param) / "lm_head_argmax_cpu.so"
+    subprocess.run([cc, *cpu_build._FLAGS, *FALLBACK_BUILDS[request.param], "-o", str(out),
+                    str(cpu_build._CSRC / "lm_head_argmax_cpu.c"), "-lm"], check=True, capture_output=True)
+    return ctypes.CDLL(str(out))
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", [*SHAPES, (45, 70, 33)])
+def test_fallback_builds_match_naive(fallback_lib, shape, dtype):
+    assert fallback_lib.lm_head_argmax_isas(1) == (1 << ISAS["fma"]) | (1 << ISAS["fma256"])  # no AMX, no vdpbf16ps
+    fn = getattr(fallback_lib, f"lm_head_argmax_{cpu_build.DTYPE_SUFFIX[dtype]}")
+    fn.argtypes, fn.restype = _CPU_ARGTYPES, ctypes.c_int
+    plain = _cases(*shape, dtype)
+    for x, w in (plain, _with_specials(*plain)):  # the specials' NaN column is most rows' answer
+        panels = pack_panels(w)
+        for isa in ("auto", "fma256"):
+            out = torch.empty(x.shape[0], dtype=torch.int64)
+            assert fn(x.data_ptr(), x.stride(0), panels.data_ptr(), x.shape[0], w.shape[0], w.shape[1], ISAS[isa],
+                      out.data_ptr()) == 0
+            assert torch.equal(out, naive(x, w))
 
 
 def test_pack_panels_bf16_layout():
