@@ -27,6 +27,7 @@ from .argmax import row_argmax_ref
 from .cpu_build import I64, PTR, library, on_cpu
 
 _CPU_ARGTYPES = [PTR, I64, I64, I64, PTR, PTR, PTR, PTR]
+_MASS_ARGTYPES = [PTR, I64, I64, I64, PTR, PTR, PTR, PTR]
 
 
 def sample_logits_ref(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
@@ -63,6 +64,27 @@ def sample_logits_cpu(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tenso
     status = fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], temp.data_ptr(), u64.data_ptr(),
                 None if lo is None else lo.data_ptr(), out.data_ptr())
     return out if status == 0 else None
+
+
+def softmax_mass_ref(x: torch.Tensor, m: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """`[B]` float64: sum of exp((x_v - m_b) / T_b) over x_v >= floor_b, the normaliser of the truncated
+    softmax sample_logits draws from (m_b: the row max; top-p needs the mass of its survivors)."""
+    xd = x.double()
+    p = ((xd - m.double().unsqueeze(1)) / temperature.double().unsqueeze(1)).exp()
+    return p.masked_fill(xd < floor.double().unsqueeze(1), 0.0).sum(dim=1)
+
+
+def softmax_mass(x: torch.Tensor, m: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """softmax_mass_ref; the C kernel on CPU (one vectorised pass, float32 per block of 256)."""
+    if x.dim() == 2 and x.shape[1] and on_cpu(x) and temperature.device.type == "cpu":
+        fn = library("sample_cpu.c").function("softmax_mass", x.dtype, _MASS_ARGTYPES)
+        if fn is not None:
+            args = [t.to(torch.float32).contiguous() for t in (m, temperature, floor)]
+            assert all(a.shape == x.shape[:1] for a in args), (x.shape, [a.shape for a in args])
+            out = torch.empty(x.shape[0], dtype=torch.float64)
+            fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], *(a.data_ptr() for a in args), out.data_ptr())
+            return out
+    return softmax_mass_ref(x, m, temperature, floor)
 
 
 def sample_logits(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,

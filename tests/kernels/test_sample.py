@@ -7,7 +7,7 @@ import torch
 
 from moebus.kernels import sample_logits, sample_logits_ref
 from moebus.kernels.paged_attention import cpu_kernel_available
-from moebus.kernels.sample import sample_logits_cpu
+from moebus.kernels.sample import sample_logits_cpu, softmax_mass, softmax_mass_ref
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 SHAPES = [(1, 1), (3, 17), (7, 257), (64, 4113), (600, 300)]  # 257: one past the C block; 600 rows: OpenMP
@@ -101,6 +101,18 @@ def test_cpu_draws_the_cdf_step_of_u(shape, dtype):
     assert torch.equal(sample_logits(x, temp, u, floor), got)
     no_floor = torch.full_like(floor, -math.inf)
     _assert_within_cdf_step(x, temp, u, no_floor, sample_logits_cpu(x, temp, u))
+
+
+@needs_cpu_kernel
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES[1:])
+def test_softmax_mass_matches_reference(shape, dtype):
+    x, temp, _, floor = _cases(shape, dtype)
+    x = x.masked_fill(x.isnan() | (x == math.inf), 0.0)  # finite maxima: the rows top-p asks about
+    m, temp = x.float().amax(1), temp.clamp(min=0.1)
+    ref = softmax_mass_ref(x, m, temp, floor)
+    torch.testing.assert_close(softmax_mass(x, m, temp, floor), ref, rtol=1e-5, atol=0)
+    assert torch.equal(softmax_mass(x, m, temp, floor)[:3], softmax_mass(x[:3], m[:3], temp[:3], floor[:3]))
 
 
 @needs_cpu_kernel

@@ -13,6 +13,7 @@ from torch import Tensor
 # argmax over dim 1 (the first maximum, NaN wins). Its torch reference is max().indices, 2.5-5x
 # faster than argmax on CPU in torch 2.13; the C kernel is ~9x faster again on [64, 49152] fp32.
 from moebus.kernels import row_argmax
+from moebus.kernels.sample import softmax_mass
 
 NEG_INF = float("-inf")
 
@@ -79,8 +80,7 @@ def _top_k_top_p_floor(x: Tensor, m: Tensor, temperature: Tensor, k: Tensor, p: 
         if not bool((p < 1).any()):
             return kth
         # Probabilities over the top-k survivors (ties past the C sorted ones included in the sum).
-        e = ((x - shift) / t).exp()
-        z = e.masked_fill(x < kth.unsqueeze(1), 0.0).sum(dim=1, keepdim=True)
+        z = softmax_mass(x, shift.squeeze(1), temperature, kth).unsqueeze(1).float()
         probs = (((vals - shift) / t).exp() / z).masked_fill(vals < kth.unsqueeze(1), 0.0)
         cum = probs.cumsum(dim=1)
         kept = ((cum - probs) < p.unsqueeze(1)).sum(dim=1).clamp(min=1)  # prefix length, top token kept

@@ -108,6 +108,33 @@ INLINE int64_t sample_row(enum dtype t, int es, const char *row, int64_t n, floa
     return hit * BLK + (pick < 0 ? 0 : pick);
 }
 
+/* sum of exp((x_v - m) / T) over x_v >= lo (the normaliser of a truncated softmax; top-p needs it),
+ * m the row max given by the caller, in the partial sums sample_row makes. */
+INLINE double mass_row(enum dtype t, int es, const char *row, int64_t n, float m, float temp, float fl) {
+    float buf[BLK], e[BLK];
+    const float inv = 1.f / temp;
+    double total = 0.0;
+    for (int64_t b0 = 0; b0 < n; b0 += BLK) {
+        const int len = n - b0 < BLK ? (int)(n - b0) : BLK;
+        load_row(t, buf, row + b0 * es, len);
+        total += block_exp(buf, len, m, inv, fl, e);
+    }
+    return total;
+}
+
+#define DEFINE_SOFTMAX_MASS(SUFFIX, DT, ES)                                                                   \
+    int softmax_mass_##SUFFIX(const void *x, int64_t rs, int64_t rows, int64_t n, const float *m,            \
+                              const float *temp, const float *lo, double *out) {                             \
+        _Pragma("omp parallel for schedule(static) if (rows * n >= 65536)")                                  \
+        for (int64_t r = 0; r < rows; r++)                                                                   \
+            out[r] = mass_row(DT, ES, (const char *)x + r * rs * ES, n, m[r], temp[r], lo[r]);               \
+        return 0;                                                                                            \
+    }
+
+DEFINE_SOFTMAX_MASS(f32, F32, 4)
+DEFINE_SOFTMAX_MASS(bf16, BF16, 2)
+DEFINE_SOFTMAX_MASS(f16, F16, 2)
+
 /* Returns 0, or 1 when out of memory (the caller falls back to the reference). */
 #define DEFINE_SAMPLE_LOGITS(SUFFIX, DT, ES)                                                                  \
     int sample_logits_##SUFFIX(const void *x, int64_t rs, int64_t rows, int64_t n, const float *temp,       \
