@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -143,6 +144,7 @@ class WorkerService(Service):
             from .kv_engine import EngineKV  # torch lives behind this import
 
             self.kv = EngineKV(self.cfg.kv_cpu_bytes, on_corrupt=lambda tier: corrupt.labels(tier).inc())
+        sys.setswitchinterval(self.cfg.gil_switch_interval_ms / 1000)  # this process is the worker's own
         self._loop = EngineLoop(self._factory, asyncio.get_running_loop(), self._on_outputs, self._on_fatal,
                                 on_ready=lambda: self.spawn(self.publish_heartbeat()),  # be routable at once
                                 kv=self.kv, max_restarts=self.cfg.engine_restarts,
