@@ -38,6 +38,8 @@ def run(batch: int, rounds: int, steps: int, prompt_len: int, b_isa: str = "fma2
     from moebus.kernels.lm_head_argmax import isas, lm_head_argmax, lm_head_argmax_cpu
 
     def b_head(x, w, panels):
+        if b_isa == "logits":  # the unfused path: the logits GEMM (oneDNN), then their row argmax
+            return torch.nn.functional.linear(x, w).argmax(dim=1)
         out = lm_head_argmax_cpu(x, w, panels, isa=b_isa if b_isa in isas(x.dtype) else "auto")
         return out if out is not None else lm_head_argmax(x, w, panels)
 
@@ -76,8 +78,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--b-isa", default="fma256", choices=["fma", "fma256", "avx512_bf16", "amx"],
-                    help="the B arms' head path")
+    ap.add_argument("--b-isa", default="fma256", choices=["fma", "fma256", "avx512_bf16", "amx", "logits"],
+                    help="the B arms' head path (logits: no fused head, the GEMM then argmax)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for b in args.batch:
