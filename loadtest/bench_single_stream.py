@@ -11,8 +11,9 @@ blocks (weight_format="gguf"), and llama.cpp through llama-cpp-python, in altern
 Each run is a fresh process: one request of --prompt-len random tokens, then --output-len greedy
 tokens (EOS ignored); TPOT = (time of the last token - time of the first) / (output-len - 1), in
 process (no HTTP on either side). llama.cpp: greedy Llama.create_completion, TPOT from the time of
---output-len tokens minus that of 1 (run_llamacpp says why), n_threads = --threads. Every run gets OMP_WAIT_POLICY=PASSIVE (as
-loadtest/peers/serve_llamacpp.sh: on a shared box spinning OpenMP threads stall each other). Prints
+--output-len tokens minus that of 1 (run_llamacpp says why), n_threads = --threads. moebus runs get OMP_WAIT_POLICY=PASSIVE unless the environment sets it
+(on a shared box spinning OpenMP threads stall each other); llama.cpp runs at its library default
+unless --llama-wait-policy says otherwise (PASSIVE costs it a futex sleep at every graph barrier). Prints
 the CPU flags, a measured read bandwidth and the bytes each system's weights take per token (the
 bound: bytes / bandwidth), then per-run TPOTs and the medians with their spread, and the CPU time a
 token (process_time over the decode, every thread of the process: robust to a loaded box where
@@ -205,6 +206,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gguf", default=None, help="default: the embedded SmolLM2-135M-Instruct Q4_1")
     ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: no llama.cpp)")
+    ap.add_argument("--llama-wait-policy", default="default", choices=["default", "PASSIVE", "ACTIVE"],
+                    help="llama.cpp's OMP_WAIT_POLICY (default: unset, the library's own)")
     ap.add_argument("--gguf-activations", default="16",
                     help="comma list of moebus gguf runs by QuantLinear.activation_bits: 16, 8, float")
     ap.add_argument("--no-dense", action="store_true", help="skip the moebus dense fp32 runs")
@@ -241,11 +244,16 @@ def main() -> None:
     print(f"read bandwidth ({a.threads} threads, 512 MiB sum): {read_bandwidth_gbs(a.threads):.1f} GB/s")
     results: dict[str, list[dict]] = {s: [] for s in systems}
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    # llama.cpp's OpenMP threads meet at a barrier per graph node: it runs at its library default
+    # (spin, then sleep) unless asked, since PASSIVE costs it ~1.8x on this kind of box (BENCHMARKS.md)
+    llama_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if a.llama_wait_policy != "default":
+        llama_env["OMP_WAIT_POLICY"] = a.llama_wait_policy
     for rnd in range(a.rounds):
         for name, (py, worker) in systems.items():
             cmd = [py, __file__, "--worker", worker, "--prompt-len", str(a.prompt_len), "--output-len",
                    str(a.output_len), "--threads", str(a.threads)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=llama_env if name == "llama.cpp" else env,
                                   cwd=Path(__file__).parent.parent, timeout=1800)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
