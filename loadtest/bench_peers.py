@@ -4,7 +4,7 @@ Installs nothing: the peers come from loadtest/peers/ (setup_*.sh made the venvs
 the F32 GGUF; serve_<server>.sh starts each). Per round, each server in turn (the order rotates
 every round) is started fresh, warmed up, then driven at every concurrency by this one client
 (moebus's own load-test client, `moebus.loadtest.client.send`: the `openai` SDK, streamed
-completions, max_tokens = min_tokens = output, ignore_eos, greedy) with prompts of exactly
+completions, max_tokens = min_tokens = output, ignore_eos, greedy unless --temperature) with prompts of exactly
 --prompt-len tokens (new random text per request: no prefix-cache hits), closed loop.
 
 "engine" is moebus's engine in-process (a child process, same threads, same prompt ids) at the
@@ -124,7 +124,8 @@ class Server:
 
 # ---- the client -------------------------------------------------------------------------------
 
-async def drive(url: str, prompts: list[str], concurrency: int, output_len: int) -> tuple[list, float]:
+async def drive(url: str, prompts: list[str], concurrency: int, output_len: int,
+                temperature: float = 0.0) -> tuple[list, float]:
     from moebus.loadtest.client import RequestRecord, make_client, send
 
     client = make_client(url, timeout_s=900)
@@ -134,8 +135,9 @@ async def drive(url: str, prompts: list[str], concurrency: int, output_len: int)
     async def one(i: int) -> RequestRecord:
         async with sem:
             rec = RequestRecord(index=i, scheduled_s=0.0, input_tokens=0, output_tokens=output_len)
-            # greedy, like the in-process engine run (without it every server sampled at temperature 1)
-            return await send(client, MODEL, rec, prompt=prompts[i], t0=t0, temperature=0)
+            # sent explicitly (greedy by default, like the in-process engine run): without it every
+            # server samples at the API's default temperature 1
+            return await send(client, MODEL, rec, prompt=prompts[i], t0=t0, temperature=temperature)
 
     recs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
     wall = time.perf_counter() - t0
@@ -169,7 +171,7 @@ def engine_child(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     eng = LLMEngine(EngineConfig(model=MODEL, dtype=spec["dtype"]))
     out_len = spec["output_len"]
-    params = SamplingParams(temperature=0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
+    params = SamplingParams(temperature=spec["temperature"], max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
     eng.add_request("warm", spec["warmup"], SamplingParams(temperature=0, max_tokens=16, min_tokens=16,
                                                            ignore_eos=True))
     while eng.has_unfinished_requests():
@@ -203,8 +205,8 @@ def engine_child(spec: dict) -> dict:
 
 
 def run_engine(threads: int, dtype: str, output_len: int, prompt_ids: dict[int, list[list[int]]],
-               warmup: list[int], log: Path) -> dict:
-    spec = {"threads": threads, "dtype": dtype, "output_len": output_len, "warmup": warmup,
+               warmup: list[int], log: Path, temperature: float = 0.0) -> dict:
+    spec = {"threads": threads, "dtype": dtype, "output_len": output_len, "warmup": warmup, "temperature": temperature,
             "runs": {str(c): p for c, p in prompt_ids.items()}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
@@ -286,6 +288,7 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--dtype", default="float32", help="moebus and vLLM compute dtype (llama.cpp: the F32 GGUF)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy; 1: the API's default)")
     ap.add_argument("--spans", action=argparse.BooleanOptionalAction, default=True,
                     help="moebus writes trace spans: the c=1 TTFT split")
     ap.add_argument("--out", default=None, help="a folder for the per-run JSON and server logs (default: a temp dir)")
@@ -314,7 +317,7 @@ def main() -> None:
             if s == "engine":
                 load = os.getloadavg()
                 res = run_engine(args.threads, args.dtype, args.output_len, {c: prompts[c][1] for c in concs},
-                                 warm_ids[0], out / f"engine-{rnd}.log")
+                                 warm_ids[0], out / f"engine-{rnd}.log", args.temperature)
                 for c in concs:
                     r = res[str(c)]
                     runs.append(Run("engine", rnd, c, tok_s=r["tok_s"], tpot_ms=r["tpot_ms"], ttft_ms=r["ttft_ms"],
@@ -334,7 +337,7 @@ def main() -> None:
                 asyncio.run(drive(srv.url, warm_text, 1, 16))
                 for c in concs:
                     run = Run(s, rnd, c, load=os.getloadavg())
-                    recs, wall = asyncio.run(drive(srv.url, prompts[c][0], c, args.output_len))
+                    recs, wall = asyncio.run(drive(srv.url, prompts[c][0], c, args.output_len, args.temperature))
                     summarize(run, recs, wall)
                     if spans is not None and c == 1:
                         time.sleep(6)  # the span exporters flush every 5 s
@@ -350,7 +353,7 @@ def main() -> None:
         print(f"-- after round {rnd}:\n" + table(runs, servers, concs), flush=True)
     print()
     print(cpu_summary())
-    print(f"prompt {args.prompt_len} / output {args.output_len} tokens, greedy, ignore_eos, {args.rounds} rounds "
+    print(f"prompt {args.prompt_len} / output {args.output_len} tokens, {'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}, ignore_eos, {args.rounds} rounds "
           f"(order rotated), dtype {args.dtype}, {args.threads} threads per server; medians (min-max) over rounds")
     print(table(runs, servers, concs))
     if "engine" in servers and "moebus" in servers:

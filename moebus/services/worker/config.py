@@ -54,9 +54,9 @@ class WorkerConfig(ServiceConfig):
     # under heavy outside load, BENCHMARKS.md). It also yields to unrelated processes: 0 (off)
     # unless the host only serves.
     engine_nice: int = Field(0, ge=0, le=19)
-    # How long (ms) the engine thread may keep the GIL while the event loop waits for it
-    # (sys.setswitchinterval; Python's default is 5): torch ops run holding the GIL, so a token the
-    # loop should publish can wait out the next step's Python work for up to this long.
-    gil_switch_interval_ms: float = Field(5.0, gt=0, le=100)
+    # After a step that made a request's first token, the engine thread waits up to this long
+    # (ms) for the event loop to put the token on the bus before it starts the next step, which
+    # would hold the cores the loop needs (engine_loop.py); 0: never wait.
+    first_token_handoff_ms: float = Field(3.0, ge=0, le=100)
     # A stats line (running, waiting, KV usage, tok/s) this often while there is work; 0: none.
     stats_log_interval_s: float = Field(10.0, ge=0)

@@ -76,7 +76,8 @@ class EngineLoop:
                  on_fatal: Callable[[BaseException], None], on_ready: Callable[[], None] = lambda: None,
                  kv: EngineKV | None = None, max_restarts: int = 3, max_failed_steps: int = 3,
                  restart_backoff_s: float = 1.0, healthy_after_s: float = 300.0,
-                 warmup: Callable[[EnginePort], None] | None = None, nice: int = 0) -> None:
+                 warmup: Callable[[EnginePort], None] | None = None, nice: int = 0,
+                 handoff: Callable[[threading.Event], None] | None = None, handoff_s: float = 0.0) -> None:
         self._factory, self._loop, self.kv = factory, loop, kv
         self.nice = nice  # added to the engine thread's nice value (Linux: per thread), see _lower_priority
         self._warmup = warmup  # run on each new engine before it is ready (kernels compiled, paths run once)
@@ -93,6 +94,11 @@ class EngineLoop:
         self.engine: EnginePort | None = None
         self.tokenizer: Any = None  # the engine's; kept while a new engine is built
         self._prefill_only: set[str] = set()  # request ids to stop (and extract) at their first token
+        # After a step that made some request's first token, the thread waits (at most handoff_s)
+        # for `handoff` to set the event once the loop has put that token on the bus: the next step
+        # would otherwise hold both cores while the loop waits for one (c=1 TTFT on 2 cores).
+        self._handoff, self.handoff_s = handoff, handoff_s
+        self._fresh: set[str] = set()  # added, no output yet
         self._stopping = False
 
     def start(self) -> None:
@@ -205,6 +211,15 @@ class EngineLoop:
             self.stats = dict(engine.stats())
             if outputs or failed or prefilled:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs, failed, prefilled, step)
+                self._hand_off(outputs)
+
+    def _hand_off(self, outputs: Sequence[EngineOutput]) -> None:
+        first = [o.request_id for o in outputs if o.request_id in self._fresh]
+        self._fresh.difference_update(first)
+        if first and self._handoff is not None and self.handoff_s > 0:
+            sent = threading.Event()
+            self._loop.call_soon_threadsafe(self._handoff, sent)
+            sent.wait(self.handoff_s)
 
     def _extract_prefilled(self, outputs: Sequence[EngineOutput]) -> list[Prefilled]:
         done: list[Prefilled] = []
@@ -247,6 +262,7 @@ class EngineLoop:
                 return
             if prefill_only:
                 self._prefill_only.add(rid)
+            self._fresh.add(rid)
             if self.kv is not None:
                 self.kv.after_add(self.engine, rid)
         elif kind == "inject":
@@ -257,6 +273,7 @@ class EngineLoop:
                 failed.append(AddFailed(rid, _reason(e)))
         else:
             self._prefill_only.discard(cmd[1])
+            self._fresh.discard(cmd[1])
             self.engine.abort_request(cmd[1])
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -83,6 +83,7 @@ class WorkerService(Service):
         self._beat_pending = False
         self._active: dict[str, Active] = {}
         self._outbox: asyncio.Queue[tuple[str, TokenChunk | Handoff, bytes, dict[str, str]] | None] = asyncio.Queue()
+        self._queued = self._published = 0  # outbox items put / published (first-token hand-off)
         self.replay = ReplayBuffer(cfg.replay_max_bytes, cfg.replay_grace_s)
         self.leases = FrontendLeases(cfg.frontend_lease_s)  # a dead frontend's requests are aborted
         self._loop: EngineLoop | None = None
@@ -144,12 +145,13 @@ class WorkerService(Service):
             from .kv_engine import EngineKV  # torch lives behind this import
 
             self.kv = EngineKV(self.cfg.kv_cpu_bytes, on_corrupt=lambda tier: corrupt.labels(tier).inc())
-        sys.setswitchinterval(self.cfg.gil_switch_interval_ms / 1000)  # this process is the worker's own
         self._loop = EngineLoop(self._factory, asyncio.get_running_loop(), self._on_outputs, self._on_fatal,
                                 on_ready=lambda: self.spawn(self.publish_heartbeat()),  # be routable at once
                                 kv=self.kv, max_restarts=self.cfg.engine_restarts,
                                 restart_backoff_s=self.cfg.engine_restart_backoff_s,
-                                warmup=self._warm_up if self.cfg.warmup else None, nice=self.cfg.engine_nice)
+                                warmup=self._warm_up if self.cfg.warmup else None, nice=self.cfg.engine_nice,
+                                handoff=lambda sent: self.spawn(self._handed_off(sent)),
+                                handoff_s=self.cfg.first_token_handoff_ms / 1000)
         self._loop.start()
         self.spawn(self._publisher())
         if self.cfg.stats_log_interval_s:
@@ -410,6 +412,7 @@ class WorkerService(Service):
         if isinstance(message, TokenChunk):
             self.replay.record(message, data)
         self._outbox.put_nowait((subject, message, data, headers))
+        self._queued += 1
 
     async def on_replay(self, req: ReplayRequest, _: Msg) -> ReplayReply:
         return self.replay.replay(req)
@@ -420,6 +423,17 @@ class WorkerService(Service):
             a.spans.injecting()
         self._loop.inject(a.req.request_id, a.req.prompt_token_ids, first_token, a.params, payload, a.req.images)
 
+    async def _handed_off(self, sent: threading.Event, rounds: int = 50) -> None:
+        """Set `sent` once everything in the outbox now has been published and nats-py's flusher
+        has had a turn to write it (a bounded number of loop turns: the engine thread waits on it)."""
+        target = self._queued
+        for _ in range(rounds):
+            if self._published >= target:
+                break
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the flusher task writes what publish buffered
+        sent.set()
+
     async def _publisher(self) -> None:
         # One consumer keeps each request's chunks in order.
         while (item := await self._outbox.get()) is not None:
@@ -429,3 +443,4 @@ class WorkerService(Service):
             except Exception:  # cut off with nats-py's buffer full: the frontend asks the replay buffer later
                 log.log(logging.WARNING if self.bus.connected else logging.DEBUG, "could not publish a chunk of %s",
                         chunk.request_id, exc_info=True)
+            self._published += 1
