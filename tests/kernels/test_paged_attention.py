@@ -1,8 +1,17 @@
+import ctypes
+import shutil
+import subprocess
+
 import pytest
 import torch
 
-from moebus.kernels import paged_attention_decode, paged_attention_decode_ref, paged_attention_decode_triton
-from moebus.kernels.paged_attention import cpu_kernel_available, paged_attention_decode_cpu
+from moebus.kernels import (
+    cpu_build,
+    paged_attention_decode,
+    paged_attention_decode_ref,
+    paged_attention_decode_triton,
+)
+from moebus.kernels.paged_attention import _CPU_ARGTYPES, cpu_kernel_available, paged_attention_decode_cpu
 
 needs_cpu_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
 
@@ -184,3 +193,35 @@ def test_cpu_kernel_every_group_size(group, d, dtype, close):
     q, kc, vc, bt, sl, scale, sinks = make_inputs(dtype, "cpu", group, d, d, seq_lens=[70, 1, 33])
     out = paged_attention_decode_cpu(q, kc, vc, bt, sl, scale, None, sinks)
     close(out, naive_decode(q, kc, vc, bt, sl, scale, None, sinks), *TOL.get(dtype, CPU_TOL[dtype]))
+
+
+# The library builds with -march=native (AVX-512 and AVX512-BF16 here); these rebuild the source
+# without the paths an AVX2-only or a pre-AVX2 CPU lacks, so that their tiles are checked here too.
+NO_AVX512 = ["-mno-avx512f"]
+FALLBACK_BUILDS = {"avx2": NO_AVX512, "scalar": [*NO_AVX512, "-mno-avx2", "-mno-fma"]}
+
+
+@pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
+def fallback_lib(request, tmp_path_factory):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp(request.param) / "paged_attention_cpu.so"
+    subprocess.run([cc, *cpu_build._FLAGS, *FALLBACK_BUILDS[request.param], "-o", str(out),
+                    str(cpu_build._CSRC / "paged_attention_cpu.c"), "-lm"], check=True, capture_output=True)
+    return ctypes.CDLL(str(out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("group", [1, 3, 4, 5])  # register-held V accumulators for G <= 4, loop above
+def test_cpu_fallback_builds_match_naive(fallback_lib, group, dtype, close):
+    fn = getattr(fallback_lib, f"paged_decode_{cpu_build.DTYPE_SUFFIX[dtype]}")
+    fn.argtypes, fn.restype = _CPU_ARGTYPES, ctypes.c_int
+    q, kc, vc, bt, sl, scale, sinks = make_inputs(dtype, "cpu", group, 64, 64, seq_lens=[70, 1, 33, 0, 40])
+    for window, s in ((None, None), (20, sinks)):
+        out = torch.empty(q.shape, dtype=dtype)
+        assert fn(q.data_ptr(), q.stride(0), q.stride(1), kc.data_ptr(), *kc.stride()[:3], vc.data_ptr(),
+                  *vc.stride()[:3], bt.data_ptr(), bt.stride(0), sl.data_ptr(), s.data_ptr() if s is not None else None,
+                  out.data_ptr(), out.stride(0), out.stride(1), *bt.shape[:1], q.shape[1], HKV, 64, 64, BS,
+                  window or 0, scale) == 0
+        close(out, naive_decode(q, kc, vc, bt, sl, scale, window, s), *TOL.get(dtype, CPU_TOL[dtype]))

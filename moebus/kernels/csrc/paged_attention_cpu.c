@@ -10,7 +10,8 @@
  * reduced together (bf16 on vdpbf16ps where there is AVX512-BF16), and for G <= 4 with Dv 64/128
  * the V accumulators stay in registers; AVX2 CPUs run the same tiles 8 lanes wide (head dims
  * multiple of 8; V accumulators in column chunks); elsewhere each row is converted to float32
- * once and dotted per head.
+ * once and dotted per head. Each tile's slots are found once, and the next tile's (or, on a
+ * sequence's last tile, the first of the sequence the thread runs next) are prefetched.
  */
 #include "cpu_common.h"
 #include "cpu_dot.h"
@@ -18,21 +19,27 @@
 #define MAXHQ 64
 #define MAXD 256
 #define TILE 32
+#define CHUNK 4 /* sequences a thread takes at a time */
 
-/* The cache slot of logical position pos: strides sn (block) and ss (slot) in elements. */
-static inline __attribute__((always_inline)) const char *slot_at(const char *cache, int64_t sn, int64_t ss,
-                                                                 const int32_t *table, int pos, int bs, int es) {
-    return cache + ((int64_t)table[pos / bs] * sn + (pos % bs) * ss) * es;
+/* The K and V cache slots of positions [t0, t0 + n): one walk over the table per tile, not a
+ * division by the page size per row and head (strides sn (block), ss (slot) in elements). */
+static inline __attribute__((always_inline)) void tile_slots(
+    const char *kc, int64_t k_sn, int64_t k_ss, const char *vc, int64_t v_sn, int64_t v_ss, const int32_t *table,
+    int t0, int n, int bs, int es, const char **ks, const char **vs) {
+    int blk = t0 / bs, off = t0 % bs;
+    for (int j = 0; j < n; j++) {
+        const int64_t p = table[blk];
+        ks[j] = kc + (p * k_sn + off * k_ss) * es;
+        vs[j] = vc + (p * v_sn + off * v_ss) * es;
+        if (++off == bs) off = 0, blk++;
+    }
 }
 
 /* Pages are scattered, so the hardware stream prefetchers (which stop at 4 KiB boundaries) keep
- * restarting; ask for the rows of positions [p0, p1) ahead of use instead. */
-static inline void prefetch_rows(const char *cache, int64_t sn, int64_t ss, int64_t row_bytes, const int32_t *table,
-                                 int p0, int p1, int bs, int es) {
-    for (int pos = p0; pos < p1; pos++) {
-        const char *r = slot_at(cache, sn, ss, table, pos, bs, es);
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
-    }
+ * restarting; ask for the n slot rows at r[] ahead of use instead. */
+static inline void prefetch_rows(const char *const *r, int n, int64_t row_bytes) {
+    for (int j = 0; j < n; j++)
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(r[j] + off, 0, 2);
 }
 
 static inline float dot(const float *a, const float *b, int n) {
@@ -107,15 +114,12 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
 /* s[g0 + g][j] for the G query heads of kv head kh and the n <= TILE positions of a tile. */
 static inline __attribute__((always_inline)) void qk_tile(
     enum dtype t, int es, const char *q, int64_t q_sh, float (*qf)[MAXD], float (*s)[TILE], int g0, int G,
-    const char *kc, int64_t k_sn, int64_t k_ss, int64_t k_sh, const int32_t *table, int t0, int n, int kh,
-    int D, int bs, float scale) {
+    const char *const *ks, int64_t k_sh, int n, int kh, int D, float scale) {
     const float post = qk_prescaled(t, D) ? 1.f : scale;
     for (int jb = 0; jb < n; jb += 16) {
         const int m = n - jb < 16 ? n - jb : 16;
         const char *rows[16];
-        for (int j = 0; j < m; j++) {
-            rows[j] = slot_at(kc, k_sn, k_ss, table, t0 + jb + j, bs, es) + kh * k_sh * es;
-        }
+        for (int j = 0; j < m; j++) rows[j] = ks[jb + j] + kh * k_sh * es;
         for (int g = g0; g < g0 + G; g++) {
             __m512 part[16];
 #pragma GCC unroll 16
@@ -129,20 +133,36 @@ static inline __attribute__((always_inline)) void qk_tile(
 /* acc[g0 + g] += sum_j s[g0 + g][j] * V[t0 + j, kh] for the G query heads of kv head kh over one
  * tile, Dv = 16 * C. G and C are constants at every call, so the G * C accumulators stay in
  * registers across the tile instead of a load + store of acc per row (the V side was half the
- * kernel's instructions). */
+ * kernel's instructions). bf16 rows are widened without a shuffle: each 32 values give their even
+ * elements (shift left) and odd ones (mask) in two vectors, so acc holds each 32 columns as 16 even
+ * then 16 odd (see pv_deinterleave); the cross-lane widening competed with the FMAs for a port. */
 static inline __attribute__((always_inline)) void pv_tile(
-    enum dtype t, int es, float (*acc)[MAXD], float (*s)[TILE], int g0, int G, int C, const char *vc,
-    int64_t v_sn, int64_t v_ss, int64_t v_sh, const int32_t *table, int t0, int n, int kh, int bs) {
+    enum dtype t, int es, float (*acc)[MAXD], float (*s)[TILE], int g0, int G, int C, const char *const *vs,
+    int64_t v_sh, int n, int kh) {
     __m512 a[4][8];
 #pragma GCC unroll 4
     for (int g = 0; g < G; g++)
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) a[g][c] = _mm512_loadu_ps(acc[g0 + g] + 16 * c);
     for (int j = 0; j < n; j++) {
-        const char *row = slot_at(vc, v_sn, v_ss, table, t0 + j, bs, es) + kh * v_sh * es;
+        const char *row = vs[j] + kh * v_sh * es;
         __m512 p[4];
 #pragma GCC unroll 4
         for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(s[g0 + g][j]);
+        if (t == BF16) {
+#pragma GCC unroll 4
+            for (int c = 0; c < C; c += 2) {
+                const __m512i x = _mm512_loadu_si512(row + 32 * c);
+                const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+                const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+#pragma GCC unroll 4
+                for (int g = 0; g < G; g++) {
+                    a[g][c] = _mm512_fmadd_ps(p[g], ve, a[g][c]);
+                    a[g][c + 1] = _mm512_fmadd_ps(p[g], vo, a[g][c + 1]);
+                }
+            }
+            continue;
+        }
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) {
             const __m512 v = load16(t, row + 16 * c * es);
@@ -155,6 +175,15 @@ static inline __attribute__((always_inline)) void pv_tile(
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) _mm512_storeu_ps(acc[g0 + g] + 16 * c, a[g][c]);
 }
+
+/* Column order back from pv_tile's bf16 layout: row[32c + i] holds column 32c + 2i, row[32c + 16 + i]
+ * column 32c + 2i + 1. */
+static inline void pv_deinterleave(float *row, int Dv) {
+    float tmp[MAXD];
+    for (int c = 0; c < Dv; c += 32)
+        for (int i = 0; i < 16; i++) tmp[c + 2 * i] = row[c + i], tmp[c + 2 * i + 1] = row[c + 16 + i];
+    memcpy(row, tmp, (size_t)Dv * sizeof(float));
+}
 #else
 #define HAVE_AVX512 0
 #endif
@@ -166,13 +195,13 @@ static inline __attribute__((always_inline)) void pv_tile(
 /* s[g0 + g][j] for the G query heads of kv head kh and the n <= TILE positions of a tile; qf is
  * prescaled. Rows past n in the last group of 8 repeat the first row and are not stored. */
 static inline __attribute__((always_inline)) void qk_tile8(
-    enum dtype t, int es, float (*qf)[MAXD], float (*s)[TILE], int g0, int G, const char *kc, int64_t k_sn,
-    int64_t k_ss, int64_t k_sh, const int32_t *table, int t0, int n, int kh, int D, int bs) {
+    enum dtype t, int es, float (*qf)[MAXD], float (*s)[TILE], int g0, int G, const char *const *ks, int64_t k_sh,
+    int n, int kh, int D) {
     for (int jb = 0; jb < n; jb += 8) {
         const int m = n - jb < 8 ? n - jb : 8;
         const char *rows[8];
         for (int j = 0; j < 8; j++)
-            rows[j] = slot_at(kc, k_sn, k_ss, table, t0 + jb + (j < m ? j : 0), bs, es) + kh * k_sh * es;
+            rows[j] = ks[jb + (j < m ? j : 0)] + kh * k_sh * es;
         for (int g = g0; g < g0 + G; g++) {
             /* chunk-major: one load of q per chunk for the 8 rows, and 8 independent FMA chains */
             __m256 part[8];
@@ -195,10 +224,10 @@ static inline __attribute__((always_inline)) void qk_tile8(
  * of CC vectors so that the G * CC accumulators stay in the 16 ymm registers; G, CC and C are
  * constants at every call. */
 static inline __attribute__((always_inline)) void pv_tile8(
-    enum dtype t, int es, float (*acc)[MAXD], float (*s)[TILE], int g0, int G, int CC, int C, const char *vc,
-    int64_t v_sn, int64_t v_ss, int64_t v_sh, const int32_t *table, int t0, int n, int kh, int bs) {
+    enum dtype t, int es, float (*acc)[MAXD], float (*s)[TILE], int g0, int G, int CC, int C,
+    const char *const *vs, int64_t v_sh, int n, int kh) {
     const char *rows[TILE];
-    for (int j = 0; j < n; j++) rows[j] = slot_at(vc, v_sn, v_ss, table, t0 + j, bs, es) + kh * v_sh * es;
+    for (int j = 0; j < n; j++) rows[j] = vs[j] + kh * v_sh * es;
     for (int c0 = 0; c0 < C; c0 += CC) {
         __m256 a[4][4];
 #pragma GCC unroll 4
@@ -231,12 +260,13 @@ static inline void axpy(float *y, float a, const float *x, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-/* The work of one sequence; strides are in elements, es is the element size in bytes. */
+/* The work of one sequence; strides are in elements, es is the element size in bytes. The first
+ * tile of the sequence this thread runs next (next_len > 0) is prefetched during the last tile. */
 static inline __attribute__((always_inline)) void decode_one(
     enum dtype t, int es, const char *q, int64_t q_sh, const char *kc, int64_t k_sn, int64_t k_ss,
     int64_t k_sh, const char *vc, int64_t v_sn, int64_t v_ss, int64_t v_sh, const int32_t *table,
-    int len, const float *sinks, char *out, int64_t o_sh, int Hq, int Hkv, int D, int Dv, int bs,
-    int window, float scale) {
+    int len, const int32_t *next_table, int next_len, const float *sinks, char *out, int64_t o_sh, int Hq,
+    int Hkv, int D, int Dv, int bs, int window, float scale) {
     float qf[MAXHQ][MAXD], acc[MAXHQ][MAXD], s[MAXHQ][TILE], m[MAXHQ], l[MAXHQ], row[MAXD];
     const int G = Hq / Hkv;
     const int start = (window > 0 && len > window) ? len - window : 0;
@@ -248,37 +278,61 @@ static inline __attribute__((always_inline)) void decode_one(
         l[h] = sinks ? 1.f : 0.f;
     }
     const int64_t k_row = (int64_t)Hkv * k_sh * es, v_row = (int64_t)Hkv * v_sh * es;
-    prefetch_rows(kc, k_sn, k_ss, k_row, table, start, len < start + TILE ? len : start + TILE, bs, es);
-    prefetch_rows(vc, v_sn, v_ss, v_row, table, start, len < start + TILE ? len : start + TILE, bs, es);
-    for (int t0 = start; t0 < len; t0 += TILE) {
+    const char *slots[2][2][TILE]; /* [tile parity][K, V][position]: this tile's and the next's */
+    if (start < len) {
+        const int n0 = len - start < TILE ? len - start : TILE;
+        tile_slots(kc, k_sn, k_ss, vc, v_sn, v_ss, table, start, n0, bs, es, slots[0][0], slots[0][1]);
+        prefetch_rows(slots[0][0], n0, k_row);
+        prefetch_rows(slots[0][1], n0, v_row);
+    }
+    for (int t0 = start, cur = 0; t0 < len; t0 += TILE, cur ^= 1) {
         const int n = len - t0 < TILE ? len - t0 : TILE;
-        const int t1 = t0 + n, t2 = len < t1 + TILE ? len : t1 + TILE;
+        const int t1 = t0 + n, n1 = len - t1 < TILE ? len - t1 : TILE;
+        const char *const *ks = slots[cur][0], *const *vs = slots[cur][1];
         /* the next tile's keys and values: a tile ahead, so the values' misses (issued after this
          * tile's softmax they stalled the V FMAs: perf, Zen AVX2) are served by the time they are read */
-        prefetch_rows(kc, k_sn, k_ss, k_row, table, t1, t2, bs, es);
-        prefetch_rows(vc, v_sn, v_ss, v_row, table, t1, t2, bs, es);
+        if (n1 > 0) {
+            tile_slots(kc, k_sn, k_ss, vc, v_sn, v_ss, table, t1, n1, bs, es, slots[cur ^ 1][0], slots[cur ^ 1][1]);
+            prefetch_rows(slots[cur ^ 1][0], n1, k_row);
+            prefetch_rows(slots[cur ^ 1][1], n1, v_row);
+        } else if (next_len > 0) {
+            const int s1 = (window > 0 && next_len > window) ? next_len - window : 0;
+            const int m1 = next_len - s1 < TILE ? next_len - s1 : TILE;
+            tile_slots(kc, k_sn, k_ss, vc, v_sn, v_ss, next_table, s1, m1, bs, es, slots[cur ^ 1][0],
+                       slots[cur ^ 1][1]);
+            prefetch_rows(slots[cur ^ 1][0], m1, k_row);
+            prefetch_rows(slots[cur ^ 1][1], m1, v_row);
+        }
 #if HAVE_AVX512
         if (D % 16 == 0)
             for (int kh = 0; kh < Hkv; kh++)
-                qk_tile(t, es, q, q_sh, qf, s, kh * G, G, kc, k_sn, k_ss, k_sh, table, t0, n, kh, D, bs, scale);
+                qk_tile(t, es, q, q_sh, qf, s, kh * G, G, ks, k_sh, n, kh, D, scale);
         else
 #elif HAVE_AVX2
         if (D % 8 == 0)
             for (int kh = 0; kh < Hkv; kh++)
-                qk_tile8(t, es, qf, s, kh * G, G, kc, k_sn, k_ss, k_sh, table, t0, n, kh, D, bs);
+                qk_tile8(t, es, qf, s, kh * G, G, ks, k_sh, n, kh, D);
         else
 #endif
         for (int j = 0; j < n; j++) {
-            const char *slot = slot_at(kc, k_sn, k_ss, table, t0 + j, bs, es);
             for (int kh = 0; kh < Hkv; kh++) {
-                load_row(t, row, slot + kh * k_sh * es, D);
+                load_row(t, row, ks[j] + kh * k_sh * es, D);
                 for (int g = kh * G; g < (kh + 1) * G; g++) s[g][j] = dot(qf[g], row, D);
             }
         }
+        /* every softmax loop in simd form: the serial max and the per-head scalar exp were chains of
+         * dependent scalar ops (perf: ~20% of the kernel at 9 heads, bf16, AVX-512) */
+        float mxs[MAXHQ], alphas[MAXHQ];
         for (int h = 0; h < Hq; h++) {
             float mx = m[h];
+#pragma omp simd reduction(max : mx)
             for (int j = 0; j < n; j++) mx = s[h][j] > mx ? s[h][j] : mx;
-            const float alpha = fast_exp(m[h] - mx); /* 0 while m is -inf */
+            mxs[h] = mx;
+        }
+#pragma omp simd
+        for (int h = 0; h < Hq; h++) alphas[h] = fast_exp(m[h] - mxs[h]); /* 0 while m is -inf */
+        for (int h = 0; h < Hq; h++) {
+            const float mx = mxs[h], alpha = alphas[h];
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int j = 0; j < n; j++) {
@@ -293,7 +347,7 @@ static inline __attribute__((always_inline)) void decode_one(
 #if HAVE_AVX512
         if ((Dv == 64 || Dv == 128) && G <= 4) {
             for (int kh = 0; kh < Hkv; kh++) {
-#define PV(GC) pv_tile(t, es, acc, s, kh * G, GC, Dv / 16, vc, v_sn, v_ss, v_sh, table, t0, n, kh, bs)
+#define PV(GC) pv_tile(t, es, acc, s, kh * G, GC, Dv / 16, vs, v_sh, n, kh)
                 switch (G) {  /* literal G: see pv_tile */
                 case 1: PV(1); break;
                 case 2: PV(2); break;
@@ -307,7 +361,7 @@ static inline __attribute__((always_inline)) void decode_one(
 #elif HAVE_AVX2
         if ((Dv == 64 || Dv == 128) && G <= 4) {
             for (int kh = 0; kh < Hkv; kh++) {
-#define PV8(GC, CC) pv_tile8(t, es, acc, s, kh * G, GC, CC, Dv / 8, vc, v_sn, v_ss, v_sh, table, t0, n, kh, bs)
+#define PV8(GC, CC) pv_tile8(t, es, acc, s, kh * G, GC, CC, Dv / 8, vs, v_sh, n, kh)
                 switch (G) {  /* literal G and chunk: see pv_tile8 */
                 case 1: PV8(1, 4); break;
                 case 2: PV8(2, 4); break;
@@ -320,13 +374,16 @@ static inline __attribute__((always_inline)) void decode_one(
         }
 #endif
         for (int j = 0; j < n; j++) {
-            const char *slot = slot_at(vc, v_sn, v_ss, table, t0 + j, bs, es);
             for (int kh = 0; kh < Hkv; kh++) {
-                load_row(t, row, slot + kh * v_sh * es, Dv);
+                load_row(t, row, vs[j] + kh * v_sh * es, Dv);
                 for (int g = kh * G; g < (kh + 1) * G; g++) axpy(acc[g], s[g][j], row, Dv);
             }
         }
     }
+#if HAVE_AVX512
+    if (t == BF16 && (Dv == 64 || Dv == 128) && G <= 4)  /* pv_tile's bf16 layout */
+        for (int h = 0; h < Hq; h++) pv_deinterleave(acc[h], Dv);
+#endif
     for (int h = 0; h < Hq; h++)  /* nothing visible (l == 0): zeros */
         store_row(t, out + h * o_sh * es, acc[h], l[h] > 0.f ? 1.f / l[h] : 0.f, Dv);
 }
@@ -339,19 +396,22 @@ static inline __attribute__((always_inline)) void decode_one(
              void *out, int64_t o_sb, int64_t o_sh, int B, int Hq, int Hkv, int D, int Dv, int bs,  \
              int window, float scale) {                                                              \
         if (Hq > MAXHQ || D > MAXD || Dv > MAXD || Hq % Hkv) return 1;                              \
-        _Pragma("omp parallel for schedule(dynamic, 1) if (B > 1)") for (int b = 0; b < B; b++) {    \
+        /* chunks of CHUNK sequences: a thread knows the one it runs next */                         \
+        _Pragma("omp parallel for schedule(dynamic, CHUNK) if (B > 1)") for (int b = 0; b < B; b++) { \
             const char *qb = (const char *)q + b * q_sb * ES;                                           \
+            const int nl = (b + 1) % CHUNK && b + 1 < B ? seq_lens[b + 1] : 0;                           \
+            const int32_t *nt = bt + (nl ? b + 1 : b) * bt_sb;                                           \
             char *ob = (char *)out + b * o_sb * ES;                                                      \
             /* constant head dims let the compiler unroll the row loops fully (~1.5x) */                \
             if (D == 64 && Dv == 64)                                                                     \
                 decode_one(DT, ES, qb, q_sh, kc, k_sn, k_ss, k_sh, vc, v_sn, v_ss, v_sh, bt + b * bt_sb, \
-                           seq_lens[b], sinks, ob, o_sh, Hq, Hkv, 64, 64, bs, window, scale);            \
+                           seq_lens[b], nt, nl, sinks, ob, o_sh, Hq, Hkv, 64, 64, bs, window, scale);     \
             else if (D == 128 && Dv == 128)                                                              \
                 decode_one(DT, ES, qb, q_sh, kc, k_sn, k_ss, k_sh, vc, v_sn, v_ss, v_sh, bt + b * bt_sb, \
-                           seq_lens[b], sinks, ob, o_sh, Hq, Hkv, 128, 128, bs, window, scale);          \
+                           seq_lens[b], nt, nl, sinks, ob, o_sh, Hq, Hkv, 128, 128, bs, window, scale);   \
             else                                                                                         \
                 decode_one(DT, ES, qb, q_sh, kc, k_sn, k_ss, k_sh, vc, v_sn, v_ss, v_sh, bt + b * bt_sb, \
-                           seq_lens[b], sinks, ob, o_sh, Hq, Hkv, D, Dv, bs, window, scale);             \
+                           seq_lens[b], nt, nl, sinks, ob, o_sh, Hq, Hkv, D, Dv, bs, window, scale);      \
         }                                                                                                \
         return 0;                                                                                    \
     }
