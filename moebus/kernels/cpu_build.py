@@ -69,6 +69,19 @@ def build(source: str, cc: str | None = None) -> Path | None:
     return out
 
 
+def build_variant(source: str, extra_flags: list[str], out_dir: Path) -> ctypes.CDLL | None:
+    """csrc/<source> built into out_dir with extra_flags after the usual ones and loaded, uncached;
+    None without a C compiler; a failed build raises. For tests: e.g. -mno-avx512f builds the paths
+    a smaller CPU takes, so that they are checked on a bigger one."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        return None
+    out = out_dir / Path(source).with_suffix(".so").name
+    subprocess.run([cc, *_FLAGS, *extra_flags, "-o", str(out), str(_CSRC / source), "-lm"], check=True,
+                   capture_output=True)
+    return ctypes.CDLL(str(out))
+
+
 @dataclass
 class CpuLibrary:
     """A lazily built C library; `get()` returns the loaded CDLL or None (then use the reference)."""

@@ -2,8 +2,6 @@
 float64 loop, on shapes that hit every edge of the C kernel's tiles (rows not a multiple of 6,
 vocab not a multiple of 16, K not a multiple of 8) and on the hard rows: ties, NaN, all -inf."""
 import ctypes
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -194,13 +192,11 @@ FALLBACK_BUILDS = {"avx2": NO_AVX512, "scalar": [*NO_AVX512, "-mno-avx2", "-mno-
 
 @pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
 def fallback_lib(request, tmp_path_factory):
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
+    lib = cpu_build.build_variant("lm_head_argmax_cpu.c", FALLBACK_BUILDS[request.param],
+                                  tmp_path_factory.mktemp(request.param))
+    if lib is None:
         pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp(request.param) / "lm_head_argmax_cpu.so"
-    subprocess.run([cc, *cpu_build._FLAGS, *FALLBACK_BUILDS[request.param], "-o", str(out),
-                    str(cpu_build._CSRC / "lm_head_argmax_cpu.c"), "-lm"], check=True, capture_output=True)
-    return ctypes.CDLL(str(out))
+    return lib
 
 
 @DTYPES

@@ -1,6 +1,4 @@
 import ctypes
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -203,13 +201,11 @@ FALLBACK_BUILDS = {"avx2": NO_AVX512, "scalar": [*NO_AVX512, "-mno-avx2", "-mno-
 
 @pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
 def fallback_lib(request, tmp_path_factory):
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
+    lib = cpu_build.build_variant("paged_attention_cpu.c", FALLBACK_BUILDS[request.param],
+                                  tmp_path_factory.mktemp(request.param))
+    if lib is None:
         pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp(request.param) / "paged_attention_cpu.so"
-    subprocess.run([cc, *cpu_build._FLAGS, *FALLBACK_BUILDS[request.param], "-o", str(out),
-                    str(cpu_build._CSRC / "paged_attention_cpu.c"), "-lm"], check=True, capture_output=True)
-    return ctypes.CDLL(str(out))
+    return lib
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

@@ -6,8 +6,6 @@ kernel (csrc/quant_dot_cpu.c, 8 and 16 bits) against its torch reference (the ac
 quantization bit for bit, the products up to float32 summation order) and against float64 within
 the activation's rounding bound."""
 import ctypes
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -176,16 +174,13 @@ FALLBACK_BUILDS = {"avx2-no-vnni": ["-mno-avxvnni", "-mno-avx512vnni"], "scalar"
 
 @pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
 def fallback_libs(request, tmp_path_factory):
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        pytest.skip("no C compiler")
     libs = []
     for source, fn, argtypes in (("quant_dot_cpu.c", "quant_matmul_qa_f32", _QA_ARGTYPES),
                                  ("quant_matmul_cpu.c", "quant_matmul_f32", _CPU_ARGTYPES)):
-        out = tmp_path_factory.mktemp(request.param) / source.replace(".c", ".so")
-        subprocess.run([cc, *cpu_build._FLAGS, *FALLBACK_BUILDS[request.param], "-o", str(out),
-                        str(cpu_build._CSRC / source), "-lm"], check=True, capture_output=True)
-        f = getattr(ctypes.CDLL(str(out)), fn)
+        lib = cpu_build.build_variant(source, FALLBACK_BUILDS[request.param], tmp_path_factory.mktemp(request.param))
+        if lib is None:
+            pytest.skip("no C compiler")
+        f = getattr(lib, fn)
         f.argtypes, f.restype = argtypes, ctypes.c_int
         libs.append(f)
     return libs
