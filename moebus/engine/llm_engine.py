@@ -137,7 +137,7 @@ class LLMEngine:
         for k in sorted(prior):
             tr = self._track(ids[k], request_id, k, prompt_token_ids, params.for_choice(k), priority)
             tr.req.images = images
-            prime(tr, prior[k], self.vocab_size)
+            prime(tr, prior[k])
             choices.append(tr)
         for tr in choices[1:]:
             tr.req.wait_for = choices[0].req  # let the first one fill the shared prompt blocks

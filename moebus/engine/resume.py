@@ -38,7 +38,7 @@ def check_resume(resume: Mapping[int, Sequence[int]] | None, n: int, vocab_size:
     return out
 
 
-def prime(tr: Tracked, tokens: list[int], vocab_size: int) -> None:
+def prime(tr: Tracked, tokens: list[int]) -> None:
     """Bring a new choice to the state it had after producing `tokens`; ChoiceFinished when those
     tokens had already ended it, ValueError when its grammar rejects them."""
     if not tokens:
