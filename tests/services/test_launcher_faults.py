@@ -93,7 +93,10 @@ def test_sigterm_during_start_up_stops_everything(tmp_path) -> None:
 @pytest.mark.parametrize("when", ["start-up", "serving a 3-node NATS cluster"])
 async def test_a_sigkilled_launcher_leaves_no_orphans(when: str, tmp_path) -> None:
     port = free_port()
-    cluster = ["--nats-cluster", "3", "--frontend", json.dumps({"limits": {"max_body_bytes": 12 * 2**20}})]
+    # local_render off: the prompt's text then crosses the bus to the tokenizer, whose limit item 3 checks
+    # (rendered in the frontend it is refused as over the context length, a 400, before any bus)
+    cluster = ["--nats-cluster", "3", "--frontend",
+               json.dumps({"limits": {"max_body_bytes": 12 * 2**20}, "local_render": None})]
     proc = up("--workers", "2", *(cluster if "cluster" in when else []), port=port, stderr=tmp_path / "stderr")
     try:
         if when == "start-up":
@@ -160,7 +163,8 @@ async def streams(client: openai.AsyncOpenAI, n: int, gaps: list[float] | None =
 async def test_up_restarts_what_dies_and_keeps_serving(tmp_path) -> None:
     port = free_port()
     proc = up("--workers", "2", "--heartbeat-interval", "0.2", "--engine", json.dumps({"step_delay_s": 0.05}),
-              "--frontend", json.dumps({"limits": {"max_body_bytes": 12 * 2**20}}), "--log-dir", str(tmp_path),
+              "--frontend", json.dumps({"limits": {"max_body_bytes": 12 * 2**20}, "local_render": None}),
+              "--log-dir", str(tmp_path),
               port=port, stderr=tmp_path / "stderr")
     url = f"http://127.0.0.1:{port}"
     try:
