@@ -14,13 +14,8 @@ INLINE int64_t argmax_row(enum dtype t, const char *row, int64_t n, int es) {
         const int len = n - b0 < BLK ? (int)(n - b0) : BLK;
         float buf[BLK];
         load_row(t, buf, row + b0 * es, len);
-        float m = -INFINITY;
-        int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-        for (int i = 0; i < len; i++) {
-            nan |= buf[i] != buf[i];
-            m = buf[i] > m ? buf[i] : m;
-        }
+        int nan;
+        const float m = block_max(buf, len, &nan);
         if (nan)
             for (int i = 0; i < len; i++)
                 if (buf[i] != buf[i]) return b0 + i;

@@ -103,4 +103,17 @@ INLINE float fast_exp(float x) {
     return x < -87.f ? 0.f : out;
 }
 
+/* Max of x[0..len) and whether a NaN occurs; a vectorised reduction. */
+INLINE float block_max(const float *x, int len, int *nan) {
+    float m = -INFINITY;
+    int any = 0;
+#pragma omp simd reduction(max : m) reduction(| : any)
+    for (int i = 0; i < len; i++) {
+        any |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
+    }
+    *nan = any;
+    return m;
+}
+
 #endif

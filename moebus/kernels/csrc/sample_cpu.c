@@ -21,19 +21,6 @@
 
 #define BLK 256
 
-/* Max of x[0..len) and whether a NaN occurs; a vectorised reduction. */
-INLINE float block_max(const float *x, int len, int *nan) {
-    float m = -INFINITY;
-    int any = 0;
-#pragma omp simd reduction(max : m) reduction(| : any)
-    for (int i = 0; i < len; i++) {
-        any |= x[i] != x[i];
-        m = x[i] > m ? x[i] : m;
-    }
-    *nan = any;
-    return m;
-}
-
 /* e[i] = exp((x[i] - m) * inv), 0 below the floor, and their float32 sum; the same loop in passes 2
  * and 3, so the rescan sees the values the partial sums were made of. */
 INLINE float block_exp(const float *x, int len, float m, float inv, float fl, float *e) {
