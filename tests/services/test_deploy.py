@@ -44,11 +44,11 @@ def test_args_parse_and_probes_match(service: str) -> None:
     cfg = model_from_args(cls, parser.parse_args(args))
     assert cfg.nats_url == "nats://nats:4222" and cfg.instance_id.startswith(service)
     port = {p["name"]: p["containerPort"] for p in container["ports"]}["http"]
-    paths = {container[p]["httpGet"]["path"] for p in ("readinessProbe", "livenessProbe")}
-    if service == "frontend":
-        assert cfg.port == port and paths == {"/health"}
+    paths = {p: container[p]["httpGet"]["path"] for p in ("readinessProbe", "livenessProbe")}
+    if service == "frontend":  # liveness stays cheap; readiness waits for a warmed-up worker per model
+        assert cfg.port == port and paths == {"readinessProbe": "/ready", "livenessProbe": "/health"}
     else:
-        assert cfg.http_port == port and paths == {"/healthz", "/readyz"}
+        assert cfg.http_port == port and set(paths.values()) == {"/healthz", "/readyz"}
 
 
 def test_worker_grace_period() -> None:

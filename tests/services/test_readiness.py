@@ -43,8 +43,13 @@ async def test_ready_only_after_the_warm_up(nats_server) -> None:
     gate, seen = threading.Event(), []
     async with toy_stack(nats_server.url, workers=0) as stack, aiohttp.ClientSession(stack.base_url) as http:
         assert (await _get(http, "/health"))[0] == 200  # alive
-        status, body = await _get(http, "/ready")
-        assert status == 503 and body["models_without_workers"] == ["toy"]
+        async with http.get("/ready") as r:
+            status, body, retry = r.status, await r.json(), r.headers.get("Retry-After")
+        assert status == 503 and body["models_without_workers"] == ["toy"] and retry == "1"
+        assert body["error"] == {"message": "no ready worker serves 'toy'", "type": "service_unavailable",
+                                 "param": None, "code": "unavailable"}
+        async with http.post("/v1/chat/completions", json={"model": "toy", "messages": CHAT}) as r:
+            assert r.status == 503 and "no live worker serves 'toy'" in (await r.json())["error"]["message"]
         cfg = WorkerConfig(model="toy", instance_id="worker-w", nats_url=stack.nats_url, subject_prefix=stack.prefix,
                            heartbeat_interval_s=HEARTBEAT)
         async with WorkerService(cfg, engine_factory=lambda: _GatedEngine(gate, seen)):
@@ -60,6 +65,7 @@ async def test_ready_only_after_the_warm_up(nats_server) -> None:
                 await asyncio.sleep(0.05)
             status, body = await _get(http, "/ready")
             assert body["workers"] == {"toy": ["worker-w"]} and body["models_without_workers"] == []
+            assert body["status"] == "ready" and "error" not in body
             r = await stack.client().chat.completions.create(model="toy", messages=CHAT, max_tokens=3)
             assert r.choices[0].message.content == "Hel" and seen[1:] and not seen[1].startswith("warmup")
         deadline = asyncio.get_running_loop().time() + 10

@@ -10,7 +10,7 @@ from aiohttp import web
 from opentelemetry.trace import TracerProvider
 
 from moebus import __version__
-from moebus.shared.errors import ServiceError
+from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.logs import request_scope
 from moebus.shared.tracing import TRACE_ID_HEADER, trace_id_of
 
@@ -176,14 +176,19 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: 200 once every served model has a ready (warmed-up) worker; 503 naming what is missing."""
+    """Readiness (the k8s readinessProbe, deploy/frontend.yaml): 200 once every served model has a ready
+    (warmed-up) worker; else 503 with an OpenAI-style `error` saying what is missing, beside the details."""
     fe = request.app[FRONTEND]
     missing = fe.workers.missing(fe.cfg.models) if fe.workers is not None else list(fe.cfg.models)
-    ok = fe.bus.connected and not fe.draining and not missing
-    return web.json_response({"status": "ready" if ok else "not_ready", "nats_connected": fe.bus.connected,
-                              "draining": fe.draining, "models_without_workers": missing,
-                              "workers": fe.workers.ready_workers() if fe.workers is not None else {}},
-                             status=200 if ok else 503)
+    body = {"status": "ready", "nats_connected": fe.bus.connected, "draining": fe.draining,
+            "models_without_workers": missing,
+            "workers": fe.workers.ready_workers() if fe.workers is not None else {}}
+    reason = ("not connected to the bus" if not fe.bus.connected else "draining" if fe.draining
+              else f"no ready worker serves {', '.join(map(repr, missing))}" if missing else None)
+    if reason is None:
+        return web.json_response(body)
+    err = APIError(503, reason, type="service_unavailable", code=ErrorCode.UNAVAILABLE.value)
+    return web.json_response({**err.body(), **body, "status": "not_ready"}, status=503, headers={"Retry-After": "1"})
 
 
 async def ping(request: web.Request) -> web.Response:

@@ -37,8 +37,11 @@ def openapi_document(version: str = "0.1.0", limits: RequestLimits | None = None
             "/v1/chat/completions": post("Chat completion", "ChatCompletionRequest"),
             "/v1/completions": post("Text completion", "CompletionRequest"),
             "/v1/models": {"get": {"summary": "Served models", "responses": {"200": {"description": "model list"}}}},
-            "/health": {"get": {"summary": "Health", "responses": {"200": {"description": "ok"},
-                                                                    "503": {"description": "not ready"}}}},
+            "/health": {"get": {"summary": "Liveness", "responses": {"200": {"description": "ok"},
+                                                                      "503": {"description": "no bus, or draining"}}}},
+            "/ready": {"get": {"summary": "Readiness", "responses": {
+                "200": {"description": "a ready worker serves every model"},
+                "503": {"description": "OpenAI-style error naming what is missing"}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
         },
         "components": {"schemas": schemas,
