@@ -110,25 +110,37 @@ async def test_repeated_long_prompt_is_served_from_the_cache(which: str, request
     assert second < first
 
 
+async def indexed_blocks(stack: Stack) -> dict[str, int]:
+    """Blocks the KV broker's index holds per worker."""
+    return (await stats(stack, "kvbroker", "kvbroker-0"))["holders"]
+
+
 async def test_routing_follows_the_cache(agg: Stack) -> None:
     c = client(agg)
     prompt = "Routing follows the cache: " + LONG
-    before = await picks(agg)
+    before, held = await picks(agg), await indexed_blocks(agg)
     await c.completions.create(model="smollm2", prompt=prompt, max_tokens=2, temperature=0)
     after = await picks(agg)
     (home,) = [w for w in after if after[w] > before.get(w, 0)]
-    await asyncio.sleep(3 * HEARTBEAT)
+    # Route only once the prefix reached the broker's index: a fixed sleep lost that race on a
+    # loaded 2-core CI machine (the first question then went by load alone).
+    deadline = time.monotonic() + 20
+    while (await indexed_blocks(agg)).get(home, 0) <= held.get(home, 0):
+        assert time.monotonic() < deadline, "the worker's cached prefix never reached the KV broker's index"
+        await asyncio.sleep(HEARTBEAT)
     for i in range(3):
         await c.completions.create(model="smollm2", prompt=f"{prompt} Question {i}: why?", max_tokens=2,
                                    temperature=0)
-    now = await picks(agg)
-    assert now[home] == after[home] + 3, (after, now)
+    full = await stats(agg, "balancer", "balancer-0")
+    now = full["picks"]
+    assert now[home] == after[home] + 3, (after, now, full["kv"], full["workers"])
     # Under load, other prompts spread over both workers.
     others = [c.completions.create(model="smollm2", prompt=f"Unrelated prompt number {i}. " * 8, max_tokens=8,
                                    temperature=0) for i in range(4)]
     await asyncio.gather(*others)
-    spread = await picks(agg)
-    assert all(spread[w] > now.get(w, 0) for w in spread), (now, spread)
+    full = await stats(agg, "balancer", "balancer-0")
+    spread = full["picks"]
+    assert all(spread[w] > now.get(w, 0) for w in spread), (now, spread, full["workers"])
 
 
 async def test_killed_kv_broker_loses_no_request(agg: Stack, disagg: Stack) -> None:
