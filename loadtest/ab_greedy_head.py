@@ -7,15 +7,18 @@ e.g. on Zen 4; bf16-only paths leave the fp32 pair at auto).
 
 One engine per dtype (SmolLM2-135M, greedy, --prompt-len random tokens each); each round runs
 --steps decode steps per arm, the arms in alternating order, and times them with
-time.process_time (torch on --threads): the median tok/s per CPU-second of each arm.
+time.process_time (torch on --threads; moebus.loadtest.ab): the median tok/s per CPU-second of each
+arm, with its slowest and fastest round.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
+from collections.abc import Callable
 
 import torch
+
+from moebus.loadtest.ab import alternate, wins
 
 
 def _engine(dtype: str, batch: int, prompt_len: int, tokens: int):
@@ -47,28 +50,28 @@ def run(batch: int, rounds: int, steps: int, prompt_len: int, b_isa: str = "fma2
     engines = {"bf16": _engine("bfloat16", batch, prompt_len, tokens), "fp32": _engine("float32", batch, prompt_len, tokens)}
     arms = {"bf16 head auto": ("bf16", lm_head_argmax), f"bf16 head {b_isa}": ("bf16", b_head),
             "fp32 head auto": ("fp32", lm_head_argmax), f"fp32 head {b_isa}": ("fp32", b_head)}
-    rates: dict[str, list[float]] = {k: [] for k in arms}
+
+    def arm(name: str) -> Callable[[], None]:
+        eng_name, head = arms[name]
+
+        def steps_with_head() -> None:
+            mr.lm_head_argmax = head
+            for _ in range(steps):
+                engines[eng_name].step()
+        return steps_with_head
+
     try:
-        for r in range(rounds):
-            order = list(arms) if r % 2 == 0 else list(reversed(arms))
-            for name in order:
-                eng_name, head = arms[name]
-                mr.lm_head_argmax = head
-                eng = engines[eng_name]
-                t = time.process_time()
-                for _ in range(steps):
-                    eng.step()
-                rates[name].append(batch * steps / (time.process_time() - t))
+        timed = alternate({k: arm(k) for k in arms}, rounds, clock=time.process_time)
     finally:
         mr.lm_head_argmax = lm_head_argmax
         for eng in engines.values():
             eng.close()
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    wins = [sum(a > b for a, b in zip(rates[f"{d} head auto"], rates[f"{d} head {b_isa}"], strict=True))
-            for d in ("bf16", "fp32")]
+    rate = {k: batch * steps / t.median for k, t in timed.items()}
+    won = [wins(timed[f"{d} head auto"], timed[f"{d} head {b_isa}"]) for d in ("bf16", "fp32")]
     print(f"batch={batch} rounds={rounds} steps/round={steps} threads={torch.get_num_threads()}: " + ", ".join(
-        f"{k} {v:.1f}" for k, v in med.items()) + f" tok/s per cpu-second; auto faster in {wins[0]} (bf16) and "
-        f"{wins[1]} (fp32) of {rounds} rounds")
+        f"{k} {rate[k]:.1f} [{batch * steps / t.spread[1]:.1f}-{batch * steps / t.spread[0]:.1f}]"
+        for k, t in timed.items()) + f" tok/s per cpu-second (median [slowest-fastest round]); auto faster in "
+        f"{won[0]} (bf16) and {won[1]} (fp32) of {rounds} rounds")
 
 
 def main() -> None:

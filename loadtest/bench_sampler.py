@@ -13,15 +13,14 @@ timed alone.
 
 Engine: one engine per variant (greedy; temperature 1 and temperature 1 with top_k=50, top_p=0.9,
 each on the Sampler and on the legacy one), B requests decoding in each; --steps decode steps per
-variant per round, variants alternating for --rounds rounds; prints the median wall ms per step and
-tok/s. Times are perf_counter on a shared box: compare within a run, with the load average printed.
+variant per round, variants alternating for --rounds rounds (moebus.loadtest.ab); prints the median
+over rounds of wall ms per step (fastest-slowest round) and tok/s. Times are perf_counter on a shared box: compare within a run, with the load average printed.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from moebus.engine.sampling.sampler import (
     sampling_floor,
 )
 from moebus.kernels import lm_head_argmax, sample_logits
+from moebus.loadtest.ab import alternate
 
 PLAIN = SamplingParams(temperature=1.0, max_tokens=4096, ignore_eos=True)
 TRUNC = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=4096, ignore_eos=True)
@@ -88,19 +88,6 @@ class LegacySampler(Sampler):
         return SamplerOutput(tokens, lp)
 
 
-def _median_ms(fns: dict[str, callable], repeat: int) -> dict[str, float]:
-    """Median ms per call of each fn, calls interleaved so drifts in machine speed hit all alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for f in fns.values():
-        f()
-    for _ in range(repeat):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            times[k].append(1e3 * (time.perf_counter() - t))
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 @torch.inference_mode()
 def parts(runner, b: int, repeat: int) -> None:
     model, head = runner.model, runner.greedy_head
@@ -129,9 +116,9 @@ def parts(runner, b: int, repeat: int) -> None:
             fns[f"{tag} new: sampling_floor (top-k/top-p)"] = lambda batch=batch: sampling_floor(logits, batch)
     t, u = torch.ones(b), torch.rand(b, dtype=torch.float64)
     fns["sample_logits kernel alone"] = lambda: sample_logits(logits, t, u)
-    print(f"\nB={b} vocab={vocab}: median ms of {repeat} interleaved calls")
-    for k, v in _median_ms(fns, repeat).items():
-        print(f"  {k:45s} {v:8.2f}")
+    print(f"\nB={b} vocab={vocab}: median ms [fastest-slowest] of {repeat} interleaved calls")
+    for k, t in alternate(fns, repeat, warmup=1).items():
+        print(f"  {k:45s} {1e3 * t.median:8.2f} [{1e3 * t.spread[0]:.2f}-{1e3 * t.spread[1]:.2f}]")
 
 
 def _engine(b: int) -> LLMEngine:
@@ -152,20 +139,22 @@ def engine_ab(b: int, prompt_len: int, steps: int, rounds: int) -> None:
             eng.add_request(f"{name}-{i}", p, params)
         for _ in range(4):  # prefill and a few decode steps
             eng.step()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for name, eng in engines.items():
+
+    def decode(eng: LLMEngine) -> Callable[[], None]:
+        def run() -> None:
             for _ in range(steps):
-                t = time.perf_counter()
                 eng.step()
-                times[name].append(1e3 * (time.perf_counter() - t))
+        return run
+
+    timed = alternate({name: decode(eng) for name, eng in engines.items()}, rounds)
     for eng in engines.values():
         eng.close()
-    base = statistics.median(times["greedy"])
-    print(f"\nengine c={b}: median wall ms per decode step ({rounds} rounds x {steps} steps, alternating)")
-    for name, v in times.items():
-        ms = statistics.median(v)
-        print(f"  {name:22s} {ms:8.1f} ms  {1e3 * b / ms:7.1f} tok/s  {base / ms:5.3f}x greedy's tok/s")
+    base = timed["greedy"].median
+    print(f"\nengine c={b}: median wall ms per decode step over {rounds} rounds of {steps} steps, variants alternating")
+    for name, t in timed.items():
+        ms, (lo, hi) = 1e3 * t.median / steps, t.spread
+        print(f"  {name:22s} {ms:8.1f} ms [{1e3 * lo / steps:.1f}-{1e3 * hi / steps:.1f}]  {1e3 * b / ms:7.1f} tok/s"
+              f"  {base / t.median:5.3f}x greedy's tok/s")
 
 
 def main() -> None:

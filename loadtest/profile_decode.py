@@ -2,6 +2,7 @@
 
     python loadtest/profile_decode.py --batch 16 64          # per-component CPU time of decode steps
     python loadtest/profile_decode.py --ceiling               # packed fp32 GEMM GFLOP/s at M=16/64, read GB/s
+                                                              # (median [fastest-slowest] of 20 alternating calls)
 
 Times are `time.process_time` with torch on --threads (default 1): on a box loaded by other
 processes the fraction of the step per component is robust even when absolute times are not.
@@ -17,6 +18,8 @@ import functools
 import time
 
 import torch
+
+from moebus.loadtest.ab import alternate
 
 
 @contextlib.contextmanager
@@ -95,31 +98,29 @@ def profile(batch: int, steps: int, prompt_len: int, dtype: str = "float32") -> 
 
 
 def ceiling(repeat: int = 20) -> None:
+    """Each GEMM shape of a step (and the LM head) timed alone, the shapes alternating (moebus.loadtest.ab)."""
     from moebus.engine.cpu_linear import _packed
 
-    def per_call(f, n):
-        f()
-        t = time.process_time()
-        for _ in range(n):
-            f()
-        return (time.process_time() - t) / n
-
     layer = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # SmolLM2: qkv, o, gate_up, down
-    head = (576, 49152)
+    per_step = {shape: 30 for shape in layer} | {(576, 49152): 1}  # 30 layers, one LM head
     for m in (16, 64):
-        total_flop = total_s = 0.0
-        for (k, n), times in [(s, 30) for s in layer] + [(head, 1)]:
+        calls = {}
+        for k, n in per_step:
             lin = _packed(torch.nn.Parameter(torch.randn(n, k) * 0.02, requires_grad=False), None, 64)
-            x = torch.randn(m, k)
-            with torch.inference_mode():
-                s = per_call(functools.partial(lin, x), repeat if n < 10000 else max(repeat // 4, 2))
+            calls[(k, n)] = functools.partial(lin, torch.randn(m, k))
+        with torch.inference_mode():
+            timed = alternate(calls, repeat, warmup=1, clock=time.process_time)
+        total_flop = total_s = 0.0
+        for (k, n), times in per_step.items():
+            s, (lo, hi) = timed[(k, n)].median, timed[(k, n)].spread
             total_flop += 2 * m * k * n * times
             total_s += s * times
-            print(f"M={m:3d} {k:5d}->{n:6d}: {1e3 * s:8.3f} ms {2 * m * k * n / s / 1e9:6.1f} GFLOP/s")
+            print(f"M={m:3d} {k:5d}->{n:6d}: {1e3 * s:8.3f} ms [{1e3 * lo:.3f}-{1e3 * hi:.3f}] "
+                  f"{2 * m * k * n / s / 1e9:6.1f} GFLOP/s")
         print(f"M={m:3d} one step's GEMMs (30 layers + LM head): {1e3 * total_s:.1f} ms, "
               f"{total_flop / total_s / 1e9:.1f} GFLOP/s -> GEMM-only bound {m / total_s:.0f} tok/s per core")
     a = torch.randn(64 << 20)
-    s = per_call(lambda: a.sum(), 5)
+    s = alternate({"sum": a.sum}, 5, warmup=1, clock=time.process_time)["sum"].median
     print(f"read bandwidth (sum of {a.numel() * 4 >> 20} MB): {a.numel() * 4 / s / 1e9:.1f} GB/s")
 
 
