@@ -48,7 +48,8 @@ def _caches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(LAYERS)]
 
 
-CASES = [(None, None), ("Q4_0", 16), ("Q4_1", 16), ("Q4_1", 8), ("Q8_0", None), ("Q8_0", 8), ("Q4_1", None)]
+CASES = [(None, None), ("Q4_0", 16), ("Q4_1", 16), ("Q4_1", 8), ("Q8_0", None), ("Q8_0", 8), ("Q8_0", 16),
+         ("Q4_1", None)]
 
 
 @pytest.mark.parametrize(("qtype", "bits"), CASES)

@@ -167,9 +167,12 @@ def test_qa_cpu_threaded_and_row_independent(qtype, bits, close):
 
 
 # The build the C kernels get here is -march=native; these rebuild the sources without the paths a
-# CPU may lack, so that those a smaller CPU takes stay tested: AVX2 without VNNI (maddubs + madd for
-# the 8-bit dots: on a VNNI CPU the default build uses dpbusd), and no AVX2 at all (the scalar loops).
-FALLBACK_BUILDS = {"avx2-no-vnni": ["-mno-avxvnni", "-mno-avx512vnni"], "scalar": ["-mno-avx2", "-mno-fma"]}
+# CPU may lack, so that those a smaller CPU takes stay tested: AVX2 without AVX-512 (the 8-lane
+# 16-bit dots; on an AVX-512 CPU the default build takes qa_block512), the same without VNNI either
+# (maddubs + madd for the 8-bit dots, where the default build uses dpbusd), and no AVX2 at all.
+NO_AVX512 = ["-mno-avx512f"]
+FALLBACK_BUILDS = {"avx2": NO_AVX512, "avx2-no-vnni": [*NO_AVX512, "-mno-avxvnni", "-mno-avx512vnni"],
+                   "scalar": [*NO_AVX512, "-mno-avx2", "-mno-fma"]}
 
 
 @pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))

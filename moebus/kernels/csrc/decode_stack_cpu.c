@@ -104,7 +104,7 @@ static void prepare(const struct dlinear *L, const float *x, void *qbuf) {
     const int nb = L->k / QK;
     float *dd = (float *)((char *)qbuf + (int64_t)L->k * 2);
     if (L->kind != W_F32 && L->bits) {
-        quantize_row(L->bits == 16, x, nb, qbuf, dd, dd + 1, 2);
+        quantize_row(L->bits == 16, nibble_order(L->kind, L->bits == 16), x, nb, qbuf, dd, dd + 1, 2);
     } else if (L->kind != W_F32) {
         for (int b = 0; b < nb; b++) {
             float s = 0.f;

@@ -17,6 +17,14 @@ enum qtype { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* ggml's type ids */
 #define QK 32  /* weights per block */
 #define RMAX 4 /* x rows sharing one loaded weight block on the few-row paths */
 
+/* How far ahead of its current block a GEMV asks for its weight row stream (the rows of a call are
+ * contiguous). A core's own misses and the hardware prefetcher kept one Sapphire Rapids VM core at
+ * ~4.5 ns a Q8_0 block on a 30 MB weight, ~2x its in-cache time; 4 KB ahead: 1.7-2.0 ns (2 KB:
+ * 2.2-2.5, 1 KB: 2.9-3.2). Cheap: one hint per two blocks, never a fault past the end. */
+#define PREFETCH_BYTES 4096
+
+INLINE void prefetch_ahead(const uint8_t *p) { __builtin_prefetch(p + PREFETCH_BYTES, 0, 3); }
+
 INLINE int block_bytes(int qt) { return qt == Q4_0 ? 18 : qt == Q4_1 ? 20 : 34; }
 
 INLINE int known_qtype(int qt) { return qt == Q4_0 || qt == Q4_1 || qt == Q8_0; }

@@ -29,8 +29,8 @@ int quantize_act_f32(int bits, const float *x, int64_t xs, int64_t M, int64_t K,
     if (bad_k(K) || (bits != 8 && bits != 16)) return 1;
     const int nb = (int)(K / QK);
     for (int64_t m = 0; m < M; m++) {
-        if (bits == 16) quantize_row(1, x + m * xs, nb, (int16_t *)q + m * K, d + m * nb, ds + m * nb, 1);
-        else quantize_row(0, x + m * xs, nb, (int8_t *)q + m * K, d + m * nb, ds + m * nb, 1);
+        if (bits == 16) quantize_row(1, 0, x + m * xs, nb, (int16_t *)q + m * K, d + m * nb, ds + m * nb, 1);
+        else quantize_row(0, 0, x + m * xs, nb, (int8_t *)q + m * K, d + m * nb, ds + m * nb, 1);
     }
     return 0;
 }
@@ -47,8 +47,8 @@ int quant_matmul_qa_f32(int bits, int qt, const float *x, int64_t xs, const uint
     if (!q) return 1;
     float *dd = (float *)(q + qbytes); /* qbytes: a multiple of 32 */
     for (int64_t m = 0; m < M; m++) {
-        if (bits == 16) quantize_row(1, x + m * xs, nb, (int16_t *)q + m * K, dd + 2 * m * nb, dd + 2 * m * nb + 1, 2);
-        else quantize_row(0, x + m * xs, nb, (int8_t *)q + m * K, dd + 2 * m * nb, dd + 2 * m * nb + 1, 2);
+        if (bits == 16) quantize_row(1, nibble_order(qt, 1), x + m * xs, nb, (int16_t *)q + m * K, dd + 2 * m * nb, dd + 2 * m * nb + 1, 2);
+        else quantize_row(0, 0, x + m * xs, nb, (int8_t *)q + m * K, dd + 2 * m * nb, dd + 2 * m * nb + 1, 2);
     }
 #pragma omp parallel if (M * N * K >= 262144)
     {
