@@ -190,26 +190,16 @@ def test_prefix_cache_hit_matches_cold_run(ckpt, unbounded):
     assert llm.engine.stats()["prefix_cache_hits"] == hits  # no window tail: recomputed
 
 
-def test_preemption_recompute_matches_unbounded(ckpt, unbounded):
+def test_preemption_recompute_matches_unbounded(ckpt, unbounded, run_counting_preemptions):
     ps = prompts(5, (95, 94, 93))
     expected = unbounded(ps)
     llm = engine(ckpt, enable_prefix_caching=False, num_kv_blocks=13)
-    eng = llm.engine
-    ids = [f"p{i}" for i in range(len(ps))]
-    for rid, p in zip(ids, ps, strict=True):
-        eng.add_request(rid, p, GREEDY)
-    out: dict[str, list[int]] = {rid: [] for rid in ids}
-    preempted = 0
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            out[o.request_id].extend(o.new_token_ids)
-        live = list(eng.scheduler.running) + list(eng.scheduler.waiting)
-        preempted = max(preempted, sum(r.num_preemptions for r in live))
-    all_windowed = all(g == WINDOW for row in eng.kv_layout.groups for g in row)
+    out, preempted = run_counting_preemptions(llm.engine, ps, GREEDY)
+    all_windowed = all(g == WINDOW for row in llm.engine.kv_layout.groups for g in row)
     # 13 blocks: the mixed model's full pool runs out (two 6-block prompts cross token 96); the
     # all-sliding toy holds 2 blocks a request once prefilled and never has to preempt
     assert preempted == 0 if all_windowed else preempted > 0
-    assert [out[rid] for rid in ids] == expected
+    assert out == expected
 
 
 def test_kv_movement_moves_both_groups(ckpt, unbounded):

@@ -60,26 +60,16 @@ def test_prefix_cache_hit_matches_cold_run(ckpt, alone):
     assert tokens(llm, [base]) == expected[:1]  # the branch did not write into the shared blocks
 
 
-def test_preemption_recompute_matches_alone(ckpt, alone):
+def test_preemption_recompute_matches_alone(ckpt, alone, run_counting_preemptions):
     ps = prompts(4, (95, 94, 93))
     expected = alone(ps)
     # 13 blocks of 16 tokens: two 6-block prompts run, and when both cross token 96 one of them
     # has to give its blocks back and recompute
     llm = LLM(ckpt, tokenizer="smollm2", enable_prefix_caching=False, num_kv_blocks=13,
               max_num_batched_tokens=4096)
-    engine = llm.engine
-    ids = [f"p{i}" for i in range(len(ps))]
-    for rid, p in zip(ids, ps, strict=True):
-        engine.add_request(rid, p, GREEDY)
-    out: dict[str, list[int]] = {rid: [] for rid in ids}
-    preempted = 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-        live = list(engine.scheduler.running) + list(engine.scheduler.waiting)
-        preempted = max(preempted, sum(r.num_preemptions for r in live))
+    out, preempted = run_counting_preemptions(llm.engine, ps, GREEDY)
     assert preempted > 0
-    assert [out[rid] for rid in ids] == expected
+    assert out == expected
 
 
 def test_deterministic_mode_is_batch_invariant(ckpt):
