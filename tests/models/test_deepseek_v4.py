@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moebus.engine.attention import AttentionMetadata
+from moebus.engine.model_runner import allocate_kv_caches
 from moebus.engine.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
 from moebus.engine.models.hf_checkpoint import read_hf_checkpoint, write_tiny_deepseek_v4
 
@@ -42,10 +43,9 @@ def model(ckpt) -> DeepseekV4ForCausalLM:
     return m
 
 
-def caches(model: DeepseekV4ForCausalLM, num_seqs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    n = num_seqs * MAX_BLOCKS
-    return [(torch.zeros(n, BLOCK, s.num_kv_heads, s.k_dim), torch.zeros(n, BLOCK, s.num_kv_heads, s.v_dim))
-            for s in model.kv_cache_specs()]
+def caches(model: DeepseekV4ForCausalLM, num_seqs: int) -> list[tuple[torch.Tensor, ...]]:
+    return allocate_kv_caches(model.kv_cache_specs(), num_seqs * MAX_BLOCKS, BLOCK, torch.float32,
+                              torch.device("cpu"))
 
 
 def step_meta(ctx_lens: list[int], new_lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
