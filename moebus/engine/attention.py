@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moebus.kernels import paged_attention_decode
+from moebus.kernels.prefill_attention import attend_one_ref, prefill_attention_cpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,45 +90,6 @@ def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, bl
     return cache[block_table[:n_blocks].long()].flatten(0, 1)[:seq_len]
 
 
-def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [Lq, Hq, D] are the last Lq positions of a context whose keys are k [L, Hkv, D]."""
-    lq, hq, _ = q.shape
-    L, hkv, _ = k.shape
-    group = hq // hkv
-    # 4-D [1, H, L, D] with enable_gqa: torch's CPU flash kernel takes these (3-D inputs and
-    # repeated kv heads fall back to the unfused math path, ~10x slower).
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if sinks is None:
-        mask = None
-        if sliding_window is not None or lq != L:
-            qpos = torch.arange(L - lq, L, device=q.device)[:, None]
-            kpos = torch.arange(L, device=q.device)[None, :]
-            mask = kpos <= qpos
-            if sliding_window is not None:
-                mask &= kpos > qpos - sliding_window
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None,
-                                             scale=scale, enable_gqa=group > 1)
-        return out[0].transpose(0, 1)
-    qpos = torch.arange(L - lq, L, device=q.device)[:, None]
-    kpos = torch.arange(L, device=q.device)[None, :]
-    mask = kpos <= qpos
-    if sliding_window is not None:
-        mask &= kpos > qpos - sliding_window
-    # A sink is one more key whose logit is sinks[h] for every query and whose value is zero: a
-    # zero key (q.k = 0) plus an additive mask column holding the sink. One fused SDPA call, in
-    # float32 as before (Zen 3, 128 and 512 tokens: 1.2-1.3x faster than the einsum / softmax /
-    # einsum it replaced with a 64-token window, 1.4-1.6x without one).
-    bias = torch.zeros(hq, lq, L + 1, dtype=torch.float32, device=q.device)
-    bias[:, :, :L].masked_fill_(~mask, float("-inf"))
-    bias[:, :, L] = sinks.float()[:, None]
-    kz = torch.cat([kh.float(), kh.new_zeros(1, hkv, 1, kh.shape[-1], dtype=torch.float32)], dim=2)
-    vz = torch.cat([vh.float(), vh.new_zeros(1, hkv, 1, vh.shape[-1], dtype=torch.float32)], dim=2)
-    out = F.scaled_dot_product_attention(qh.float(), kz, vz, attn_mask=bias[None], scale=scale,
-                                         enable_gqa=group > 1)
-    return out[0].transpose(0, 1).to(q.dtype)
-
-
 # Sliding windows up to this many keys take the banded prefill path; each gathered chunk of keys
 # (and of values) holds at most _BANDED_CHUNK elements.
 BANDED_MAX_WINDOW = 512
@@ -201,6 +162,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[to
                                            meta.seq_lens_t[seqs], scale, sliding_window=sliding_window,
                                            sinks=sinks)
         done = set(singles)
+    rest = [b for b in range(meta.num_seqs) if b not in done and qsl[b + 1] > qsl[b]]
+    # CPU: every remaining chunk in one C kernel call over the paged cache (one SDPA call per
+    # sequence and layer cost ~150 us each; 16 x 128-token prompts, fp32: ~1.8x per layer). Its
+    # rows do not depend on the batch, so deterministic mode takes it too.
+    if rest and q.device.type == "cpu" and prefill_attention_cpu(
+            q, k_cache, v_cache, meta.block_tables[rest], [qsl[b] for b in rest],
+            [qsl[b + 1] - qsl[b] for b in rest], [meta.seq_lens[b] for b in rest], scale,
+            sliding_window, sinks, out) is not None:
+        return out
     if sliding_window is not None and sliding_window <= BANDED_MAX_WINDOW and not meta.batch_invariant:
         chunks = [b for b in range(meta.num_seqs) if b not in done and qsl[b + 1] > qsl[b]]
         if chunks:
@@ -215,5 +185,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[to
         else:
             kb = _gather_seq(k_cache, meta.block_tables[b], seq_len, meta.block_size)
             vb = _gather_seq(v_cache, meta.block_tables[b], seq_len, meta.block_size)
-        out[s:e] = _prefill_one(q[s:e], kb.to(q.dtype), vb.to(q.dtype), scale, sliding_window, sinks)
+        out[s:e] = attend_one_ref(q[s:e], kb.to(q.dtype), vb.to(q.dtype), scale, sliding_window, sinks)
     return out

@@ -86,13 +86,13 @@ def _naive_sinks(q, k, v, scale, window, sinks):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("lq", [1, 7, 19])  # decode row, a chunk after cached context, a whole prompt
 def test_prefill_with_sinks_matches_fp64(window, lq):
-    from moebus.engine.attention import _prefill_one
+    from moebus.kernels.prefill_attention import attend_one_ref
 
     torch.manual_seed(0)
     L, hq, hkv, d = 19, 6, 2, 16
     q, k, v = torch.randn(lq, hq, d), torch.randn(L, hkv, d), torch.randn(L, hkv, d)
     sinks = torch.randn(hq) * 2
-    out = _prefill_one(q, k, v, d ** -0.5, window, sinks)
+    out = attend_one_ref(q, k, v, d ** -0.5, window, sinks)
     torch.testing.assert_close(out.double(), _naive_sinks(q, k, v, d ** -0.5, window, sinks), rtol=1e-5, atol=1e-5)
 
 
