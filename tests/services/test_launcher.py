@@ -72,3 +72,52 @@ def test_serve_one_service_and_sigterm() -> None:
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+async def _probe(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen) -> tuple[int, dict]:
+    """(status, JSON body) of GET url; (0, {}) while nothing listens yet."""
+    assert proc.poll() is None, "the frontend exited"
+    try:
+        async with http.get(url) as r:
+            return r.status, await r.json()
+    except aiohttp.ClientConnectionError:
+        return 0, {}
+
+
+async def test_frontend_ready_only_once_a_worker_serves_its_model() -> None:
+    """Real processes, as deploy/frontend.yaml probes them: /health (liveness) is 200 as soon as the
+    frontend is up; /ready (readiness) is 503 with an OpenAI-style error until a worker serves the model."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cli = [sys.executable, "-m", "moebus.cli", "serve"]
+    with NatsServer() as nats:
+        common = ["--nats-url", nats.url, "--heartbeat-interval-s", "0.2"]
+        frontend = subprocess.Popen([*cli, "frontend", *common, "--host", "127.0.0.1", "--port", str(port),
+                                     "--models", "toy"], stderr=subprocess.DEVNULL)
+        worker = None
+        try:
+            async with aiohttp.ClientSession() as http:
+                deadline = time.monotonic() + 30
+                while (await _probe(http, url + "/health", frontend))[0] != 200:
+                    assert time.monotonic() < deadline, "frontend not alive in time"
+                    await asyncio.sleep(0.1)
+                status, body = await _probe(http, url + "/ready", frontend)
+                assert status == 503 and body["models_without_workers"] == ["toy"]
+                assert body["error"]["message"] == "no ready worker serves 'toy'"
+                assert body["error"]["type"] == "service_unavailable"
+                worker = subprocess.Popen([*cli, "worker", *common, "--model", "toy", "--instance-id", "worker-r"],
+                                          stderr=subprocess.DEVNULL)
+                deadline = time.monotonic() + 60
+                while (ready := await _probe(http, url + "/ready", frontend))[0] != 200:
+                    assert ready[0] == 503 and worker.poll() is None, ready
+                    assert time.monotonic() < deadline, "never ready"
+                    await asyncio.sleep(0.1)
+                assert ready[1]["workers"] == {"toy": ["worker-r"]} and "error" not in ready[1]
+        finally:
+            for proc in (worker, frontend):
+                if proc is not None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(15)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
