@@ -165,22 +165,40 @@ static void rotate(const float *x, float *o, int d, const float *c, const float 
     }
 }
 
+/* q . k * scale for one cached or current key row. */
+static inline float score(const float *q, const float *kp, int hd, float scale) {
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < hd; i++) acc += q[i] * kp[i];
+    return acc * scale;
+}
+
+#define KV_AHEAD 8 /* cache rows the attention loops prefetch ahead in a block */
+
+/* The hd floats at p into the cache, a line at a time (the rows are strided: no streamer helps). */
+static inline void prefetch_row(const float *p, int hd) {
+    for (int i = 0; i < hd; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
 /* Softmax attention of one query head q over positions [0, len): [0, len - 1) from the paged cache
- * (kv head offset off), the last from this token's k / v. */
+ * (kv head offset off), the last from this token's k / v. The cache is walked a block at a time
+ * (one table lookup a block), rows prefetched KV_AHEAD ahead. */
 static void attend_head(const struct dmodel *m, const float *q, const float *kc, const float *vc,
                         const int32_t *table, int len, int64_t off, const float *k, const float *v, float *s,
                         float *o) {
-    const int hd = m->hd, bs = m->block_size;
+    const int hd = m->hd, bs = m->block_size, cached = len - 1;
     const int64_t row = (int64_t)m->nkv * hd; /* floats a cache slot */
-    float mx = -INFINITY;
-    for (int p = 0; p < len; p++) {
-        const float *kp = p < len - 1 ? kc + ((int64_t)table[p / bs] * bs + p % bs) * row + off : k;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int i = 0; i < hd; i++) acc += q[i] * kp[i];
-        s[p] = acc * m->scale;
-        mx = s[p] > mx ? s[p] : mx;
+    for (int p0 = 0; p0 < cached; p0 += bs) {
+        const int n = cached - p0 < bs ? cached - p0 : bs;
+        const float *kb = kc + (int64_t)table[p0 / bs] * bs * row + off;
+        for (int i = 0; i < n; i++) {
+            if (i + KV_AHEAD < n) prefetch_row(kb + (i + KV_AHEAD) * row, hd);
+            s[p0 + i] = score(q, kb + i * row, hd, m->scale);
+        }
     }
+    s[cached] = score(q, k, hd, m->scale);
+    float mx = -INFINITY;
+    for (int p = 0; p < len; p++) mx = s[p] > mx ? s[p] : mx;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int p = 0; p < len; p++) {
@@ -188,11 +206,19 @@ static void attend_head(const struct dmodel *m, const float *q, const float *kc,
         sum += s[p];
     }
     for (int i = 0; i < hd; i++) o[i] = 0.f;
-    for (int p = 0; p < len; p++) {
-        const float *vp = p < len - 1 ? vc + ((int64_t)table[p / bs] * bs + p % bs) * row + off : v, w = s[p];
+    for (int p0 = 0; p0 < cached; p0 += bs) {
+        const int n = cached - p0 < bs ? cached - p0 : bs;
+        const float *vb = vc + (int64_t)table[p0 / bs] * bs * row + off;
+        for (int j = 0; j < n; j++) {
+            if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row, hd);
+            const float *vp = vb + j * row, w = s[p0 + j];
 #pragma omp simd
-        for (int i = 0; i < hd; i++) o[i] += w * vp[i];
+            for (int i = 0; i < hd; i++) o[i] += w * vp[i];
+        }
     }
+    const float wl = s[cached];
+#pragma omp simd
+    for (int i = 0; i < hd; i++) o[i] += wl * v[i];
     const float inv = 1.f / sum; /* sum >= 1: the maximum's term */
     for (int i = 0; i < hd; i++) o[i] *= inv;
 }
