@@ -17,6 +17,12 @@
  * packing) and RB rows x 64 value columns (p.v). Vectors are GCC vector extensions of 16 floats:
  * one zmm with AVX-512, split into ymm / xmm halves by the compiler on smaller CPUs.
  */
+#if defined(__AVX512F__)
+/* GCC vectorizes `omp simd` loops (the softmax's exp) 8 lanes wide on CPUs it tunes for 256 bits
+ * unless told otherwise; here the loops are 16 or 32 wide. */
+#pragma GCC target("prefer-vector-width=512")
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 
 #include "cpu_common.h"
@@ -35,20 +41,22 @@ struct scratch {
     float *s;     /* [Mp][KT] scores, then probabilities */
     float *p16;   /* [Mp][KT] bf16 probabilities (the AMX path) */
     float *o;     /* [Mp][Dvp] unnormalized outputs */
-    float *m, *l, *alpha; /* [Mp] running max, running sum, this tile's rescale */
+    float *m, *alpha; /* [Mp] running max, this tile's rescale */
+    vf *l;            /* [Mp] running sum, lane-wise */
 };
 
 static inline size_t up64(size_t n) { return (n + 15) & ~(size_t)15; }
 
 static int scratch_alloc(struct scratch *w, int Mp, int D, int Dvp) {
     const size_t n[7] = {up64((size_t)Mp * D), up64((size_t)Mp * KT), up64((size_t)Mp * KT / 2),
-                         up64((size_t)Mp * Dvp), up64(Mp), up64(Mp), up64(Mp)};
+                         up64((size_t)Mp * Dvp), up64(Mp), up64((size_t)Mp * VW), up64(Mp)};
     size_t total = 0;
     for (int i = 0; i < 7; i++) total += n[i];
     float *p = aligned_alloc(64, total * sizeof(float));
     if (!p) return 1;
-    float **dst[7] = {&w->q, &w->s, &w->p16, &w->o, &w->m, &w->l, &w->alpha};
+    float *l, **dst[7] = {&w->q, &w->s, &w->p16, &w->o, &w->m, &l, &w->alpha};
     for (int i = 0; i < 7; i++) *dst[i] = p, p += n[i];
+    w->l = (vf *)l;
     return 0;
 }
 
@@ -97,27 +105,51 @@ static inline __attribute__((always_inline)) void pv_tile(const float *p, const 
     }
 }
 
-/* Online-softmax update of row r's running max / sum for scores s[lo..hi) of this tile (the rest
- * are hidden from it): s becomes the probabilities (zeros outside [lo, hi)), alpha the rescale. */
-static inline __attribute__((always_inline)) void softmax_row(float *s, int lo, int hi, float *m, float *l,
+/* The largest lane of v; a shuffle tree on AVX-512 (a reduction loop became a serial chain). */
+INLINE float vmax_lanes(vf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps((__m512)v);
+#else
+    float r = v[0];
+    for (int i = 1; i < VW; i++) r = v[i] > r ? v[i] : r;
+    return r;
+#endif
+}
+
+INLINE float vsum_lanes(vf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float r = 0.f;
+    for (int i = 0; i < VW; i++) r += v[i];
+    return r;
+#endif
+}
+
+/* Online-softmax update of a row's running max m and lane-wise running sum l (summed at the end)
+ * for scores s[lo..hi) of this tile (the rest are hidden from it): s becomes the probabilities
+ * (zeros outside [lo, hi)), alpha the rescale of what the row accumulated before. */
+static inline __attribute__((always_inline)) void softmax_row(float *s, int lo, int hi, float *m, vf *l,
                                                               float *alpha) {
     if (lo >= hi) {
         for (int j = 0; j < KT; j++) s[j] = 0.f;
         *alpha = 1.f;
         return;
     }
-    float mx = *m;
-#pragma omp simd reduction(max : mx)
-    for (int j = lo; j < hi; j++) mx = s[j] > mx ? s[j] : mx;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int j = 0; j < KT; j++) {
-        const float e = fast_exp(s[j] - mx);
-        s[j] = j >= lo && j < hi ? e : 0.f;
-        sum += s[j];
-    }
+#pragma omp simd
+    for (int j = 0; j < KT; j++) s[j] = j >= lo && j < hi ? s[j] : -INFINITY;
+    const vf a = *(vf *)s, b = *(vf *)(s + VW);
+#if defined(__AVX512F__)
+    const float top = vmax_lanes((vf)_mm512_max_ps((__m512)a, (__m512)b));
+#else
+    float top = -INFINITY;
+    for (int i = 0; i < VW; i++) top = a[i] > top ? a[i] : top, top = b[i] > top ? b[i] : top;
+#endif
+    const float mx = top > *m ? top : *m;
+#pragma omp simd
+    for (int j = 0; j < KT; j++) s[j] = fast_exp(s[j] - mx); /* exp(-inf) = 0 */
     *alpha = fast_exp(*m - mx); /* 0 while m is -inf */
-    *l = *l * *alpha + sum;
+    *l = *l * *alpha + *(vf *)s + *(vf *)(s + VW);
     *m = mx;
 }
 
@@ -202,8 +234,10 @@ static inline void qk_tile_amx(const uint16_t *q, const uint16_t *kt, float *s, 
 static inline void pv_tile_amx(const float *s, uint16_t *p16, const uint16_t *v, const float *alpha, float *o,
                                int m0, int m1, int Dvp) {
     for (int m = m0; m < m1; m++) {
-        const vf a = (vf){0} + alpha[m];
-        for (int c = 0; c < Dvp; c += VW) *(vf *)(o + (size_t)m * Dvp + c) *= a;
+        if (alpha[m] != 1.f) { /* the running max moved */
+            const vf a = (vf){0} + alpha[m];
+            for (int c = 0; c < Dvp; c += VW) *(vf *)(o + (size_t)m * Dvp + c) *= a;
+        }
         for (int j = 0; j < KT; j += 16)
             _mm256_store_si256((__m256i *)(p16 + (size_t)m * KT + j),
                                (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s + (size_t)m * KT + j)));
@@ -319,7 +353,7 @@ static inline __attribute__((always_inline)) void prefill_task(enum dtype t, int
         }
         /* A sink starts the running max at its logit with mass exp(0) = 1 in the sum. */
         w->m[m] = a->sinks && m < M ? a->sinks[h * G + m % G] : -INFINITY;
-        w->l[m] = a->sinks && m < M ? 1.f : 0.f;
+        w->l[m] = (vf){a->sinks && m < M ? 1.f : 0.f};
         memset(w->o + (size_t)m * Dvp, 0, (size_t)Dvp * sizeof(float));
     }
     const int last = base + ni - 1;
@@ -361,7 +395,8 @@ static inline __attribute__((always_inline)) void prefill_task(enum dtype t, int
     }
     for (int m = 0; m < M; m++) {
         char *dst = a->out + ((int64_t)(a->q_start[s] + i0 + m / G) * a->o_st + (int64_t)(h * G + m % G) * a->o_sh) * es;
-        store_row(t, dst, w->o + (size_t)m * Dvp, w->l[m] > 0.f ? 1.f / w->l[m] : 0.f, Dv);
+        const float l = vsum_lanes(w->l[m]);
+        store_row(t, dst, w->o + (size_t)m * Dvp, l > 0.f ? 1.f / l : 0.f, Dv);
     }
 }
 
