@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compile
 
 HIDDEN, INTER, NH, NKV, HD, LAYERS, BS = 96, 160, 3, 1, 32, 2, 4
 SHAPE = StackShape(NH, NKV, HD, 1e-5, 10000.0, 64)
+# head dims: 32 takes the attention's plain weighted-V loop, 64 its register tiles (AVX2 builds)
+HEAD_DIMS = pytest.mark.parametrize("hd", [HD, 64])
 # float32 sums in another order through 2 layers (values ~1): ~1e-6; integer activations add the
 # chance that a reordered norm flips one rounding of a quantized element (d / 2, d ~ max|x| / 32767).
 TOL = {"atol": 2e-4, "rtol": 1e-4}
@@ -34,17 +36,17 @@ def _linear(n: int, k: int, qtype: str | None, bits: int | None, g: torch.Genera
     return StackLinear(blocks, k, qtype, bits)
 
 
-def _stack(qtype: str | None, bits: int | None, seed: int = 0) -> list[StackLayer]:
+def _stack(qtype: str | None, bits: int | None, seed: int = 0, hd: int = HD) -> list[StackLayer]:
     g = torch.Generator().manual_seed(seed)
     return [StackLayer(1 + 0.1 * torch.randn(HIDDEN, generator=g), 1 + 0.1 * torch.randn(HIDDEN, generator=g),
-                       _linear((NH + 2 * NKV) * HD, HIDDEN, qtype, bits, g), _linear(HIDDEN, NH * HD, qtype, bits, g),
+                       _linear((NH + 2 * NKV) * hd, HIDDEN, qtype, bits, g), _linear(HIDDEN, NH * hd, qtype, bits, g),
                        _linear(2 * INTER, HIDDEN, qtype, bits, g), _linear(HIDDEN, INTER, qtype, bits, g))
             for _ in range(LAYERS)]
 
 
-def _caches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _caches(seed: int, hd: int = HD) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(6, BS, NKV, HD, generator=g), torch.randn(6, BS, NKV, HD, generator=g))
+    return [(torch.randn(6, BS, NKV, hd, generator=g), torch.randn(6, BS, NKV, hd, generator=g))
             for _ in range(LAYERS)]
 
 
@@ -52,18 +54,20 @@ CASES = [(None, None), ("Q4_0", 16), ("Q4_1", 16), ("Q4_1", 8), ("Q8_0", None), 
          ("Q4_1", None)]
 
 
+@HEAD_DIMS
 @pytest.mark.parametrize(("qtype", "bits"), CASES)
 @pytest.mark.parametrize("pos", [0, 3, 4, 9, 19])  # first slot, last of a block, first of the next
-def test_step_matches_reference(qtype, bits, pos):
-    layers = _stack(qtype, bits)
+def test_step_matches_reference(qtype, bits, pos, hd):
+    shape = StackShape(NH, NKV, hd, SHAPE.eps, SHAPE.rope_theta, SHAPE.max_positions)
+    layers = _stack(qtype, bits, hd=hd)
     norm = 1 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1))
     table = torch.tensor([5, 2, 0, 4, 1, 3], dtype=torch.int32)  # scattered pages
     slot = int(table[pos // BS]) * BS + pos % BS
     h0 = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(pos))
-    ref_caches, caches = _caches(pos), _caches(pos)
-    want_out, want_h = decode_stack_ref(layers, norm, SHAPE, h0, pos, slot, pos + 1, table, ref_caches)
+    ref_caches, caches = _caches(pos, hd), _caches(pos, hd)
+    want_out, want_h = decode_stack_ref(layers, norm, shape, h0, pos, slot, pos + 1, table, ref_caches)
     h = h0.clone()
-    out = DecodeStack(layers, norm, SHAPE).step(h, pos, slot, pos + 1, table, caches)
+    out = DecodeStack(layers, norm, shape).step(h, pos, slot, pos + 1, table, caches)
     assert out is not None
     torch.testing.assert_close(out, want_out, **TOL)
     torch.testing.assert_close(h, want_h, **TOL)

@@ -165,19 +165,81 @@ static void rotate(const float *x, float *o, int d, const float *c, const float 
     }
 }
 
-/* q . k * scale for one cached or current key row. */
+#define KV_AHEAD 8 /* cache rows the attention loops prefetch ahead in a block */
+
+/* The n floats at p into the cache, a line at a time (the rows are strided: no streamer helps). */
+static inline void prefetch_row(const float *p, int n) {
+    for (int i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* q . k * scale for one cached or current key row. AVX2: 4 independent 8-lane chains (a single
+ * chain over hd, as the compiler made of the plain loop, bound a score at hd / 8 FMA latencies plus
+ * a serial horizontal sum: most of the attention's time, ~40 ns a head and position). */
 static inline float score(const float *q, const float *kp, int hd, float scale) {
+#if MOEBUS_DOT_AVX2
+    if (hd % 32 == 0) {
+        __m256 a[4];
+        for (int j = 0; j < 4; j++) a[j] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), _mm256_loadu_ps(kp + 8 * j));
+        for (int i = 32; i < hd; i += 32)
+            for (int j = 0; j < 4; j++)
+                a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8 * j), _mm256_loadu_ps(kp + i + 8 * j), a[j]);
+        const __m256 t = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v))) * scale;
+    }
+#endif
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
     for (int i = 0; i < hd; i++) acc += q[i] * kp[i];
     return acc * scale;
 }
 
-#define KV_AHEAD 8 /* cache rows the attention loops prefetch ahead in a block */
+#define VT 64 /* output columns a register tile of the weighted V sum (8 AVX2 registers) */
 
-/* The hd floats at p into the cache, a line at a time (the rows are strided: no streamer helps). */
-static inline void prefetch_row(const float *p, int hd) {
-    for (int i = 0; i < hd; i += 16) __builtin_prefetch(p + i, 0, 3);
+/* o = (sum_p s[p] v_p) * inv over the cached positions (kv head offset off), then this token's v
+ * (weight s[cached]). AVX2, hd a multiple of VT: the sums of a column tile stay in registers over
+ * all positions (the plain loop loaded and stored o at every position); each element's terms are
+ * added in the same order either way. */
+static void weighted_v(const float *vc, const int32_t *table, int bs, int64_t row, int64_t off, int cached,
+                       const float *s, const float *v, int hd, float inv, float *o) {
+#if MOEBUS_DOT_AVX2
+    if (hd % VT == 0) {
+        for (int c0 = 0; c0 < hd; c0 += VT) {
+            __m256 acc[VT / 8];
+            for (int i = 0; i < VT / 8; i++) acc[i] = _mm256_setzero_ps();
+            for (int p0 = 0; p0 < cached; p0 += bs) {
+                const int n = cached - p0 < bs ? cached - p0 : bs;
+                const float *vb = vc + (int64_t)table[p0 / bs] * bs * row + off + c0;
+                for (int j = 0; j < n; j++) {
+                    if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row, VT);
+                    const __m256 w = _mm256_set1_ps(s[p0 + j]);
+                    for (int i = 0; i < VT / 8; i++)
+                        acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + j * row + 8 * i), acc[i]);
+                }
+            }
+            const __m256 w = _mm256_set1_ps(s[cached]), iv = _mm256_set1_ps(inv);
+            for (int i = 0; i < VT / 8; i++)
+                _mm256_storeu_ps(o + c0 + 8 * i,
+                                 _mm256_mul_ps(_mm256_fmadd_ps(w, _mm256_loadu_ps(v + c0 + 8 * i), acc[i]), iv));
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < hd; i++) o[i] = 0.f;
+    for (int p0 = 0; p0 < cached; p0 += bs) {
+        const int n = cached - p0 < bs ? cached - p0 : bs;
+        const float *vb = vc + (int64_t)table[p0 / bs] * bs * row + off;
+        for (int j = 0; j < n; j++) {
+            if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row, hd);
+            const float *vp = vb + j * row, w = s[p0 + j];
+#pragma omp simd
+            for (int i = 0; i < hd; i++) o[i] += w * vp[i];
+        }
+    }
+    const float wl = s[cached];
+#pragma omp simd
+    for (int i = 0; i < hd; i++) o[i] = (o[i] + wl * v[i]) * inv;
 }
 
 /* Softmax attention of one query head q over positions [0, len): [0, len - 1) from the paged cache
@@ -197,30 +259,15 @@ static void attend_head(const struct dmodel *m, const float *q, const float *kc,
         }
     }
     s[cached] = score(q, k, hd, m->scale);
-    float mx = -INFINITY;
-    for (int p = 0; p < len; p++) mx = s[p] > mx ? s[p] : mx;
+    int nan;
+    const float mx = block_max(s, len, &nan); /* a NaN score propagates through the sums either way */
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int p = 0; p < len; p++) {
         s[p] = fast_exp(s[p] - mx);
         sum += s[p];
     }
-    for (int i = 0; i < hd; i++) o[i] = 0.f;
-    for (int p0 = 0; p0 < cached; p0 += bs) {
-        const int n = cached - p0 < bs ? cached - p0 : bs;
-        const float *vb = vc + (int64_t)table[p0 / bs] * bs * row + off;
-        for (int j = 0; j < n; j++) {
-            if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row, hd);
-            const float *vp = vb + j * row, w = s[p0 + j];
-#pragma omp simd
-            for (int i = 0; i < hd; i++) o[i] += w * vp[i];
-        }
-    }
-    const float wl = s[cached];
-#pragma omp simd
-    for (int i = 0; i < hd; i++) o[i] += wl * v[i];
-    const float inv = 1.f / sum; /* sum >= 1: the maximum's term */
-    for (int i = 0; i < hd; i++) o[i] *= inv;
+    weighted_v(vc, table, bs, row, off, cached, s, v, hd, 1.f / sum /* >= 1: the maximum's term */, o);
 }
 
 /* h [hidden]: this token's embedding in, the residual stream after the last layer out; out
