@@ -2,7 +2,8 @@
 
 q [T, Hq, D], k [T, Hk, D], cos/sin [T, R/2] for a rotary dim R <= D applied to the first R
 channels of every head: (x1, x2) = (x[:R/2], x[R/2:R]) -> (x1*cos - x2*sin, x2*cos + x1*sin);
-channels R..D pass through. Math in float32, outputs in the input dtype (new tensors).
+channels R..D pass through. Math in float32, outputs in the input dtype: new tensors, or q and k
+themselves with `apply_rotary_` (in place; e.g. on q/k views of a fused qkv projection, no copies).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from ._compat import check_launchable, next_pow2, tl, triton, use_triton
 from .cpu_build import I32, I64, PTR, library, on_cpu
 
-_CPU_ARGTYPES = [PTR, I64, I64, PTR, PTR, I64, PTR, I64, I32, I32, I32]
+_CPU_ARGTYPES = [PTR, I64, I64, PTR, PTR, I64, PTR, I64, I64, I64, I32, I32, I32]
 
 
 def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float,
@@ -100,9 +101,10 @@ def apply_rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return _rotate_triton(q, cos, sin, half), _rotate_triton(k, cos, sin, half)
 
 
-def apply_rotary_cpu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The C kernel in csrc/elementwise_cpu.c; None when it does not apply."""
+def apply_rotary_cpu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                     inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C kernel in csrc/elementwise_cpu.c (into new contiguous tensors, or into q and k
+    themselves when `inplace`); None when it does not apply."""
     half = _check(q, k, cos, sin)
     fn = library("elementwise_cpu.c").function("rotary", q.dtype, _CPU_ARGTYPES) if on_cpu(q, k) else None
     if fn is None or cos.device.type != "cpu":
@@ -110,10 +112,10 @@ def apply_rotary_cpu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     c, s = cos.float().contiguous(), sin.float().contiguous()
     outs = []
     for x in (q, k):
-        out = torch.empty(x.shape, dtype=x.dtype)
-        if x.numel():
-            fn(x.data_ptr(), x.stride(0), x.stride(1), c.data_ptr(), s.data_ptr(), c.stride(0), out.data_ptr(),
-               x.shape[0], x.shape[1], x.shape[2], half)
+        out = x if inplace else torch.empty(x.shape, dtype=x.dtype)
+        if x.numel() and fn(x.data_ptr(), x.stride(0), x.stride(1), c.data_ptr(), s.data_ptr(), c.stride(0),
+                            out.data_ptr(), out.stride(0), out.stride(1), x.shape[0], x.shape[1], x.shape[2], half):
+            return None  # head dim > 1024: declined for q already (q and k share it), nothing written
         outs.append(out)
     return outs[0], outs[1]
 
@@ -124,3 +126,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         return apply_rotary_triton(q, k, cos.contiguous(), sin.contiguous())
     out = apply_rotary_cpu(q, k, cos, sin)
     return out if out is not None else apply_rotary_ref(q, k, cos, sin)
+
+
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary written into q and k (which must not overlap); returns them."""
+    if not use_triton(q) and apply_rotary_cpu(q, k, cos, sin, inplace=True) is not None:
+        return q, k
+    rq, rk = apply_rotary(q, k, cos, sin)
+    return q.copy_(rq), k.copy_(rk)

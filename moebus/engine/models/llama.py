@@ -10,7 +10,8 @@ from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
 from moebus.engine.cpu_linear import QuantLinear
 from moebus.engine.models.llama_decode import DecodeFastPath
 from moebus.engine.multimodal import MMEmbeds
-from moebus.kernels import apply_rotary, fused_add_rms_norm, rms_norm, rotary_cos_sin, silu_and_mul
+from moebus.kernels import fused_add_rms_norm, rms_norm, rotary_cos_sin, silu_and_mul
+from moebus.kernels.rotary import apply_rotary_
 
 
 @dataclass(slots=True)
@@ -66,7 +67,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, meta, kv_cache):
         q, k, v = self.qkv_proj(x).split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q, k = apply_rotary(q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd), cos, sin)
+        # In place on the projection's q/k views: no new q/k tensors (attend takes strided q and k).
+        q, k = apply_rotary_(q.view(-1, self.nh, self.hd), k.view(-1, self.nkv, self.hd), cos, sin)
         o = attend(q, k, v.view(-1, self.nkv, self.hd), kv_cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 

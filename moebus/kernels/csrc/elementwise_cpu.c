@@ -1,86 +1,136 @@
 /* Row-wise CPU kernels: fused residual-add + RMSNorm, SwiGLU (silu(gate) * up), neox rotary.
  * Semantics are those of the torch references in kernels/rmsnorm.py, silu_mul.py, rotary.py:
  * float32 math, one rounding to the storage type at the end (and of the residual sum, which the
- * norm then reads back rounded, as an unfused model would). Rows run in parallel (OpenMP), a
- * single row on the calling thread: a batch-1 decode step would otherwise wake the pool for one
- * row of work several times a layer. Every row's last dim is contiguous, row strides are in
- * elements. */
+ * norm then reads back rounded, as an unfused model would). Every row's last dim is contiguous,
+ * row strides are in elements.
+ *
+ * Rows run in parallel (OpenMP, static split) once a call has PAR_MIN elements of work; smaller
+ * calls (decode steps) stay on the calling thread, where waking the pool would cost more than the
+ * work. Inside a parallel region the dtype is made a compile-time constant (WITH_DTYPE): passed in,
+ * it would be a runtime value there and every loop would stay scalar (SmolLM2 prefill, 2048 rows,
+ * bf16: SiLU-and-mul 8.4 ms -> see BENCHMARKS.md "Prefill elementwise ops").
+ *
+ * With AVX-512 the row loops are explicit 16-lane code with masked tails (vec16 below); bf16
+ * stores use vcvtneps2bf16 where the CPU has AVX512_BF16. Without AVX-512 the plain loops are
+ * left to the auto-vectorizer (AVX2) or stay scalar. */
 #include "cpu_common.h"
 
 #define MAXN 16384
 #define MAXD_ROT 1024
+#define SILU_BLOCK 512 /* columns per block: gate and up float32 buffers stay in L1 */
+#define PAR_MIN 32768  /* elements of work before rows go to the thread pool */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ELEM_AVX512 1
+#include "elementwise_avx512.h"
+#endif
 
 /* out = rmsnorm(x [+ residual]) * w; with a residual, res_out = x + residual (rounded). */
+INLINE void norm_row(enum dtype t, int es, const char *xr, const char *rr, const void *w, char *orow, char *ro,
+                     int n, float eps) {
+#ifdef ELEM_AVX512
+    norm_row16(t, es, xr, rr, w, orow, ro, n, eps);
+#else
+    float v[MAXN];
+    (void)es;
+    load_row(t, v, xr, n);
+    if (rr) {
+#pragma omp simd
+        for (int i = 0; i < n; i++) v[i] = round_to(t, v[i] + load1(t, rr, i));
+        store_row(t, ro, v, 1.f, n);
+    }
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < n; i++) ss += v[i] * v[i];
+    const float inv = 1.f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int i = 0; i < n; i++) store1(t, orow, i, v[i] * inv * load1(t, w, i));
+#endif
+}
+
 INLINE void rms_norm_impl(enum dtype t, const void *x, int64_t xs, const void *res, int64_t rs,
                           const void *w, void *out, void *res_out, int64_t rows, int n, float eps) {
-#pragma omp parallel for schedule(static) if (rows > 1)
+    const int es = t == F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * n >= PAR_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        float v[MAXN];
-        const int es = t == F32 ? 4 : 2;
         const char *xr = (const char *)x + r * xs * es;
-        load_row(t, v, xr, n);
-        if (res) {
-            const char *rr = (const char *)res + r * rs * es;
-            char *ro = (char *)res_out + r * (int64_t)n * es;
-#pragma omp simd
-            for (int i = 0; i < n; i++) v[i] = round_to(t, v[i] + load1(t, rr, i));
-            store_row(t, ro, v, 1.f, n);
-        }
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int i = 0; i < n; i++) ss += v[i] * v[i];
-        const float inv = 1.f / sqrtf(ss / (float)n + eps);
-        char *orow = (char *)out + r * (int64_t)n * es;
-#pragma omp simd
-        for (int i = 0; i < n; i++) store1(t, orow, i, v[i] * inv * load1(t, w, i));
+        const char *rr = res ? (const char *)res + r * rs * es : NULL;
+        char *ro = res ? (char *)res_out + r * (int64_t)n * es : NULL;
+        WITH_DTYPE(t, norm_row(t_, es_, xr, rr, w, (char *)out + r * (int64_t)n * es, ro, n, eps));
     }
 }
 
-/* out [rows, I] = silu(min(gate, limit)) * clamp(up, -limit, limit); x [rows, 2I]. Rows are
- * converted to float32 buffers first so that every loop is a plain vectorizable float loop. */
+/* out[0..n) = silu(min(g, limit)) * clamp(u, -limit, limit) for one block of columns. */
+INLINE void silu_block(enum dtype t, const char *g_in, const char *u_in, char *o, int n, int has_limit,
+                       float limit) {
+#ifdef ELEM_AVX512
+    silu_block16(t, g_in, u_in, o, n, has_limit, limit);
+#else
+    float g[SILU_BLOCK], u[SILU_BLOCK];
+    load_row(t, g, g_in, n);
+    load_row(t, u, u_in, n);
+    if (has_limit) {
+#pragma omp simd
+        for (int i = 0; i < n; i++) {
+            g[i] = min_hi(g[i], limit);
+            u[i] = clamp_lo_hi(u[i], -limit, limit);
+        }
+    }
+#pragma omp simd
+    for (int i = 0; i < n; i++) g[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
+    store_row(t, o, g, 1.f, n);
+#endif
+}
+
+/* out [rows, I] = silu(min(gate, limit)) * clamp(up, -limit, limit); x [rows, 2I]. */
 INLINE void silu_mul_impl(enum dtype t, const void *x, int64_t xs, void *out, int64_t rows, int inter,
                           int has_limit, float limit) {
-#pragma omp parallel for schedule(static) if (rows > 1)
+    const int es = t == F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * inter >= PAR_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        float g[MAXN], u[MAXN];
-        const int es = t == F32 ? 4 : 2;
         const char *xr = (const char *)x + r * xs * es;
-        for (int i0 = 0; i0 < inter; i0 += MAXN) {
-            const int n = inter - i0 < MAXN ? inter - i0 : MAXN;
-            load_row(t, g, xr + (int64_t)i0 * es, n);
-            load_row(t, u, xr + ((int64_t)inter + i0) * es, n);
-            if (has_limit) {
-#pragma omp simd
-                for (int i = 0; i < n; i++) {
-                    g[i] = fminf(g[i], limit);
-                    u[i] = fminf(fmaxf(u[i], -limit), limit);
-                }
-            }
-#pragma omp simd
-            for (int i = 0; i < n; i++) g[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
-            store_row(t, (char *)out + (r * (int64_t)inter + i0) * es, g, 1.f, n);
+        char *orow = (char *)out + r * (int64_t)inter * es;
+        for (int i0 = 0; i0 < inter; i0 += SILU_BLOCK) {
+            const int n = inter - i0 < SILU_BLOCK ? inter - i0 : SILU_BLOCK;
+            WITH_DTYPE(t, silu_block(t_, xr + (int64_t)i0 * es_, xr + ((int64_t)inter + i0) * es_,
+                                     orow + (int64_t)i0 * es_, n, has_limit, limit));
         }
     }
 }
 
-/* out [T, H, D] (contiguous) = x rotated on its first 2*half channels; cos/sin [T, half] fp32. */
-INLINE void rotary_impl(enum dtype t, const void *x, int64_t xs_t, int64_t xs_h, const float *cos_,
-                        const float *sin_, int64_t cs, void *out, int64_t T, int H, int D, int half) {
-#pragma omp parallel for schedule(static) if (T > 1)
-    for (int64_t tok = 0; tok < T; tok++) {
-        float v[MAXD_ROT], o[MAXD_ROT];
-        const int es = t == F32 ? 4 : 2;
-        const float *c = cos_ + tok * cs, *s = sin_ + tok * cs;
-        for (int h = 0; h < H; h++) {
-            load_row(t, v, (const char *)x + (tok * xs_t + h * xs_h) * es, D);
+/* One token's H heads rotated on their first 2*half channels; the rest pass. x and o may alias
+ * (in place): each head is read whole before it is written. */
+INLINE void rotary_token(enum dtype t, int es, const char *x, int64_t xs_h, const float *c, const float *s,
+                         char *o, int64_t os_h, int H, int D, int half) {
+    for (int h = 0; h < H; h++) {
+        const char *xh = x + h * xs_h * es;
+        char *oh = o + h * os_h * es;
+#ifdef ELEM_AVX512
+        rotary_head16(t, xh, c, s, oh, D, half);
+#else
+        float v[MAXD_ROT], r[MAXD_ROT];
+        load_row(t, v, xh, D);
 #pragma omp simd
-            for (int i = 0; i < half; i++) {
-                o[i] = v[i] * c[i] - v[i + half] * s[i];
-                o[i + half] = v[i + half] * c[i] + v[i] * s[i];
-            }
-            for (int i = 2 * half; i < D; i++) o[i] = v[i];  /* partial rotary: the rest passes */
-            store_row(t, (char *)out + (tok * H + h) * (int64_t)D * es, o, 1.f, D);
+        for (int i = 0; i < half; i++) {
+            r[i] = v[i] * c[i] - v[i + half] * s[i];
+            r[i + half] = v[i + half] * c[i] + v[i] * s[i];
         }
+        for (int i = 2 * half; i < D; i++) r[i] = v[i]; /* partial rotary: the rest passes */
+        store_row(t, oh, r, 1.f, D);
+#endif
+    }
+    (void)es;
+}
+
+/* out = x rotated; x and out [T, H, D] with strides in elements (out may be x itself); cos/sin
+ * [T, half] fp32 with row stride cs. */
+INLINE void rotary_impl(enum dtype t, const void *x, int64_t xs_t, int64_t xs_h, const float *cos_,
+                        const float *sin_, int64_t cs, void *out, int64_t os_t, int64_t os_h, int64_t T, int H,
+                        int D, int half) {
+#pragma omp parallel for schedule(static) if (T > 1 && T * H * D >= PAR_MIN)
+    for (int64_t tok = 0; tok < T; tok++) {
+        WITH_DTYPE(t, rotary_token(t_, es_, (const char *)x + tok * xs_t * es_, xs_h, cos_ + tok * cs,
+                                   sin_ + tok * cs, (char *)out + tok * os_t * es_, os_h, H, D, half));
     }
 }
 
@@ -98,12 +148,23 @@ INLINE void rotary_impl(enum dtype t, const void *x, int64_t xs_t, int64_t xs_h,
         return 0;                                                                                         \
     }                                                                                                     \
     int rotary_##SUFFIX(const void *x, int64_t xs_t, int64_t xs_h, const float *cos_, const float *sin_,  \
-                        int64_t cs, void *out, int64_t T, int H, int D, int half) {                       \
+                        int64_t cs, void *out, int64_t os_t, int64_t os_h, int64_t T, int H, int D, int half) { \
         if (D > MAXD_ROT) return 1;                                                                       \
-        rotary_impl(DT, x, xs_t, xs_h, cos_, sin_, cs, out, T, H, D, half);                               \
+        rotary_impl(DT, x, xs_t, xs_h, cos_, sin_, cs, out, os_t, os_h, T, H, D, half);                   \
         return 0;                                                                                         \
     }
 
 DEFINE_ELEMENTWISE(f32, F32)
 DEFINE_ELEMENTWISE(bf16, BF16)
 DEFINE_ELEMENTWISE(f16, F16)
+
+/* Which row code this build has: 0 plain loops, 1 AVX-512, 2 AVX-512 with vcvtneps2bf16. */
+int elementwise_isa(void) {
+#if defined(ELEM_AVX512) && defined(__AVX512BF16__)
+    return 2;
+#elif defined(ELEM_AVX512)
+    return 1;
+#else
+    return 0;
+#endif
+}
