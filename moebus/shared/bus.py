@@ -16,7 +16,10 @@ Blips: nats-py reconnects by itself (forever, by default) and re-subscribes. The
 lost and regained the server and tells watchers (`watch`); `evidence_since` says from when the
 silence of a peer counts against it, so a service that was cut off itself does not declare others
 dead for the beats it could not hear (they were cut off too, and reconnect within about
-`reconnect_time_wait_s` of it).
+`reconnect_time_wait_s` of it). A request in flight when the connection drops may never be
+answered (the server went down with it or its reply), and nats-py would wait out its whole
+timeout (a frontend's detokenize call: 10 s of a stream's silence after a 1 s blip); an
+idempotent one is asked again at once instead (sent when the connection is back).
 """
 from __future__ import annotations
 
@@ -80,6 +83,7 @@ class Bus:
         self.outages = 0  # disconnects so far
         self._watchers: list[Callable[[bool], None]] = []
         self._state = "up"  # up, down (reconnecting) or closed: watchers hear of each change once
+        self._in_flight: set[asyncio.Timeout] = set()  # idempotent requests awaiting a reply: a drop cuts them
 
     @classmethod
     async def connect(cls, cfg: BusConfig, tracing: Tracing, metrics: Metrics | None = None) -> Bus:
@@ -159,6 +163,10 @@ class Bus:
         elif self.disconnected_at is None:
             self.disconnected_at, self.outages = now, self.outages + 1
         state = "up" if connected else "closed" if self.nc.is_closed else "down"
+        if not connected:
+            for scope in self._in_flight:  # their replies will not come: ask again now
+                scope.reschedule(-math.inf)
+            self._in_flight.clear()
         if state == self._state:
             return
         self._state = state
@@ -213,14 +221,21 @@ class Bus:
         server's max payload), or the ServiceError the handler raised. wait_for_responders_s: while
         nobody serves the subject (its service is restarting), ask again for this long; nobody got
         the request, so this is safe for any request. idempotent: a timeout is retried within that
-        time too (a responder killed a moment ago may still be subscribed and swallow the request)."""
+        time too (a responder killed a moment ago may still be subscribed and swallow the request), and
+        so is a request the connection dropped under (at once: its reply may never come); with no time
+        left, that is a RequestTimeout. Others wait for their reply through a blip: it may still come."""
         data = msg if isinstance(msg, bytes) else msg.encode()
         headers = self.tracing.inject(headers)
         self.check_size(data, headers, f"{_kind(msg)} on {subject}")
         deadline, pause = time.monotonic() + wait_for_responders_s, 0.05
+        ask = self._ask_cuttable if idempotent else self.nc.request
         while True:
             try:
-                reply = await self.nc.request(subject, data, timeout=timeout, headers=headers)
+                reply = await ask(subject, data, timeout=timeout, headers=headers)
+                if reply is None:  # the connection dropped under it
+                    if time.monotonic() > deadline:
+                        raise RequestTimeout(subject, timeout) from None
+                    continue
                 break
             except nats.errors.NoRespondersError:
                 if time.monotonic() + pause > deadline:
@@ -234,6 +249,21 @@ class Bus:
         if err is not None:
             raise err
         return reply_type.decode(reply.data)
+
+    async def _ask_cuttable(self, subject: str, data: bytes, timeout: float, headers: dict[str, str]) -> Msg | None:
+        """nats-py's request; None when the connection drops before the reply came."""
+        scope = None
+        try:
+            async with asyncio.timeout(None) as scope:
+                self._in_flight.add(scope)
+                try:
+                    return await self.nc.request(subject, data, timeout=timeout, headers=headers)
+                finally:
+                    self._in_flight.discard(scope)
+        except TimeoutError:
+            if scope is None or not scope.expired():
+                raise  # nats-py's own timeout
+            return None
 
     async def subscribe(self, subject: str, request_type: type[M], handler: Handler, *, queue: str = "",
                         concurrent: bool = True, endpoint: str | None = None, traced: bool = True) -> Subscription:

@@ -73,7 +73,7 @@ class StreamRouter:
         """The chunks `worker` already sent for a request; None when it cannot answer now."""
         try:
             reply = await self.bus.request(self.subjects.worker_replay(worker), req, ReplayReply,
-                                           timeout=REPLAY_TIMEOUT_S)
+                                           timeout=REPLAY_TIMEOUT_S, idempotent=True)  # (a blip cuts it short)
         except (NoResponders, RequestTimeout) as e:
             log.debug("replay of %s from %s: %s", req.request_id, worker, e)
             self.replays.labels("unreachable").inc()
