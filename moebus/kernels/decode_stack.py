@@ -126,8 +126,10 @@ class DecodeStack:
     """The C step over fixed weights: the structs point into the given tensors (kept here alive
     and never moved), the scratch grows with the context. One instance per model; not thread-safe."""
 
-    def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor, shape: StackShape) -> None:
-        lib = library(_SOURCE).get()
+    def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor, shape: StackShape, *,
+                 lib: ctypes.CDLL | None = None) -> None:
+        """lib: a build of csrc/decode_stack_cpu.c (tests pass cpu_build.build_variant's); default the cached one."""
+        lib = lib or library(_SOURCE).get()
         if lib is None:
             raise RuntimeError("decode_stack_cpu.c could not be built")
         self._fn, self._scratch_fn = lib.decode_stack_f32, lib.decode_stack_scratch

@@ -8,6 +8,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
+from moebus.kernels import cpu_build
 from moebus.kernels.decode_stack import (
     DecodeStack,
     StackLayer,
@@ -81,3 +82,34 @@ def test_refuses_positions_outside_the_rotary_table():
     stack = DecodeStack(_stack(None, None), torch.ones(HIDDEN), SHAPE)
     table = torch.arange(6, dtype=torch.int32)
     assert stack.step(torch.zeros(HIDDEN), SHAPE.max_positions, 0, 1, table, _caches(0)) is None
+
+
+# The default build here is -march=native (AVX-512): these rebuild the step without the paths a smaller
+# CPU lacks (AVX-512: the 16-bit GEMV's qa_block512, the float blocks' direct_block512; AVX2: the
+# attention's FMA chains and register tiles), so that those paths stay checked on this machine.
+NO_AVX512 = ["-mno-avx512f"]
+FALLBACK_BUILDS = {"avx2": NO_AVX512, "scalar": [*NO_AVX512, "-mno-avx2", "-mno-fma"]}
+
+
+@pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
+def fallback_lib(request, tmp_path_factory):
+    lib = cpu_build.build_variant("decode_stack_cpu.c", FALLBACK_BUILDS[request.param],
+                                  tmp_path_factory.mktemp(request.param))
+    if lib is None:
+        pytest.skip("no C compiler")
+    return lib
+
+
+@HEAD_DIMS
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_1", 16), ("Q4_0", 16), ("Q8_0", None), ("Q4_1", 8)])
+def test_fallback_builds_match_reference(fallback_lib, qtype, bits, hd):
+    shape = StackShape(NH, NKV, hd, SHAPE.eps, SHAPE.rope_theta, SHAPE.max_positions)
+    layers, norm, pos = _stack(qtype, bits, hd=hd), torch.ones(HIDDEN), 9
+    table = torch.tensor([5, 2, 0, 4, 1, 3], dtype=torch.int32)
+    slot = int(table[pos // BS]) * BS + pos % BS
+    h0 = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(pos))
+    ref_caches, caches = _caches(pos, hd), _caches(pos, hd)
+    want_out, _ = decode_stack_ref(layers, norm, shape, h0, pos, slot, pos + 1, table, ref_caches)
+    out = DecodeStack(layers, norm, shape, lib=fallback_lib).step(h0.clone(), pos, slot, pos + 1, table, caches)
+    assert out is not None
+    torch.testing.assert_close(out, want_out, **TOL)
