@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))  # this tree's moebus.loadtest, whichever tree the
 from floors import nats_round_trips, wait_listening  # noqa: E402  (loadtest/floors.py, beside this script)
 
 from moebus.loadtest.client import RequestRecord, make_client, send  # noqa: E402
-from moebus.loadtest.ttft_split import LEGS, OVERHEAD, medians, quantile, split_all  # noqa: E402
+from moebus.loadtest.ttft_split import LEGS, OVERHEAD, STEP_PARTS, medians, quantile, split_all  # noqa: E402
 from moebus.shared.nats_server import free_port  # noqa: E402
 from moebus.shared.trace_view import read_spans  # noqa: E402
 
@@ -149,13 +149,14 @@ def run_once(name: str, tree: Path, args: argparse.Namespace, out: Path, rnd: in
 
 
 def report(results: list[dict], names: list[str]) -> str:
-    cols = [*LEGS, OVERHEAD, "ttft"]
+    cols = [*LEGS, *STEP_PARTS, OVERHEAD, "ttft"]
     lines = ["| leg (ms, median [p10-p90]) | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
     per: dict[str, dict[str, list[float]]] = {n: {c: [] for c in cols} for n in names}
     for r in results:
         for leg in r["legs"]:
-            for k in (*LEGS, OVERHEAD):
-                per[r["tree"]][k].append(leg[k])
+            for k in (*LEGS, *STEP_PARTS, OVERHEAD):
+                if k in leg:
+                    per[r["tree"]][k].append(leg[k])
         per[r["tree"]]["ttft"] += r["ttft_ms"]
     for c in cols:
         cells = []

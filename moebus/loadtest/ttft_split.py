@@ -18,6 +18,10 @@ from typing import Any, Protocol
 LEGS = ("client->http", "http->render", "render(tokenizer)", "render->route", "route->worker(balancer)",
         "generate(worker admit)", "admit->step(worker queue)", "engine_step", "step->client")
 OVERHEAD = "overhead(ttft-engine_step)"
+# step->client in two, where the frontend's `generate <model>` span has its own TTFT: the token's way
+# to the frontend (worker loop, bus) and on to the client (SSE write, client); not in the sum.
+STEP_PARTS = ("step->frontend", "frontend->client")
+TTFT_ATTR = "gen_ai.server.time_to_first_token"
 _NEED = ("render", "route", "generate", "prefill")  # span names (the worker's consume span is `generate`)
 MAX_SKEW_S = 0.5  # a trace whose HTTP span starts further than this from the client's send is not its own
 
@@ -51,6 +55,11 @@ def split_request(rec: Sent, spans: Sequence[dict[str, Any]]) -> dict[str, float
              by["prefill"]["start_ns"], by["prefill"]["end_ns"], first_ns]
     leg = {name: (b - a) / 1e6 for name, a, b in zip(LEGS, marks[:-1], marks[1:], strict=True)}
     leg[OVERHEAD] = 1000 * rec.ttft_s - leg["engine_step"]
+    gen = next((s for s in spans if s["name"].startswith("generate ") and TTFT_ATTR in s.get("attributes", {})), None)
+    if gen is not None:  # the frontend's clock starts a few us after its span: about right
+        at_frontend = gen["start_ns"] + gen["attributes"][TTFT_ATTR] * 1e9
+        leg[STEP_PARTS[0]] = (at_frontend - by["prefill"]["end_ns"]) / 1e6
+        leg[STEP_PARTS[1]] = (first_ns - at_frontend) / 1e6
     return leg
 
 
@@ -70,8 +79,9 @@ def split_all(spans: Iterable[dict[str, Any]], recs: Sequence[Sent]) -> list[dic
 
 
 def medians(legs: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Median ms of each leg over requests ({} for none)."""
-    return {k: statistics.median(leg[k] for leg in legs) for k in (legs[0] if legs else {})}
+    """Median ms of each leg over the requests that have it ({} for none)."""
+    keys = dict.fromkeys(k for leg in legs for k in leg)
+    return {k: statistics.median(leg[k] for leg in legs if k in leg) for k in keys}
 
 
 def quantile(xs: Sequence[float], q: float) -> float:

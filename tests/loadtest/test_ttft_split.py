@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from moebus.loadtest.ttft_split import LEGS, OVERHEAD, medians, quantile, split_all
+from moebus.loadtest.ttft_split import LEGS, OVERHEAD, STEP_PARTS, TTFT_ATTR, medians, quantile, split_all
 
 MS = 1_000_000  # ns
 
@@ -38,6 +38,18 @@ def test_legs_add_up_to_the_ttft_and_overhead_leaves_the_engine_step_out() -> No
     assert leg["engine_step"] == pytest.approx(100, abs=1e-3) and leg["step->client"] == pytest.approx(3, abs=1e-3)
     assert sum(leg[k] for k in LEGS) == pytest.approx(110, abs=1e-3)
     assert leg[OVERHEAD] == pytest.approx(10, abs=1e-3)
+
+
+def test_step_to_client_is_cut_where_the_frontend_had_the_token() -> None:
+    t0 = 1_700_000_000 * 10**9
+    spans = trace("a", t0)
+    gen = next(s for s in spans if s["name"] == "generate toy")
+    gen["attributes"] = {TTFT_ATTR: 0.105}  # the frontend had it at +3.5 + 105 = 108.5 ms, 1.5 after the step
+    (leg,) = split_all(spans, [Rec(sent_unix=t0 / 1e9, ttft_s=0.110)])
+    assert leg["step->frontend"] == pytest.approx(1.5, abs=1e-3) and leg["frontend->client"] == pytest.approx(1.5, abs=1e-3)
+    assert sum(leg[k] for k in STEP_PARTS) == pytest.approx(leg["step->client"], abs=1e-3)
+    assert sum(leg[k] for k in LEGS) == pytest.approx(110, abs=1e-3)  # the parts are not in the sum
+    assert medians([leg, split_all(trace("b", t0), [Rec(t0 / 1e9, 0.110)])[0]])["step->frontend"] == pytest.approx(1.5, abs=1e-3)
 
 
 def test_each_request_gets_the_trace_sent_nearest_it() -> None:
