@@ -95,7 +95,7 @@ static int claim(struct phase *ph, int total) {
 
 static void finish(struct phase *ph) { atomic_fetch_add_explicit(&ph->done, 1, memory_order_release); }
 
-#define CHUNK 64 /* GEMV rows a chunk */
+#define CHUNK 128 /* GEMV rows a chunk (64: a step ~4% slower on 2 threads, more cold prefetch starts) */
 
 static int chunks(int64_t n) { return (int)((n + CHUNK - 1) / CHUNK); }
 

@@ -177,7 +177,8 @@ INLINE void qa_rows(int qt, int wide, const void *q, const float *dd, int nb, co
         if (wide) { /* as below, 16 lanes */
             __m512 acc[2][RMAX];
             __m128 tl[2][RMAX];
-            for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps(), tl[0][r] = tl[1][r] = _mm_setzero_ps();
+            for (int r = 0; r < R; r++)
+                acc[0][r] = acc[1][r] = _mm512_setzero_ps(), tl[0][r] = tl[1][r] = _mm_setzero_ps();
             int b = 0;
             for (; b + 1 < nb; b += 2) {
                 prefetch_ahead(row + (int64_t)b * bb);
