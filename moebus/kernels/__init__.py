@@ -8,6 +8,7 @@ reference everywhere else. The references are vectorized: they are the productio
 | rotary.py | `apply_rotary(q, k, cos, sin) -> (q, k)` (neox, partial rotary), `rotary_cos_sin(positions, R, base, dtype)` |
 | silu_mul.py | `silu_and_mul(x, *, limit=None)`: `[..., 2I] -> [..., I]` |
 | paged_attention.py | `paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, sinks)` |
+| prefill_attention.py | `prefill_attention(q, k_cache, v_cache, block_tables, q_start, q_len, seq_lens, scale, sliding_window, sinks, out)`: causal prefill of many sequences over the paged cache; C kernel on CPU (AMX for bf16), per-sequence SDPA elsewhere |
 | fused_moe.py | `fused_moe(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None)`; `moe_align` (token grouping); C kernel for <= 256 tokens |
 | argmax.py | `row_argmax(x[B, N]) -> [B]` int64 (first maximum, NaN wins: torch's `max(dim=1).indices`) |
 | sample.py | `sample_logits(x[B, V], temperature[B], u[B], floor=None) -> [B]` int64: a draw from softmax(x / T) over the logits >= floor, by inverse CDF at the caller's uniform u (T <= 0: argmax); C kernel on CPU, no Triton twin |

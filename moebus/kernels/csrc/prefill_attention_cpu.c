@@ -13,9 +13,12 @@
  * times the G = Hq / Hkv query heads of the kv head, position-major, so each packed key tile
  * serves all of them. Key tiles start at multiples of KT from position 0, and each row's sums run
  * in the same order whatever else the call holds: a row's result does not depend on the batch.
- * The dots are register-blocked RB rows x KT keys (q.k: keys across lanes, K transposed at
- * packing) and RB rows x 64 value columns (p.v). Vectors are GCC vector extensions of 16 floats:
- * one zmm with AVX-512, split into ymm / xmm halves by the compiler on smaller CPUs.
+ * The step's key/value tiles are packed once (float32, or bf16 pairs for the bf16 paths) before
+ * the tasks run. bf16 with AMX: q.k and p.v on tiles of 16 rows (p rounded to bf16, as torch's
+ * flash kernel does); bf16 with AVX512-BF16 only: q.k on vdpbf16ps. Otherwise the dots are
+ * register-blocked RB rows x KT keys (q.k: keys across lanes, K transposed at packing) and RB rows
+ * x 64 value columns (p.v) in GCC vector extensions of 16 floats: one zmm with AVX-512, split into
+ * ymm / xmm halves by the compiler on smaller CPUs.
  */
 #if defined(__AVX512F__)
 /* GCC vectorizes `omp simd` loops (the softmax's exp) 8 lanes wide on CPUs it tunes for 256 bits
