@@ -37,6 +37,7 @@
 #define MAXD 512
 
 typedef float vf __attribute__((vector_size(64)));
+typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
 
 /* Per-thread scratch, 64-byte aligned float arrays. */
 struct scratch {
@@ -85,26 +86,32 @@ static inline __attribute__((always_inline)) void qk_tile(const float *q, const 
     }
 }
 
-/* o[r] = o[r] * alpha[r] + p[r][0..n) . v[0..n) for rows [m0, m1), in column chunks of up to 4 vectors. */
+/* o[r][c0 .. c0 + NC * VW) = o[r] * alpha[r] + p[r][0..n) . v[0..n) for rows [mb, mb + RB); NC a
+ * literal at each call, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void pv_block(const float *p, const float *v, const float *alpha,
+                                                           float *o, int mb, int c0, int n, int Dvp, const int NC) {
+    vf acc[RB][NC];
+    for (int r = 0; r < RB; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = *(const vf *)(o + (size_t)(mb + r) * Dvp + c0 + c * VW) * alpha[mb + r];
+    for (int j = 0; j < n; j++) {
+        const float *vr = v + (size_t)j * Dvp + c0;
+#pragma GCC unroll 4
+        for (int r = 0; r < RB; r++) {
+            const float x = p[(mb + r) * KT + j];
+            for (int c = 0; c < NC; c++) acc[r][c] += x * *(const vf *)(vr + c * VW);
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int c = 0; c < NC; c++) *(vf *)(o + (size_t)(mb + r) * Dvp + c0 + c * VW) = acc[r][c];
+}
+
+/* o[r] = o[r] * alpha[r] + p[r][0..n) . v[0..n) for rows [m0, m1), in column chunks of 4 vectors. */
 static inline __attribute__((always_inline)) void pv_tile(const float *p, const float *v, const float *alpha,
                                                           float *o, int m0, int m1, int n, int Dvp) {
     for (int mb = m0; mb < m1; mb += RB) {
-        for (int c0 = 0; c0 < Dvp; c0 += 4 * VW) {
-            const int nc = (Dvp - c0) / VW < 4 ? (Dvp - c0) / VW : 4;
-            vf acc[RB][4];
-            for (int r = 0; r < RB; r++)
-                for (int c = 0; c < nc; c++) acc[r][c] = *(const vf *)(o + (size_t)(mb + r) * Dvp + c0 + c * VW) * alpha[mb + r];
-            for (int j = 0; j < n; j++) {
-                const float *vr = v + (size_t)j * Dvp + c0;
-#pragma GCC unroll 4
-                for (int r = 0; r < RB; r++) {
-                    const float x = p[(mb + r) * KT + j];
-                    for (int c = 0; c < nc; c++) acc[r][c] += x * *(const vf *)(vr + c * VW);
-                }
-            }
-            for (int r = 0; r < RB; r++)
-                for (int c = 0; c < nc; c++) *(vf *)(o + (size_t)(mb + r) * Dvp + c0 + c * VW) = acc[r][c];
-        }
+        int c0 = 0;
+        for (; c0 + 4 * VW <= Dvp; c0 += 4 * VW) pv_block(p, v, alpha, o, mb, c0, n, Dvp, 4);
+        for (; c0 < Dvp; c0 += VW) pv_block(p, v, alpha, o, mb, c0, n, Dvp, 1);
     }
 }
 
@@ -338,6 +345,10 @@ static inline __attribute__((always_inline)) void pack_tile(enum dtype t, int es
                 const uint16_t *src = (const uint16_t *)vs;
                 for (int c = 0; c < Dv; c++) vp[2 * c] = src[c];
                 for (int c = Dv; c < Dvp; c++) vp[2 * c] = 0;
+            } else if (t == F32) { /* load_row's memcpy became an 8-byte loop: runtime length */
+                int c = 0;
+                for (; c + VW <= Dv; c += VW) *(vf *)(vr + c) = *(const vf_unaligned *)((const float *)vs + c);
+                for (; c < Dv; c++) vr[c] = ((const float *)vs)[c];
             } else {
                 load_row(t, vr, vs, Dv);
             }
