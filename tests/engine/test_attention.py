@@ -3,9 +3,19 @@ dense attention computed per sequence from the cache it wrote."""
 import pytest
 import torch
 
+import moebus.engine.attention as attention
 from moebus.engine.attention import AttentionMetadata, attend
 
 BS, HKV, G, D = 4, 2, 3, 16
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def prefill_path(request, monkeypatch):
+    """On CPU the prefill chunks take the C kernel; "torch" makes it decline, so that the banded and
+    per-sequence SDPA paths (the GPU's, and the fallback without a compiler) are checked here too."""
+    if request.param == "torch":
+        monkeypatch.setattr(attention, "prefill_attention_cpu", lambda *a, **k: None)
+    return request.param
 
 
 def _naive(q, k, v, scale, window):
@@ -48,7 +58,7 @@ def _paged_step(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.float3
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [None, 6])
-def test_mixed_step_matches_dense_attention_per_sequence(dtype, window):
+def test_mixed_step_matches_dense_attention_per_sequence(dtype, window, prefill_path):
     torch.manual_seed(0)
     # (new tokens, context after this step): decode rows, a chunk over cached context, a fresh prompt
     shapes = [(1, 20), (5, 30), (1, 37), (9, 9), (1, 1)]
@@ -97,11 +107,9 @@ def test_prefill_with_sinks_matches_fp64(window, lq):
 
 
 @pytest.mark.parametrize("chunk", [None, 64])  # 64 elements: one query row per gathered chunk
-def test_banded_sliding_window_prefill_with_sinks_matches_fp64(chunk, monkeypatch):
+def test_banded_sliding_window_prefill_with_sinks_matches_fp64(chunk, monkeypatch, prefill_path):
     """Sliding-window chunks (fresh prompts, chunks over cached context, a lone decode row) all go
-    through the banded path at once; each sequence against the float64 loop with sinks."""
-    import moebus.engine.attention as attention
-
+    through the banded path (or the C kernel) at once; each sequence against the float64 loop with sinks."""
     if chunk is not None:
         monkeypatch.setattr(attention, "_BANDED_CHUNK", chunk)
     torch.manual_seed(1)
