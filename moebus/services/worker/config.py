@@ -58,5 +58,10 @@ class WorkerConfig(ServiceConfig):
     # (ms) for the event loop to put the token on the bus before it starts the next step, which
     # would hold the cores the loop needs (engine_loop.py); 0: never wait.
     first_token_handoff_ms: float = Field(3.0, ge=0, le=100)
+    # Then, when first tokens are at least half of that step's outputs (c=1: always; a full batch's
+    # other requests would pay for it), it starts no step until this long (ms) after that one ended:
+    # nats-server, the frontend and the client carry the token out while the cores are free.
+    # 0: no hold.
+    first_token_hold_ms: float = Field(6.0, ge=0, le=100)
     # A stats line (running, waiting, KV usage, tok/s) this often while there is work; 0: none.
     stats_log_interval_s: float = Field(10.0, ge=0)

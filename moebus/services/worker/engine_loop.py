@@ -77,7 +77,8 @@ class EngineLoop:
                  kv: EngineKV | None = None, max_restarts: int = 3, max_failed_steps: int = 3,
                  restart_backoff_s: float = 1.0, healthy_after_s: float = 300.0,
                  warmup: Callable[[EnginePort], None] | None = None, nice: int = 0,
-                 handoff: Callable[[threading.Event], None] | None = None, handoff_s: float = 0.0) -> None:
+                 handoff: Callable[[threading.Event], None] | None = None, handoff_s: float = 0.0,
+                 hold_s: float = 0.0) -> None:
         self._factory, self._loop, self.kv = factory, loop, kv
         self.nice = nice  # added to the engine thread's nice value (Linux: per thread), see _lower_priority
         self._warmup = warmup  # run on each new engine before it is ready (kernels compiled, paths run once)
@@ -98,6 +99,10 @@ class EngineLoop:
         # for `handoff` to set the event once the loop has put that token on the bus: the next step
         # would otherwise hold both cores while the loop waits for one (c=1 TTFT on 2 cores).
         self._handoff, self.handoff_s = handoff, handoff_s
+        # Then it keeps the cores free until hold_s after that step ended (when first tokens are at
+        # least half of its outputs): the token still has to cross nats-server, the frontend and
+        # the client, each of which needs a core in turn.
+        self.hold_s = hold_s
         self._fresh: set[str] = set()  # added, no output yet
         self._stopping = False
 
@@ -211,15 +216,17 @@ class EngineLoop:
             self.stats = dict(engine.stats())
             if outputs or failed or prefilled:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs, failed, prefilled, step)
-                self._hand_off(outputs)
+                self._hand_off(outputs, step.ended_ns)
 
-    def _hand_off(self, outputs: Sequence[EngineOutput]) -> None:
+    def _hand_off(self, outputs: Sequence[EngineOutput], step_ended_ns: int) -> None:
         first = [o.request_id for o in outputs if o.request_id in self._fresh]
         self._fresh.difference_update(first)
         if first and self._handoff is not None and self.handoff_s > 0:
             sent = threading.Event()
             self._loop.call_soon_threadsafe(self._handoff, sent)
             sent.wait(self.handoff_s)
+        if first and 2 * len(first) >= len(outputs) and (left := self.hold_s - (time.time_ns() - step_ended_ns) / 1e9) > 0:
+            time.sleep(left)  # not when the batch's other requests are most of it: they would pay for it
 
     def _extract_prefilled(self, outputs: Sequence[EngineOutput]) -> list[Prefilled]:
         done: list[Prefilled] = []

@@ -151,7 +151,8 @@ class WorkerService(Service):
                                 restart_backoff_s=self.cfg.engine_restart_backoff_s,
                                 warmup=self._warm_up if self.cfg.warmup else None, nice=self.cfg.engine_nice,
                                 handoff=lambda sent: self.spawn(self._handed_off(sent)),
-                                handoff_s=self.cfg.first_token_handoff_ms / 1000)
+                                handoff_s=self.cfg.first_token_handoff_ms / 1000,
+                                hold_s=self.cfg.first_token_hold_ms / 1000)
         self._loop.start()
         self.spawn(self._publisher())
         if self.cfg.stats_log_interval_s:
