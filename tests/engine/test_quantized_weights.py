@@ -2,7 +2,7 @@
 blocks (engine.cpu_linear.QuantLinear) against the same model dequantized to float32. The weights
 are the same numbers, so only summation order differs: logits within LOGIT_ATOL and greedy output
 identical on the parity prompts. Decode steps (1-3 rows a QuantLinear call) quantize the
-activation to int16 blocks by default (activation_bits=16, Q4 layers): those logits move by the
+activation to int16 blocks by default (activation_bits=16, Q4 layers and the Q8_0 head): those logits move by the
 activation's rounding, within DECODE_LOGIT_ATOL, and greedy output must still be identical; with
 activation_bits None they are back within LOGIT_ATOL."""
 import pytest
@@ -92,6 +92,7 @@ def test_gguf_format_serves_the_blocks(gguf_llm, dense_llm):
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.qtype == "Q4_1"
     assert isinstance(layer.mlp.down_proj, QuantLinear) and isinstance(model.lm_head, QuantLinear)
     assert model.lm_head.qtype == "Q8_0"  # the tied head runs on the embedding's own blocks
+    assert model.lm_head.activation_bits == 16
     linear_bytes = sum(m.qweight.numel() for m in model.modules() if isinstance(m, QuantLinear))
     dense_bytes = sum(p.numel() * 4 for n, p in dense_llm.engine.model.named_parameters() if "norm" not in n)
     assert linear_bytes < dense_bytes / 5  # ~96 MB of blocks vs ~540 MB of float32
@@ -139,6 +140,25 @@ def test_quant_linear_paths_by_shape_and_bits():
         assert (lin(x) - quant_matmul_ref(x, w, "Q4_1")).abs().max() > 1e-3
         lin.activation_bits = None
         torch.testing.assert_close(lin(x), quant_matmul_ref(x, w, "Q4_1"), atol=1e-4, rtol=1e-5)
+
+
+def test_q8_0_takes_16_bit_activations():
+    """Q8_0 (SmolLM2's tied head) is in QA16_TYPES: its 1-3 row calls take the 16-bit kernel, 15%
+    faster a call than the float one on the head's shape (Sapphire Rapids, cpu_linear.py)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from moebus.kernels.quant_matmul import qa_cpu_library, quant_matmul_qa_ref, quant_matmul_ref
+
+    if qa_cpu_library() is None:
+        pytest.skip("no integer-activation C kernel on this machine")
+    g = torch.Generator().manual_seed(1)
+    w = torch.from_numpy(quantize(torch.randn(40, 96, generator=g).numpy(), GGMLQuantizationType.Q8_0))
+    lin, x = QuantLinear(w, "Q8_0", 96), torch.randn(1, 96, generator=g)
+    assert lin.few_rows_activation_bits() == 16
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), quant_matmul_qa_ref(x, w, "Q8_0", 16), atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(lin(x), quant_matmul_ref(x, w, "Q8_0"), atol=1e-3, rtol=1e-4)
 
 
 def test_bad_weight_format_is_refused(smol_dir):
