@@ -69,6 +69,11 @@ def build(source: str, cc: str | None = None) -> Path | None:
     return out
 
 
+# Extra flags for build_variant that take away what a smaller CPU lacks.
+NO_AVX512 = ["-mno-avx512f"]
+SCALAR = [*NO_AVX512, "-mno-avx2", "-mno-fma"]
+
+
 def build_variant(source: str, extra_flags: list[str], out_dir: Path) -> ctypes.CDLL | None:
     """csrc/<source> built into out_dir with extra_flags after the usual ones and loaded, uncached;
     None without a C compiler; a failed build raises. For tests: e.g. -mno-avx512f builds the paths

@@ -113,3 +113,17 @@ def close(request: pytest.FixtureRequest) -> Callable[..., None]:
         torch.testing.assert_close(a, e, atol=atol, rtol=rtol)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def rebuilt(tmp_path_factory) -> Callable[[str, list[str], str], object]:
+    """rebuilt(source, flags, name): csrc/<source> built again with extra flags (cpu_build.NO_AVX512,
+    SCALAR, ...) so the paths a smaller CPU takes are checked on this one; skips without a C compiler."""
+    from moebus.kernels import cpu_build  # here, not at the top: TRITON_INTERPRET must be set first
+
+    def build(source: str, flags: list[str], name: str):
+        lib = cpu_build.build_variant(source, flags, tmp_path_factory.mktemp(name))
+        if lib is None:
+            pytest.skip("no C compiler")
+        return lib
+    return build

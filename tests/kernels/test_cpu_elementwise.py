@@ -13,19 +13,18 @@ pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compile
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 # Same float32 math, so outputs differ by summation order / rsqrt rounding: about one ulp of the dtype.
 TOL = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 1e-3)}
-NO_AVX512 = ["-mno-avx512f"]
 # build -> (extra flags, elementwise_isa() it must report given the native build's).
 BUILDS = {"native": None, "avx512-no-bf16": (["-mno-avx512bf16"], lambda native: min(native, 1)),
-          "avx2": (NO_AVX512, lambda native: 0), "scalar": ([*NO_AVX512, "-mno-avx2", "-mno-fma"], lambda native: 0)}
+          "avx2": (cpu_build.NO_AVX512, lambda native: 0), "scalar": (cpu_build.SCALAR, lambda native: 0)}
 
 
 @pytest.fixture(scope="module")
-def _libs(tmp_path_factory):
+def _libs(rebuilt):
     native = cpu_build.library("elementwise_cpu.c").get().elementwise_isa()
     libs = {}
     for name, spec in BUILDS.items():
         if spec is not None:
-            lib = cpu_build.build_variant("elementwise_cpu.c", spec[0], tmp_path_factory.mktemp(name))
+            lib = rebuilt("elementwise_cpu.c", spec[0], name)
             assert lib.elementwise_isa() == spec[1](native), name
             libs[name] = lib
     return libs

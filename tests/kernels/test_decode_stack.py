@@ -87,17 +87,12 @@ def test_refuses_positions_outside_the_rotary_table():
 # The default build here is -march=native (AVX-512): these rebuild the step without the paths a smaller
 # CPU lacks (AVX-512: the 16-bit GEMV's qa_block512, the float blocks' direct_block512; AVX2: the
 # attention's FMA chains and register tiles), so that those paths stay checked on this machine.
-NO_AVX512 = ["-mno-avx512f"]
-FALLBACK_BUILDS = {"avx2": NO_AVX512, "scalar": [*NO_AVX512, "-mno-avx2", "-mno-fma"]}
+FALLBACK_BUILDS = {"avx2": cpu_build.NO_AVX512, "scalar": cpu_build.SCALAR}
 
 
 @pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
-def fallback_lib(request, tmp_path_factory):
-    lib = cpu_build.build_variant("decode_stack_cpu.c", FALLBACK_BUILDS[request.param],
-                                  tmp_path_factory.mktemp(request.param))
-    if lib is None:
-        pytest.skip("no C compiler")
-    return lib
+def fallback_lib(request, rebuilt):
+    return rebuilt("decode_stack_cpu.c", FALLBACK_BUILDS[request.param], request.param)
 
 
 @HEAD_DIMS

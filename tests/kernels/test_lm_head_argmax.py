@@ -186,17 +186,13 @@ def test_cpu_bf16_only_paths_decline_other_dtypes():
 
 # The C kernels here build with -march=native (AMX, AVX-512); these rebuild the source without the
 # paths an AVX2-only or a pre-AVX2 CPU lacks, so that their tiles are checked on this machine too.
-NO_AVX512 = ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16"]
-FALLBACK_BUILDS = {"avx2": NO_AVX512, "scalar": [*NO_AVX512, "-mno-avx2", "-mno-fma"]}
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16"]
+FALLBACK_BUILDS = {"avx2": [*cpu_build.NO_AVX512, *NO_AMX], "scalar": [*cpu_build.SCALAR, *NO_AMX]}
 
 
 @pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
-def fallback_lib(request, tmp_path_factory):
-    lib = cpu_build.build_variant("lm_head_argmax_cpu.c", FALLBACK_BUILDS[request.param],
-                                  tmp_path_factory.mktemp(request.param))
-    if lib is None:
-        pytest.skip("no C compiler")
-    return lib
+def fallback_lib(request, rebuilt):
+    return rebuilt("lm_head_argmax_cpu.c", FALLBACK_BUILDS[request.param], request.param)
 
 
 @DTYPES

@@ -195,17 +195,12 @@ def test_cpu_kernel_every_group_size(group, d, dtype, close):
 
 # The library builds with -march=native (AVX-512 and AVX512-BF16 here); these rebuild the source
 # without the paths an AVX2-only or a pre-AVX2 CPU lacks, so that their tiles are checked here too.
-NO_AVX512 = ["-mno-avx512f"]
-FALLBACK_BUILDS = {"avx2": NO_AVX512, "scalar": [*NO_AVX512, "-mno-avx2", "-mno-fma"]}
+FALLBACK_BUILDS = {"avx2": cpu_build.NO_AVX512, "scalar": cpu_build.SCALAR}
 
 
 @pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
-def fallback_lib(request, tmp_path_factory):
-    lib = cpu_build.build_variant("paged_attention_cpu.c", FALLBACK_BUILDS[request.param],
-                                  tmp_path_factory.mktemp(request.param))
-    if lib is None:
-        pytest.skip("no C compiler")
-    return lib
+def fallback_lib(request, rebuilt):
+    return rebuilt("paged_attention_cpu.c", FALLBACK_BUILDS[request.param], request.param)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

@@ -170,20 +170,17 @@ def test_qa_cpu_threaded_and_row_independent(qtype, bits, close):
 # CPU may lack, so that those a smaller CPU takes stay tested: AVX2 without AVX-512 (the 8-lane
 # 16-bit dots; on an AVX-512 CPU the default build takes qa_block512), the same without VNNI either
 # (maddubs + madd for the 8-bit dots, where the default build uses dpbusd), and no AVX2 at all.
-NO_AVX512 = ["-mno-avx512f"]
-FALLBACK_BUILDS = {"avx2": NO_AVX512, "avx2-no-vnni": [*NO_AVX512, "-mno-avxvnni", "-mno-avx512vnni"],
-                   "scalar": [*NO_AVX512, "-mno-avx2", "-mno-fma"]}
+FALLBACK_BUILDS = {"avx2": cpu_build.NO_AVX512,
+                   "avx2-no-vnni": [*cpu_build.NO_AVX512, "-mno-avxvnni", "-mno-avx512vnni"],
+                   "scalar": cpu_build.SCALAR}
 
 
 @pytest.fixture(scope="module", params=sorted(FALLBACK_BUILDS))
-def fallback_libs(request, tmp_path_factory):
+def fallback_libs(request, rebuilt):
     libs = []
     for source, fn, argtypes in (("quant_dot_cpu.c", "quant_matmul_qa_f32", _QA_ARGTYPES),
                                  ("quant_matmul_cpu.c", "quant_matmul_f32", _CPU_ARGTYPES)):
-        lib = cpu_build.build_variant(source, FALLBACK_BUILDS[request.param], tmp_path_factory.mktemp(request.param))
-        if lib is None:
-            pytest.skip("no C compiler")
-        f = getattr(lib, fn)
+        f = getattr(rebuilt(source, FALLBACK_BUILDS[request.param], request.param), fn)
         f.argtypes, f.restype = argtypes, ctypes.c_int
         libs.append(f)
     return libs
