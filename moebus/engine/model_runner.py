@@ -16,6 +16,7 @@ from moebus.engine.sampling.batch import takes_raw_argmax
 from moebus.engine.sampling.sampler import Sampler, SamplingBatch
 from moebus.engine.sampling.spec_decode import rejection_sample
 from moebus.engine.scheduler import SchedulerOutput
+from moebus.kernels.argmax import row_argmax
 from moebus.kernels.lm_head_argmax import lm_head_argmax, pack_panels
 
 PLACEHOLDER = -1  # an output token whose value the previous (still running) step will produce
@@ -74,10 +75,12 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.last_sampled: dict[str, int] = {}  # request id -> token sampled by the latest step
-        # The LM head (weight, panels) for steps whose rows all decode greedily on raw logits: their
-        # tokens come from the fused head+argmax kernel, no [rows, vocab] logits. CPU only (measured
-        # there; GPUs keep the logits path) and not in deterministic mode (its logits are tiled).
-        self.greedy_head = _greedy_head(self.model) if device.type == "cpu" and not batch_invariant else None
+        # Steps whose rows all decode greedily on raw logits skip the sampler (raw_argmax); with the
+        # LM head (weight, panels) their tokens come from the fused head+argmax kernel, no [rows,
+        # vocab] logits. CPU only (measured there; GPUs keep the sampler path) and not in
+        # deterministic mode (its logits are tiled).
+        self.raw_argmax = device.type == "cpu" and not batch_invariant
+        self.greedy_head = _greedy_head(self.model) if self.raw_argmax else None
 
     def _token(self, req: Request, i: int) -> int:
         return req.draft_token_ids[i - req.num_tokens] if i >= req.num_tokens else req.token_at(i)
@@ -155,8 +158,11 @@ class ModelRunner:
             return result
         rows = hidden[torch.tensor(inp.sample_rows, device=dev)]
         entries = sorted(set(inp.sample_owner))
-        if self.greedy_head is not None and self._raw_greedy(inp, entries):
-            tokens = lm_head_argmax(rows, *self.greedy_head).tolist()
+        if self.raw_argmax and self._raw_greedy(inp, entries):
+            # a head the fused kernel does not cover (a GGUF QuantLinear) takes the sampler's own argmax
+            # of its logits, without building a SamplingBatch (~0.2 ms of a batch-1 step's Python)
+            tokens = (lm_head_argmax(rows, *self.greedy_head) if self.greedy_head is not None
+                      else row_argmax(self.model.compute_logits(rows))).tolist()
             for k, j in enumerate(entries):
                 result.tokens[j] = [tokens[k]]
         else:

@@ -38,12 +38,14 @@ def test_fused_greedy_head_matches_the_logits_path(llm, chat_prompts, reference)
     """Greedy steps on CPU take their tokens from the fused LM-head argmax kernel; the logits path
     (forced here, and taken by any step holding a request that needs logits) gives the same."""
     runner = llm.engine.runner
-    assert runner.greedy_head is not None  # CPU, not deterministic: the fused path is on
+    assert runner.greedy_head is not None and runner.raw_argmax  # CPU, not deterministic: fused path on
     head, runner.greedy_head = runner.greedy_head, None
     try:
-        assert _tokens(llm.generate(chat_prompts, GREEDY)) == reference
+        assert _tokens(llm.generate(chat_prompts, GREEDY)) == reference  # logits, then their argmax
+        runner.raw_argmax = False
+        assert _tokens(llm.generate(chat_prompts, GREEDY)) == reference  # logits, then the sampler
     finally:
-        runner.greedy_head = head
+        runner.greedy_head, runner.raw_argmax = head, True
     # one request with logprobs sends every step of the batch down the logits path
     params = [GREEDY, dataclasses.replace(GREEDY, logprobs=2), GREEDY, GREEDY]
     for i, (ids, p) in enumerate(zip(chat_prompts, params, strict=True)):

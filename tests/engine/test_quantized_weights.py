@@ -118,6 +118,24 @@ def test_greedy_output_identical_to_the_dequantized_model(gguf_llm, dense_llm, c
         assert gguf_llm.generate([prompt], params)[0].outputs[0].token_ids == ref[i], i
 
 
+def test_raw_greedy_steps_skip_the_sampler(gguf_llm, chat_prompts):
+    """The QuantLinear head has no fused argmax kernel: raw greedy steps take the argmax of its
+    logits without the sampler (ModelRunner.raw_argmax), with the sampler's tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)  # min_tokens would ban eos
+    runner = gguf_llm.engine.runner
+    assert runner.greedy_head is None and runner.raw_argmax
+    sampler, calls = runner.sampler, []
+    runner.sampler = lambda *a: calls.append(1) or sampler(*a)
+    try:
+        fast = [o.outputs[0].token_ids for o in gguf_llm.generate(chat_prompts[:2], params)]
+        assert not calls
+        runner.raw_argmax = False
+        assert [o.outputs[0].token_ids for o in gguf_llm.generate(chat_prompts[:2], params)] == fast
+        assert calls
+    finally:
+        runner.sampler, runner.raw_argmax = sampler, True
+
+
 def test_quant_linear_paths_by_shape_and_bits():
     """1-3 row calls take the integer-activation kernel (activation_bits), more rows and None the
     float one; a 3-D x gives the rows of its 2-D view."""
