@@ -159,6 +159,7 @@ class EngineLoop:
                     self.kv.bind(self.engine)
                 self.stats = dict(self.engine.stats())
                 self._prefill_only.clear()
+                self._fresh.clear()  # the failed engine's requests are gone with it
                 self.ready.set()
                 self._loop.call_soon_threadsafe(self._on_ready)
                 self._loop_forever()
