@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from moebus.kernels import paged_attention_decode
-from moebus.kernels.prefill_attention import attend_one_ref, prefill_attention_cpu
+from moebus.kernels.prefill_attention import attend_one_ref, gather_seq, prefill_attention_cpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +83,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, tor
     k_cache, v_cache = kv_cache
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    n_blocks = (seq_len + block_size - 1) // block_size
-    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:seq_len]
 
 
 # Sliding windows up to this many keys take the banded prefill path; each gathered chunk of keys
@@ -182,7 +177,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[to
         if seq_len == e - s:  # no earlier context: use this step's k/v directly
             kb, vb = k[s:e], v[s:e]
         else:
-            kb = _gather_seq(k_cache, meta.block_tables[b], seq_len, meta.block_size)
-            vb = _gather_seq(v_cache, meta.block_tables[b], seq_len, meta.block_size)
+            kb = gather_seq(k_cache, meta.block_tables[b], seq_len)
+            vb = gather_seq(v_cache, meta.block_tables[b], seq_len)
         out[s:e] = attend_one_ref(q[s:e], kb.to(q.dtype), vb.to(q.dtype), scale, sliding_window, sinks)
     return out

@@ -30,7 +30,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         assert sinks.shape == (hq,), sinks.shape
 
 
-def _gather_seq(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def gather_seq(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A sequence's first seq_len rows of a paged cache [N, bs, ...] as one [seq_len, ...] tensor."""
     bs = cache.shape[1]
     return cache[table[:(seq_len + bs - 1) // bs].long()].flatten(0, 1)[:seq_len]
 
@@ -77,8 +78,8 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if out is None:
         out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3])
     for i, (s, n, L) in enumerate(zip(q_start, q_len, seq_lens, strict=True)):
-        k = _gather_seq(k_cache, block_tables[i], L).to(q.dtype)
-        v = _gather_seq(v_cache, block_tables[i], L).to(q.dtype)
+        k = gather_seq(k_cache, block_tables[i], L).to(q.dtype)
+        v = gather_seq(v_cache, block_tables[i], L).to(q.dtype)
         out[s:s + n] = attend_one_ref(q[s:s + n], k, v, scale, sliding_window, sinks)
     return out
 
