@@ -161,6 +161,35 @@ def summarize(run: Run, recs: list, wall: float) -> None:
 
 # ---- the in-process engine (child process) ----------------------------------------------------
 
+def engine_burst(eng, prompts: list[list[int]], concurrency: int, params) -> dict:
+    """Closed loop on an in-process engine: at most `concurrency` requests in flight, each new one
+    added as one finishes (all at once when there are no more prompts than that). tok/s, and the
+    medians of TTFT and TPOT over requests."""
+    pending = list(enumerate(prompts))
+    sent: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, tuple[float, int]] = {}
+    tokens = 0
+    t0 = time.perf_counter()
+    while pending or len(done) < len(prompts):
+        while pending and len(sent) - len(done) < concurrency:
+            i, p = pending.pop(0)
+            rid = f"b{t0:.6f}-{i}"
+            eng.add_request(rid, p, params)
+            sent[rid] = time.perf_counter()
+        for o in eng.step():
+            now = time.perf_counter()
+            tokens += len(o.new_token_ids)
+            if o.new_token_ids and o.request_id not in first:
+                first[o.request_id] = now
+            if o.finished:
+                done[o.request_id] = (now, o.num_output_tokens)
+    wall = time.perf_counter() - t0
+    return {"tok_s": tokens / wall, "completion_tokens": tokens,
+            "ttft_ms": 1000 * statistics.median(first[r] - sent[r] for r in sent),
+            "tpot_ms": 1000 * statistics.median((done[r][0] - first[r]) / max(1, done[r][1] - 1) for r in sent)}
+
+
 def engine_child(spec: dict) -> dict:
     import torch
 
@@ -169,45 +198,21 @@ def engine_child(spec: dict) -> dict:
     from moebus.engine.sampling import SamplingParams
 
     torch.set_num_threads(spec["threads"])
-    eng = LLMEngine(EngineConfig(model=MODEL, dtype=spec["dtype"]))
+    eng = LLMEngine(EngineConfig(model=MODEL, dtype=spec["dtype"], **spec.get("engine", {})))
     out_len = spec["output_len"]
     params = SamplingParams(temperature=spec["temperature"], max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
     eng.add_request("warm", spec["warmup"], SamplingParams(temperature=0, max_tokens=16, min_tokens=16,
                                                            ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
-    results = {}
-    for c, prompts in spec["runs"].items():
-        pending = list(enumerate(prompts))
-        sent: dict[str, float] = {}
-        first: dict[str, float] = {}
-        done: dict[str, tuple[float, int]] = {}
-        tokens = 0
-        t0 = time.perf_counter()
-        while pending or len(done) < len(prompts):
-            while pending and len(sent) - len(done) < int(c):
-                i, p = pending.pop(0)
-                eng.add_request(f"r{i}", p, params)
-                sent[f"r{i}"] = time.perf_counter()
-            for o in eng.step():
-                now = time.perf_counter()
-                tokens += len(o.new_token_ids)
-                if o.new_token_ids and o.request_id not in first:
-                    first[o.request_id] = now
-                if o.finished:
-                    done[o.request_id] = (now, o.num_output_tokens)
-        wall = time.perf_counter() - t0
-        results[c] = {"tok_s": tokens / wall, "completion_tokens": tokens,
-                      "ttft_ms": 1000 * statistics.median(first[r] - sent[r] for r in sent),
-                      "tpot_ms": 1000 * statistics.median((done[r][0] - first[r]) / max(1, done[r][1] - 1)
-                                                          for r in sent)}
-    return results
+    return {c: engine_burst(eng, prompts, int(c), params) for c, prompts in spec["runs"].items()}
 
 
 def run_engine(threads: int, dtype: str, output_len: int, prompt_ids: dict[int, list[list[int]]],
-               warmup: list[int], log: Path, temperature: float = 0.0) -> dict:
+               warmup: list[int], log: Path, temperature: float = 0.0, engine: dict | None = None) -> dict:
+    """engine: extra EngineConfig fields for the child (--engine-json)."""
     spec = {"threads": threads, "dtype": dtype, "output_len": output_len, "warmup": warmup, "temperature": temperature,
-            "runs": {str(c): p for c, p in prompt_ids.items()}}
+            "engine": engine or {}, "runs": {str(c): p for c, p in prompt_ids.items()}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     with open(log, "wb") as lf:
@@ -291,6 +296,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy; 1: the API's default)")
     ap.add_argument("--spans", action=argparse.BooleanOptionalAction, default=True,
                     help="moebus writes trace spans: the c=1 TTFT split")
+    ap.add_argument("--engine-json", default="{}",
+                    help='extra EngineConfig fields of the in-process engine, e.g. \'{"max_num_batched_tokens": 512}\'')
     ap.add_argument("--out", default=None, help="a folder for the per-run JSON and server logs (default: a temp dir)")
     ap.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -317,7 +324,8 @@ def main() -> None:
             if s == "engine":
                 load = os.getloadavg()
                 res = run_engine(args.threads, args.dtype, args.output_len, {c: prompts[c][1] for c in concs},
-                                 warm_ids[0], out / f"engine-{rnd}.log", args.temperature)
+                                 warm_ids[0], out / f"engine-{rnd}.log", args.temperature,
+                                 json.loads(args.engine_json))
                 for c in concs:
                     r = res[str(c)]
                     runs.append(Run("engine", rnd, c, tok_s=r["tok_s"], tpot_ms=r["tpot_ms"], ttft_ms=r["ttft_ms"],

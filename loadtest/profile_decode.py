@@ -46,20 +46,22 @@ def _timed(acc: collections.Counter, targets: list[tuple[object, str, str]]):
 
 def profile(batch: int, steps: int, prompt_len: int, dtype: str = "float32") -> None:
     import moebus.engine.cpu_linear as cl
-    import moebus.engine.model_runner as mr
     import moebus.engine.models.llama as llama
     from moebus.engine.config import EngineConfig
     from moebus.engine.llm_engine import LLMEngine
     from moebus.engine.sampling import SamplingParams
 
-    kernels = ["apply_rotary", "attend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_cos_sin"]
+    kernels = ["apply_rotary_", "attend", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_cos_sin"]
     eng = LLMEngine(EngineConfig(model="smollm2", dtype=dtype, max_num_seqs=max(batch, 1),
                                  max_num_batched_tokens=4096))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, min_tokens=steps + 16, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i, p in enumerate(torch.randint(100, 49000, (batch, prompt_len), generator=g).tolist()):
         eng.add_request(f"p{i}", p, params)
-    for _ in range(4):  # prefill, then a few decode steps
+    started: set[str] = set()
+    while len(started) < batch:  # every prompt prefilled (however the scheduler splits them) ...
+        started.update(o.request_id for o in eng.step() if o.new_token_ids)
+    for _ in range(2):  # ... then a few decode steps
         eng.step()
     acc: collections.Counter = collections.Counter()
     orig_linear = cl.PackedLinear.forward
@@ -71,7 +73,8 @@ def profile(batch: int, steps: int, prompt_len: int, dtype: str = "float32") -> 
         return out
 
     runner = type(eng.runner)
-    targets = ([(llama, k, k) for k in kernels] + [(mr, "lm_head_argmax", "lm_head_argmax (greedy head)")]
+    head = [(eng.runner, "greedy_head", "greedy head (fused head + argmax)")] if eng.runner.greedy_head else []
+    targets = ([(llama, k, k) for k in kernels] + head
                + [(runner, "prepare", "runner.prepare"), (runner, "execute", "runner.execute")])
     cl.PackedLinear.forward = linear
     try:

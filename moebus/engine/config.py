@@ -28,6 +28,11 @@ class EngineConfig:
     max_model_len: int = 8192
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # The step budget while several prompts wait to prefill (SchedulerConfig): a burst of 16 x 128
+    # prompts prefills as 12 then 4 and the first tokens of most go out after 3/4 of the work. Not
+    # smaller: bf16 GEMMs (oneDNN, AMX, 2 threads) cost ~4 us a row up to ~1300 rows, ~2.9 from ~1500.
+    # Burst TTFT p50 ~-30% at c=16, ~-23% at c=64, tok/s unchanged (BENCHMARKS.md, "Peers side by side").
+    burst_step_tokens: int | None = 1536
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # Sliding-window layers (and other parts read within a horizon) keep only the blocks their window
@@ -42,6 +47,9 @@ class EngineConfig:
     speculative_method: str = "ngram"
     deterministic: bool = False  # batch-invariant results: same request, same tokens, any batch
     seed: int = 0
+    # On CPU with glibc: fixed malloc thresholds, so a step's activations are reused from the heap
+    # instead of page-faulted in again every step (engine/cpu_malloc.py; process-wide).
+    tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":  # from the CPU's flags (bf16 with AVX512-BF16/AMX), logged: dtype_choice
@@ -64,4 +72,5 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill)
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
+                               self.burst_step_tokens)

@@ -18,6 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moebus.engine.dtype_choice import cpu_flags
+from moebus.kernels.argmax import row_argmax
+from moebus.kernels.quant_argmax import cpu_function as argmax_function
+from moebus.kernels.quant_argmax import quant_argmax_cpu_unchecked
 from moebus.kernels.quant_matmul import (
     GGML_TYPES,
     check_weight,
@@ -38,13 +42,25 @@ QA_MAX_ROWS = 3
 # while on Zen 3 (AVX2) it lost 3% (2.52 vs 2.45 ns a block); the head's logits move by <= 1e-4.
 QA16_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
-# Rows above which the plain GEMM is used; None: packed at every size.
+# Rows above which the plain GEMM is used; None: packed at every size. With AMX (bf16 tiles) the
+# packed bf16 GEMM is as fast or faster at large sizes too (Sapphire Rapids, 2 threads, SmolLM2's four
+# layer shapes, weights packed for 64 rows: 1536 rows 4.16 vs 4.45 ms, 2048 5.56 vs 5.65, 4096 11.27 vs
+# 11.40; a whole 1536-token prefill step 289-301 vs 304-325 ms over three alternating runs; 512 rows
+# alone lose, 1.94 vs 1.79): packed at every size there.
 PACKED_MAX_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: 256, torch.float32: None}
+PACKED_MAX_ROWS_AMX: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float32: None}
+
 # Calls of fewer multiply-adds (rows x in x out) take the plain GEMM: oneDNN's packed call costs
 # ~40 us more per call, which small GEMMs never win back. Measured on a Zen 3 VM in fp32 (packed vs
 # F.linear): 64 x 128 -> 128 82 vs 29 us, 1 x 1536 -> 576 132 vs 80 us, 64 x 128 -> 512 (4.2M)
 # 101 vs 131 us, 64 x 576 -> 1536 865 vs 966 us. bf16 is unmeasured there (no AVX-512): 0.
 PACKED_MIN_MACS: dict[torch.dtype, int] = {torch.bfloat16: 0, torch.float32: 1 << 22}
+
+
+@functools.cache
+def packed_max_rows(dtype: torch.dtype) -> int | None:
+    """PACKED_MAX_ROWS for this CPU."""
+    return (PACKED_MAX_ROWS_AMX if "amx_bf16" in cpu_flags() else PACKED_MAX_ROWS)[dtype]
 
 
 @functools.cache
@@ -82,7 +98,7 @@ def _packed(weight: nn.Parameter, bias: nn.Parameter | None, row_hint: int) -> P
     nn.Module.__init__(new)
     new.out_features, new.in_features = weight.shape
     new.weight, new.bias = weight, bias
-    new.max_rows = PACKED_MAX_ROWS[weight.dtype]
+    new.max_rows = packed_max_rows(weight.dtype)
     new.min_rows = -(-PACKED_MIN_MACS[weight.dtype] // weight.numel())
     new.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), row_hint),
                         persistent=False)
@@ -142,6 +158,7 @@ class QuantLinear(nn.Module):
         self._cpu_fn = cpu_function()  # checked here once, so float32 CPU calls go straight to C
         lib = qa_cpu_library()
         self._qa_fn = lib.quant_matmul_qa_f32 if lib is not None else None
+        self._argmax_fn = argmax_function()
         self._qtype_id = GGML_TYPES[qtype]
         self._qa16 = qtype in QA16_TYPES
 
@@ -164,6 +181,19 @@ class QuantLinear(nn.Module):
         if out is None:
             out = quant_matmul(flat, w, self.qtype, one_path=self.batch_invariant)
         return out if two_d else out.reshape(*x.shape[:-1], self.out_features)
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 [M]: row_argmax(self(x)) for x [M, in_features], the first maximum (or first NaN) of
+        each row. A float32 CPU call of at most QA_MAX_ROWS rows (a batch-1 decode step's LM head)
+        takes csrc/quant_argmax_cpu.c: the same logits, never written out."""
+        if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= QA_MAX_ROWS and x.stride(1) == 1
+                and self._argmax_fn is not None and not x.is_cuda and not self.qweight.is_cuda):
+            bits = self.few_rows_activation_bits()
+            if bits or self._cpu_fn is not None:  # as forward: else float activations on the direct path
+                out = quant_argmax_cpu_unchecked(self._argmax_fn, x, self.qweight, self._qtype_id, bits)
+                if out is not None:
+                    return out
+        return row_argmax(self(x).float())
 
     def few_rows_activation_bits(self) -> int | None:
         """The integer activation width a float32 CPU call of at most QA_MAX_ROWS rows takes, or None

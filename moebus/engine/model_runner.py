@@ -1,13 +1,15 @@
 """Turns a SchedulerOutput into one flattened forward pass and samples the positions that need it."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.batch_invariant import make_batch_invariant, tiled
-from moebus.engine.cpu_linear import pack_linears
+from moebus.engine.cpu_linear import QuantLinear, pack_linears
 from moebus.engine.isolation import isolate
 from moebus.engine.kv_groups import KVLayout, allocate_caches
 from moebus.engine.multimodal import ImageSpan, MMEmbeds, step_embeds
@@ -75,9 +77,9 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.last_sampled: dict[str, int] = {}  # request id -> token sampled by the latest step
-        # Steps whose rows all decode greedily on raw logits skip the sampler (raw_argmax); with the
-        # LM head (weight, panels) their tokens come from the fused head+argmax kernel, no [rows,
-        # vocab] logits. CPU only (measured there; GPUs keep the sampler path) and not in
+        # Steps whose rows all decode greedily on raw logits skip the sampler (raw_argmax); with a
+        # greedy head (hidden rows -> token ids) their tokens come from a fused head+argmax kernel,
+        # no [rows, vocab] logits. CPU only (measured there; GPUs keep the sampler path) and not in
         # deterministic mode (its logits are tiled).
         self.raw_argmax = device.type == "cpu" and not batch_invariant
         self.greedy_head = _greedy_head(self.model) if self.raw_argmax else None
@@ -156,12 +158,14 @@ class ModelRunner:
         result = StepResult([[] for _ in range(n)], [None] * n, [0] * n)
         if not inp.sample_rows:
             return result
-        rows = hidden[torch.tensor(inp.sample_rows, device=dev)]
+        # sample rows are distinct and ascending: as many as the hidden rows (a decode step) is all of them
+        rows = (hidden if len(inp.sample_rows) == hidden.shape[0]
+                else hidden[torch.tensor(inp.sample_rows, device=dev)])
         entries = sorted(set(inp.sample_owner))
         if self.raw_argmax and self._raw_greedy(inp, entries):
-            # a head the fused kernel does not cover (a GGUF QuantLinear) takes the sampler's own argmax
-            # of its logits, without building a SamplingBatch (~0.2 ms of a batch-1 step's Python)
-            tokens = (lm_head_argmax(rows, *self.greedy_head) if self.greedy_head is not None
+            # without a greedy head: the sampler's own argmax of the logits, without building a
+            # SamplingBatch (~0.2 ms of a batch-1 step's Python)
+            tokens = (self.greedy_head(rows) if self.greedy_head is not None
                       else row_argmax(self.model.compute_logits(rows))).tolist()
             for k, j in enumerate(entries):
                 result.tokens[j] = [tokens[k]]
@@ -252,11 +256,14 @@ class ModelRunner:
         self.last_sampled.pop(request_id, None)
 
 
-def _greedy_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(weight, pack_panels(weight)) of a model whose compute_logits is its bias-free LM head
-    (`lm_head`, or `embed_tokens` when tied and unpacked), so that argmax of the logits is argmax of
-    hidden @ weight.T; None otherwise."""
+def _greedy_head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """hidden rows -> argmax of their logits (int64), for a model whose compute_logits is its
+    bias-free LM head (`lm_head`, or `embed_tokens` when tied and unpacked): a GGUF QuantLinear head's
+    own `greedy` (it reads its activation width at each call), else lm_head_argmax on the weight
+    packed here once; None otherwise."""
     head = getattr(model, "lm_head", None)
+    if type(head) is QuantLinear:
+        return head.greedy if head.qweight.device.type == "cpu" else None
     if isinstance(head, torch.nn.Linear):
         weight = head.weight if head.bias is None else None
     else:
@@ -264,4 +271,4 @@ def _greedy_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | 
         weight = emb.weight if head is None and isinstance(emb, torch.nn.Embedding) else None
     if weight is None or weight.device.type != "cpu":
         return None
-    return weight, pack_panels(weight)
+    return functools.partial(lm_head_argmax, w=weight, panels=pack_panels(weight))

@@ -2,8 +2,11 @@
 
 There are no prefill/decode phases. A request's target is all its known tokens plus drafts to
 verify; a step gives each running request min(remaining, budget) tokens (chunked prefill falls
-out of the token budget), then admits waiting requests by priority. When blocks run out the
-lowest-priority running request is preempted: its blocks are freed and it recomputes later.
+out of the token budget), then admits waiting requests by priority. While several requests have
+prompt tokens to compute (a burst), the budget is the smaller burst_step_tokens: the burst prefills
+over a few steps and the first requests' first tokens go out after part of the work, not all of it.
+When blocks run out the lowest-priority running request is preempted: its blocks are freed and it
+recomputes later.
 """
 from __future__ import annotations
 
@@ -18,10 +21,16 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # The step budget (decode rows included) while prompts compete; None: max_num_batched_tokens.
+    # A lone prompt keeps the whole max_num_batched_tokens (bigger GEMMs); without chunked prefill
+    # whole prompts must fit, so it does not apply. Why 1536: EngineConfig.
+    burst_step_tokens: int | None = 1536
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.burst_step_tokens is not None and self.burst_step_tokens < 1:
+            raise ValueError("burst_step_tokens must be >= 1 (or None)")
 
 
 @dataclass(slots=True)
@@ -105,7 +114,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self._step_budget()
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         i = 0
         while i < len(self.running) and budget > 0:
@@ -136,6 +145,13 @@ class Scheduler:
                 break
             budget -= n
         return out
+
+    def _step_budget(self) -> int:
+        cfg = self.config
+        if cfg.burst_step_tokens is None or not cfg.enable_chunked_prefill:
+            return cfg.max_num_batched_tokens
+        prompts = len(self.waiting) + sum(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+        return min(cfg.burst_step_tokens, cfg.max_num_batched_tokens) if prompts > 1 else cfg.max_num_batched_tokens
 
     def _continue(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Schedule a running request's next tokens (0: it has none now); None: it was preempted."""

@@ -13,6 +13,7 @@ SmolLM2) cost about as much as the GEMVs; no batch amortises it.
 from __future__ import annotations
 
 import ctypes
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -124,17 +125,26 @@ def cpu_kernel_available() -> bool:
 
 class DecodeStack:
     """The C step over fixed weights: the structs point into the given tensors (kept here alive
-    and never moved), the scratch grows with the context. One instance per model; not thread-safe."""
+    and never moved), the scratch grows with the context. The caches' addresses are taken again
+    only when the list holds other entries (identity): a cache tensor must not move either. One
+    instance per model; not thread-safe."""
 
     def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor, shape: StackShape, *,
-                 lib: ctypes.CDLL | None = None) -> None:
-        """lib: a build of csrc/decode_stack_cpu.c (tests pass cpu_build.build_variant's); default the cached one."""
+                 embed: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> None:
+        """embed: the float32 [vocab, hidden] token embedding step_ids looks tokens up in. lib: a
+        build of csrc/decode_stack_cpu.c (tests pass cpu_build.build_variant's); default the cached one."""
         lib = lib or library(_SOURCE).get()
         if lib is None:
             raise RuntimeError("decode_stack_cpu.c could not be built")
-        self._fn, self._scratch_fn = lib.decode_stack_f32, lib.decode_stack_scratch
+        self._fn, self._scratch_fn, self._ids_fn = lib.decode_stack_f32, lib.decode_stack_scratch, lib.decode_stack_ids
         self._fn.argtypes = [PTR, PTR, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, I64]
         self._fn.restype = ctypes.c_int
+        self._ids_fn.argtypes = [PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR, I64]
+        self._ids_fn.restype = ctypes.c_int
+        if embed is not None:
+            assert embed.dtype == torch.float32 and embed.device.type == "cpu" and embed.stride(1) == 1
+            assert embed.shape[1] == final_norm.shape[0], embed.shape
+        self._embed = embed
         self._scratch_fn.argtypes, self._scratch_fn.restype = [PTR, I64], I64
         hidden, inter = final_norm.shape[0], layers[0].down.in_features
         self.shape, self.hidden = shape, hidden
@@ -151,19 +161,42 @@ class DecodeStack:
                              ctypes.cast(self._layers, ctypes.POINTER(_Layer)))
         self._model_ref = ctypes.byref(self._model)
         self._scratch = torch.empty(0)
+        self._h = torch.empty(hidden)  # step_ids' residual stream
         self._k_ptrs, self._v_ptrs = (ctypes.c_void_p * len(layers))(), (ctypes.c_void_p * len(layers))()
+        self._kv_seen: list = []  # the cache list entries the pointers were taken from
+
+    def _prepare(self, seq_len: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Scratch for seq_len positions and the caches' addresses (looked up again only for new entries)."""
+        self._model.block_size = kv_caches[0][0].shape[1]
+        need = self._scratch_fn(self._model_ref, seq_len)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
+        if len(kv_caches) != len(self._kv_seen) or any(map(operator.is_not, kv_caches, self._kv_seen)):
+            for i, (kc, vc) in enumerate(kv_caches):
+                self._k_ptrs[i], self._v_ptrs[i] = kc.data_ptr(), vc.data_ptr()
+            self._kv_seen = list(kv_caches)
+
+    def step_ids(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, seq_len: int,
+                 table: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """step for the token input_ids[0] at positions[0], cache slot slot_mapping[0] (int64 CPU
+        tensors, read by the C call), its embedding row from `embed`: final_norm(h') [hidden]. None
+        when the C call refuses (a token outside the vocabulary included)."""
+        emb = self._embed
+        assert emb is not None, "DecodeStack(embed=...) looks the tokens up"
+        self._prepare(seq_len, kv_caches)
+        out = torch.empty(self.hidden)
+        status = self._ids_fn(self._model_ref, emb.data_ptr(), emb.stride(0), emb.shape[0], input_ids.data_ptr(),
+                              positions.data_ptr(), slot_mapping.data_ptr(), self._h.data_ptr(), out.data_ptr(),
+                              seq_len, table.data_ptr(), self._k_ptrs, self._v_ptrs, self._scratch.data_ptr(),
+                              self._scratch.numel())
+        return out if status == 0 else None
 
     def step(self, h: torch.Tensor, pos: int, slot: int, seq_len: int, table: torch.Tensor,
              kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """final_norm(h') [hidden] for this token's embedding h (float32 [hidden], contiguous: updated
         in place to the residual stream h'); table: the sequence's int32 block table, contiguous.
         Caches as the module docstring, checked by the caller. None when the C call refuses."""
-        self._model.block_size = kv_caches[0][0].shape[1]
-        need = self._scratch_fn(self._model_ref, seq_len)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()))
-        for i, (kc, vc) in enumerate(kv_caches):
-            self._k_ptrs[i], self._v_ptrs[i] = kc.data_ptr(), vc.data_ptr()
+        self._prepare(seq_len, kv_caches)
         out = torch.empty(self.hidden)
         status = self._fn(self._model_ref, h.data_ptr(), out.data_ptr(), pos, slot, seq_len, table.data_ptr(),
                           self._k_ptrs, self._v_ptrs, self._scratch.data_ptr(), self._scratch.numel())

@@ -39,7 +39,8 @@ from moebus.shared.config_cli import to_cli_args
 from moebus.shared.lifeline import die_with_parent
 from moebus.shared.messages import HealthReply
 from moebus.shared.nats_cluster import NatsCluster
-from moebus.shared.nats_server import NatsServer, free_port
+from moebus.shared.nats_server import NatsServer
+from moebus.shared.ports import free_port
 from moebus.shared.service import Empty, ServiceConfig, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.trace_export import TraceConfig

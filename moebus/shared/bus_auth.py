@@ -37,7 +37,7 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
         case "frontend":  # chat requests in; token streams of its own requests back (replayed on request)
             return ([s.tokenizer_render, s.tokenizer_detokenize, s.encoder_encode, s.encoder_encode_on(ANY),
                      s.balancer_route, s.worker_abort(ANY), s.worker_abort_all, s.worker_replay(ANY)],
-                    [s.frontend_stream_all(i), s.balancer_worker_lost, s.heartbeat_all("encoder"),
+                    [s.frontend_stream_all(i), s.frontend_chunks(i), s.balancer_worker_lost, s.heartbeat_all("encoder"),
                      s.heartbeat_all("worker")])  # worker beats: its /ready
         case "tokenizer":
             return [], [s.tokenizer_render, s.tokenizer_detokenize]
@@ -47,7 +47,7 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
             return ([s.worker_generate(ANY), s.worker_abort(ANY), s.balancer_worker_lost, s.kvbroker_query],
                     [s.balancer_route, s.heartbeat_all("worker")])
         case "worker":  # receives only its own work; sends streams, handoffs and KV, never generate
-            return ([s.frontend_stream(ANY, ANY), s.worker_handoff(ANY), s.worker_handoff_beat(ANY),
+            return ([s.frontend_stream(ANY, ANY), s.frontend_chunks(ANY), s.worker_handoff(ANY), s.worker_handoff_beat(ANY),
                      s.kvtransfer_push_all, s.kvbroker_events, s.kvbroker_query, s.kvbroker_get, s.kvbroker_put],
                     [s.worker_generate(i), s.worker_abort(i), s.worker_handoff(i), s.worker_handoff_beat(i),
                      s.worker_abort_all, s.worker_replay(i), s.kvtransfer_push_all if i == ANY else s.kvtransfer_push(i),

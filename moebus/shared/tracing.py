@@ -18,7 +18,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACEPARENT = "traceparent"
@@ -63,7 +63,11 @@ class Tracing:
     def inject(self, headers: Mapping[str, str] | None = None) -> dict[str, str]:
         """Copy of `headers` plus the current span's trace context."""
         carrier = dict(headers or {})
-        self._propagator.inject(carrier)
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.trace_state:  # (we set none; a caller's came with its traceparent)
+            self._propagator.inject(carrier)
+        elif ctx.is_valid:  # what the propagator writes, without its machinery (every bus message)
+            carrier[TRACEPARENT] = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
         return carrier
 
     @contextmanager
@@ -75,9 +79,22 @@ class Tracing:
         if kind is SpanKind.CONSUMER and TRACEPARENT not in carrier:
             yield trace.INVALID_SPAN
             return
-        ctx = self._propagator.extract(carrier)
+        ctx = self.extract(carrier)
         with self._tracer.start_as_current_span(name, context=ctx, kind=kind) as span:
             yield span
+
+    def extract(self, carrier: Mapping[str, str]) -> otel_context.Context:
+        """The parent context a lowercase carrier names. A plain version-00 `traceparent` (what
+        every service here sends) is read directly: the first code a handler runs after the
+        process slept, where the propagator's generic path cost about 0.1 ms (issue 21 target 3).
+        Anything else (a `tracestate`, another version, a malformed value) goes to the propagator."""
+        tp = carrier.get(TRACEPARENT)
+        if "tracestate" not in carrier and isinstance(tp, str) and _plain_traceparent(tp):
+            trace_id, span_id = int(tp[3:35], 16), int(tp[36:52], 16)
+            if trace_id and span_id:
+                parent = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(int(tp[53:55], 16)))
+                return trace.set_span_in_context(NonRecordingSpan(parent))
+        return self._propagator.extract(carrier)
 
     @contextmanager
     def span(self, name: str, kind: SpanKind = SpanKind.INTERNAL) -> Iterator[Span]:
@@ -110,6 +127,15 @@ def make_tracer_provider(service: str, processors: list[SpanProcessor] = ()) -> 
     for p in processors:
         provider.add_span_processor(p)
     return provider
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _plain_traceparent(tp: str) -> bool:
+    """`00-<32 hex>-<16 hex>-<2 hex>`, lowercase, nothing after (W3C trace context, version 00)."""
+    return (len(tp) == 55 and tp[:3] == "00-" and tp[35] == "-" and tp[52] == "-"
+            and _HEX.issuperset(tp[3:35]) and _HEX.issuperset(tp[36:52]) and _HEX.issuperset(tp[53:]))
 
 
 def _lowercase(headers: Mapping[str, str] | None) -> dict[str, str]:

@@ -3,10 +3,10 @@ import torch
 from torch import nn
 
 from moebus.engine.cpu_linear import (
-    PACKED_MAX_ROWS,
     PACKED_MIN_MACS,
     PackedLinear,
     pack_linears,
+    packed_max_rows,
     packing_available,
 )
 
@@ -21,7 +21,7 @@ def test_packed_linear_matches_plain_linear_for_every_row_count(dtype):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(96, 160, bias=False), nn.Linear(160, 40, bias=True)).to(dtype)
     plain = [m.weight.clone() for m in model]
-    cap = PACKED_MAX_ROWS[dtype] or 512
+    cap = packed_max_rows(dtype) or 512
     x = torch.randn(cap + 5, 96, dtype=dtype)
     expected = model(x)
     assert pack_linears(model) == 2 and all(type(m) is PackedLinear for m in model)

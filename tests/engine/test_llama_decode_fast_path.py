@@ -36,13 +36,13 @@ def gguf_llm(smol_dir) -> LLM:
 def steps(monkeypatch) -> list[int]:
     """Counts the fast path's C steps."""
     calls: list[int] = []
-    real = DecodeStack.step
+    real = DecodeStack.step_ids
 
     def counted(self, *args, **kw):
         calls.append(1)
         return real(self, *args, **kw)
 
-    monkeypatch.setattr(DecodeStack, "step", counted)
+    monkeypatch.setattr(DecodeStack, "step_ids", counted)
     return calls
 
 
@@ -116,6 +116,18 @@ def test_mixed_block_types_match_the_module_path(gguf_llm, chat_prompts, steps):
     finally:
         for ly, (qkv, down) in zip(layers, saved, strict=True):
             ly.self_attn.qkv_proj, ly.mlp.down_proj = qkv, down
+
+
+def test_a_new_embedding_weight_rebuilds_the_plan(gguf_llm, chat_prompts, steps):
+    emb = gguf_llm.engine.model.embed_tokens
+    saved = emb.weight
+    _decode_logits(gguf_llm, chat_prompts[1][:2], fast=True)  # a plan on the old weight
+    steps.clear()
+    try:
+        emb.weight = torch.nn.Parameter(saved.detach().roll(1, 0), requires_grad=False)  # other rows
+        _check(gguf_llm, chat_prompts[1][:8], ATOL[16], steps)
+    finally:
+        emb.weight = saved
 
 
 def test_greedy_output_identical_through_the_engine(gguf_llm, chat_prompts, steps):

@@ -118,22 +118,29 @@ def test_greedy_output_identical_to_the_dequantized_model(gguf_llm, dense_llm, c
         assert gguf_llm.generate([prompt], params)[0].outputs[0].token_ids == ref[i], i
 
 
-def test_raw_greedy_steps_skip_the_sampler(gguf_llm, chat_prompts):
-    """The QuantLinear head has no fused argmax kernel: raw greedy steps take the argmax of its
-    logits without the sampler (ModelRunner.raw_argmax), with the sampler's tokens."""
+def test_raw_greedy_steps_skip_the_sampler(gguf_llm, dense_llm, chat_prompts):
+    """Raw greedy steps take their tokens from the QuantLinear head's fused argmax (QuantLinear.greedy:
+    no logits at 1-3 rows), without the sampler (ModelRunner.raw_argmax); the argmax of its logits
+    and the sampler give the same tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)  # min_tokens would ban eos
-    runner = gguf_llm.engine.runner
-    assert runner.greedy_head is None and runner.raw_argmax
-    sampler, calls = runner.sampler, []
+    runner, head = gguf_llm.engine.runner, gguf_llm.engine.model.lm_head
+    assert runner.greedy_head == head.greedy and runner.raw_argmax
+    greedy, sampler, calls, fused = runner.greedy_head, runner.sampler, [], []
     runner.sampler = lambda *a: calls.append(1) or sampler(*a)
+    runner.greedy_head = lambda rows: fused.append(len(rows)) or greedy(rows)
     try:
         fast = [o.outputs[0].token_ids for o in gguf_llm.generate(chat_prompts[:2], params)]
-        assert not calls
+        assert not calls and fused
+        runner.greedy_head = None  # logits, then their argmax
+        assert [o.outputs[0].token_ids for o in gguf_llm.generate(chat_prompts[:2], params)] == fast
         runner.raw_argmax = False
         assert [o.outputs[0].token_ids for o in gguf_llm.generate(chat_prompts[:2], params)] == fast
         assert calls
     finally:
-        runner.sampler, runner.raw_argmax = sampler, True
+        runner.sampler, runner.raw_argmax, runner.greedy_head = sampler, True, greedy
+    for prompt in chat_prompts:  # batch 1: 1-row head calls (the C kernel), as the dequantized model
+        assert (gguf_llm.generate([prompt], params)[0].outputs[0].token_ids
+                == dense_llm.generate([prompt], params)[0].outputs[0].token_ids)
 
 
 def test_quant_linear_paths_by_shape_and_bits():
@@ -158,6 +165,24 @@ def test_quant_linear_paths_by_shape_and_bits():
         assert (lin(x) - quant_matmul_ref(x, w, "Q4_1")).abs().max() > 1e-3
         lin.activation_bits = None
         torch.testing.assert_close(lin(x), quant_matmul_ref(x, w, "Q4_1"), atol=1e-4, rtol=1e-5)
+
+
+def test_quant_linear_greedy_is_the_argmax_of_its_logits():
+    """QuantLinear.greedy: the C kernel at 1-3 rows (each activation width), the logits' argmax above."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from moebus.kernels.argmax import row_argmax_ref
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.from_numpy(quantize(torch.randn(3000, 96, generator=g).numpy(), GGMLQuantizationType.Q8_0))
+    lin = QuantLinear(w, "Q8_0", 96)
+    with torch.no_grad():
+        for bits in (16, 8, None):
+            lin.activation_bits = bits
+            for rows in (1, 3, 5):
+                x = torch.randn(rows, 96, generator=g)
+                assert torch.equal(lin.greedy(x), row_argmax_ref(lin(x))), (bits, rows)
 
 
 def test_q8_0_takes_16_bit_activations():

@@ -97,3 +97,58 @@ def test_prefilled_kv_is_reserved_then_admitted():
     c = Request("c", list(range(100, 140)), SamplingParams())
     s.add(c)
     assert s.reserve_prefilled(c, 40) is None and c.block_ids == []  # does not fit: nothing changes
+
+
+
+def _steps(s, n):
+    """The first n steps as [(request id, tokens)] lists."""
+    steps = []
+    for _ in range(n):
+        out = s.schedule()
+        steps.append([(e.request.request_id, e.num_tokens) for e in out.scheduled])
+        _advance(out)
+    return steps
+
+
+def _burst_sched(chunked=True):
+    return Scheduler(SchedulerConfig(8, 64, chunked, burst_step_tokens=16), BlockManager(64, 4))
+
+
+def test_a_burst_of_prompts_prefills_over_smaller_steps():
+    """Prompts that arrive together prefill a few a step (their first tokens go out early); the
+    started requests' decode rows share the burst budget."""
+    s = _burst_sched()
+    for i in range(5):
+        s.add(Request(f"r{i}", list(range(10 * i, 10 * i + 8)), SamplingParams()))
+    assert _steps(s, 3) == [
+        [("r0", 8), ("r1", 8)],
+        [("r0", 1), ("r1", 1), ("r2", 8), ("r3", 6)],
+        [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 2), ("r4", 8)],
+    ]
+
+
+def test_a_lone_prompt_keeps_the_whole_step_budget():
+    """Decode rows beside a lone prompt do not make a burst; a second arrival does."""
+    s = _burst_sched()
+    s.add(Request("d", list(range(4)), SamplingParams()))
+    s.add(Request("long", list(range(100, 200)), SamplingParams()))
+    assert _steps(s, 2) == [[("d", 4), ("long", 12)], [("d", 1), ("long", 63)]]
+    s.add(Request("new", list(range(200, 210)), SamplingParams()))
+    assert _steps(s, 2) == [[("d", 1), ("long", 15)], [("d", 1), ("long", 10), ("new", 5)]]
+
+
+def test_without_chunked_prefill_the_burst_budget_does_not_apply():
+    """Whole prompts must fit: a 30-token prompt in a burst still runs (budget 64, not 16)."""
+    s = _burst_sched(chunked=False)
+    s.add(Request("a", list(range(12)), SamplingParams()))
+    s.add(Request("big", list(range(100, 130)), SamplingParams()))
+    assert _steps(s, 1) == [[("a", 12), ("big", 30)]]
+
+
+def test_burst_step_tokens_is_validated():
+    try:
+        SchedulerConfig(8, 64, burst_step_tokens=0)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("burst_step_tokens=0 accepted")

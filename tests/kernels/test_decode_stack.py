@@ -78,6 +78,28 @@ def test_step_matches_reference(qtype, bits, pos, hd):
     assert (h - h0).abs().max() > 0.1  # the layers did something
 
 
+def test_step_ids_looks_the_token_up_and_follows_new_caches():
+    """step_ids: the embedding row of input_ids[0] at positions[0] / slot_mapping[0], as step on that
+    row; a token outside the vocabulary is refused; a new cache list is written, not the old one."""
+    layers, norm, pos = _stack("Q4_1", 16), torch.ones(HIDDEN), 9
+    embed = torch.randn(50, HIDDEN, generator=torch.Generator().manual_seed(2))
+    table = torch.tensor([[5, 2, 0, 4, 1, 3]], dtype=torch.int32)
+    slot = int(table[0, pos // BS]) * BS + pos % BS
+    stack = DecodeStack(layers, norm, SHAPE, embed=embed)
+    want_caches, caches = _caches(pos), _caches(pos)
+    want = stack.step(embed[7].clone(), pos, slot, pos + 1, table[0], want_caches)
+    ids, positions, slots = torch.tensor([7]), torch.tensor([pos]), torch.tensor([slot])
+    assert torch.equal(stack.step_ids(ids, positions, slots, pos + 1, table, caches), want)
+    for (kc, vc), (wk, wv) in zip(caches, want_caches, strict=True):
+        assert torch.equal(kc, wk) and torch.equal(vc, wv)
+    assert stack.step_ids(torch.tensor([50]), positions, slots, pos + 1, table, caches) is None
+    assert stack.step_ids(torch.tensor([-1]), positions, slots, pos + 1, table, caches) is None
+    fresh, before = _caches(pos), [(k.clone(), v.clone()) for k, v in caches]
+    assert torch.equal(stack.step_ids(ids, positions, slots, pos + 1, table, fresh), want)
+    assert torch.equal(fresh[1][0], want_caches[1][0])  # this token's K/V went to the new list
+    assert all(torch.equal(k, bk) for (k, _), (bk, _) in zip(caches, before, strict=True))  # the old one untouched
+
+
 def test_refuses_positions_outside_the_rotary_table():
     stack = DecodeStack(_stack(None, None), torch.ones(HIDDEN), SHAPE)
     table = torch.arange(6, dtype=torch.int32)

@@ -13,7 +13,7 @@ import asyncio
 import re
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -22,7 +22,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from moebus.devmodel.toy import TOY_REPLY
-from moebus.shared.messages import TokenChunk
+from moebus.shared.messages import TokenChunk, TokenChunks
 from moebus.shared.nats_server import NatsServer
 
 from .conftest import toy_stack, wait_for
@@ -79,21 +79,24 @@ class Blip:
         return max(s.ended - max(s.started + baseline_s, self.up_at) for s in self.streams)
 
     def figures(self, baseline_s: float) -> str:
-        r = self.resumes
+        r = self.resumes or [float("nan")]
         durations = [s.ended - s.started for s in self.streams]
         return (f"down {self.down_s:g}s: {len(self.streams)} streams, "
                 f"{sum(s.text != TOY_REPLY for s in self.streams)} lost; resumed after the server came back: "
-                f"p50 {statistics.median(r):.2f}s max {max(r):.2f}s ({len(r)} streams); "
+                f"p50 {statistics.median(r):.2f}s max {max(r):.2f}s ({len(self.resumes)} streams); "
                 f"stream time max {max(durations):.2f}s vs {baseline_s:.2f}s undisturbed; done at most "
                 f"{self.late(baseline_s):.2f}s after the later of the server's return and the undisturbed end")
 
 
-async def nats_restart(server: NatsServer, down_s: float, **kw) -> NatsServer:
-    """Stop the server, wait down_s, start a new one on the same port (same users when given)."""
+async def nats_restart(server: NatsServer, down_s: float, **kw) -> tuple[NatsServer, float]:
+    """Stop the server, wait down_s, start a new one on the same port (same users when given).
+    Returns it and the time it was launched: clients may reconnect, and streams catch up, before
+    `start` returns to this (shared) event loop."""
     port = server.port
     await asyncio.to_thread(server.stop)
     await asyncio.sleep(down_s)
-    return await asyncio.to_thread(NatsServer(port=port, **kw).start)
+    launched = time.monotonic()
+    return await asyncio.to_thread(NatsServer(port=port, **kw).start), launched
 
 
 async def metric(url: str, name: str, labels: str = "") -> float:
@@ -110,15 +113,15 @@ def workers_lost(st) -> float:
 
 async def streams_under_blip(client: AsyncOpenAI, restart, down_s: float) -> Blip:
     """STREAMS streams; once each has some text, `restart(down_s)` (awaitable: the server is back
-    when it returns); until all end."""
+    when it returns; it may return the earlier time the server was launched, the time resumes are
+    counted from); until all end."""
     streams = [Stream() for _ in range(STREAMS)]
     tasks = [asyncio.create_task(run_stream(client, s)) for s in streams]
     try:
         await wait_for(lambda: all(len(s.times) >= 3 for s in streams), timeout=30)
-        down_at = time.monotonic()
-        await restart(down_s)
-        up_at = time.monotonic()
         assert not all(t.done() for t in tasks), "the streams ended before the outage: make them longer"
+        down_at = time.monotonic()  # (checked before it: a 10 s outage outlasts the streams' own ~6 s)
+        up_at = await restart(down_s) or time.monotonic()
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=down_s + 30)
     finally:
         for t in tasks:
@@ -151,8 +154,9 @@ async def test_a_nats_restart_loses_no_stream(server: list[NatsServer], down_s: 
         client = st.client()
         baseline = await undisturbed(client)
 
-        async def restart(d: float) -> None:
-            server[0] = await nats_restart(server[0], d)
+        async def restart(d: float) -> float:
+            server[0], launched = await nats_restart(server[0], d)
+            return launched
 
         lost = workers_lost(st)
         blip = await streams_under_blip(client, restart, down_s)
@@ -167,6 +171,16 @@ async def test_a_nats_restart_loses_no_stream(server: list[NatsServer], down_s: 
         await st.wait_idle()
 
 
+def without(subject: str, msg, lost: Callable[[TokenChunk], bool]):
+    """A worker's message to a frontend with the chunks `lost` picks taken out (None: nothing left)."""
+    if ".frontend.stream." in subject:
+        return None if lost(TokenChunk.decode(msg)) else msg
+    if ".frontend.chunks." in subject:  # an engine step's chunks
+        kept = [c for c in TokenChunks.decode(msg).chunks if not lost(c)]
+        return TokenChunks(chunks=kept) if kept else None
+    return msg
+
+
 async def test_a_chunk_lost_on_the_way_is_asked_again(server: list[NatsServer]) -> None:
     """No restart: the bus drops one chunk of each stream; the gap is filled from the worker."""
     async with toy_stack(server[0].url, engine={"step_delay_s": 0.01}) as st:
@@ -174,9 +188,8 @@ async def test_a_chunk_lost_on_the_way_is_asked_again(server: list[NatsServer]) 
         publish = worker.bus.publish
 
         async def lossy(subject: str, msg, headers=None) -> None:
-            if ".frontend.stream." in subject and TokenChunk.decode(msg).seq == 3:
-                return
-            await publish(subject, msg, headers)
+            if (msg := without(subject, msg, lambda c: c.seq == 3)) is not None:
+                await publish(subject, msg, headers)
 
         worker.bus.publish = lossy
         client = st.client()
@@ -215,9 +228,8 @@ async def test_a_worker_that_no_longer_has_the_chunks_hands_the_request_on(serve
             publish = worker.bus.publish
 
             async def lossy(subject: str, msg, headers=None, publish=publish) -> None:
-                if ".frontend.stream." in subject and (c := TokenChunk.decode(msg)).seq == 5 and c.attempt == 0:
-                    return
-                await publish(subject, msg, headers)
+                if (msg := without(subject, msg, lambda c: c.seq == 5 and c.attempt == 0)) is not None:
+                    await publish(subject, msg, headers)
 
             worker.bus.publish = lossy
             worker.replay.max_bytes = 0  # keeps nothing: every replay is answered `gone`

@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -24,12 +23,7 @@ import torch
 from moebus.engine.config import EngineConfig
 from moebus.engine.distributed.dp_engine import DPEngine, EPConfig
 from moebus.engine.distributed.group import destroy_ep_group, init_ep_group, resolve_backend
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from moebus.shared.ports import free_port
 
 
 @dataclass(slots=True)

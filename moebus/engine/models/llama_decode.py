@@ -8,9 +8,13 @@ GEMV a 1-row call of theirs takes: QuantLinear.few_rows_activation_bits), no for
 batch-invariant mode, no grad, no image embeddings, no windowed KV group. Every step re-reads that
 state (DecodeFastPath), so swapping a linear layer, adding a hook or changing activation_bits
 rebuilds or drops the plan; anything else falls back to the module path. Weights must be updated
-in place (load_weights does), never replaced by new tensors: the plan holds their addresses.
+in place (load_weights does), never replaced by new tensors: the plan holds their addresses (and
+those of the KV caches, taken again when the cache list holds other entries). The token, position
+and slot are read from the step's int64 tensors and the embedding row looked up inside the C call.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import nn
@@ -21,15 +25,21 @@ from moebus.engine.attention import AttentionMetadata
 from moebus.engine.cpu_linear import PackedLinear, QuantLinear
 from moebus.kernels.decode_stack import DecodeStack, StackLayer, StackLinear, StackShape, cpu_kernel_available
 
+_SUBS = operator.itemgetter("self_attn", "mlp")
+_ATTN = operator.itemgetter("qkv_proj", "o_proj")
+_MLP = operator.itemgetter("gate_up_proj", "down_proj")
+_WIDTH = operator.attrgetter("activation_bits", "batch_invariant")
 
-def _linears(model: nn.Module) -> tuple[nn.Module, ...]:
+
+def _linears(model: nn.Module) -> list[nn.Module]:
     """Every layer's four linear modules, read from the _modules dicts (nn.Module.__getattr__ would
-    cost ~100 us a step over 30 layers)."""
-    out = []
+    cost ~100 us a step over 30 layers) by C-level getters: the decode step runs this every token."""
+    out: list[nn.Module] = []
     for ly in model.layers._modules.values():
-        attn, mlp = ly._modules["self_attn"]._modules, ly._modules["mlp"]._modules
-        out += (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
-    return tuple(out)
+        attn, mlp = _SUBS(ly._modules)
+        out += _ATTN(attn._modules)
+        out += _MLP(mlp._modules)
+    return out
 
 
 def _hooked(model: nn.Module) -> bool:
@@ -38,8 +48,6 @@ def _hooked(model: nn.Module) -> bool:
         m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-def _widths(lins: tuple[nn.Module, ...]) -> tuple:
-    return tuple((m.activation_bits, m.batch_invariant) if type(m) is QuantLinear else None for m in lins)
 
 
 def _stack_linear(m: nn.Module) -> StackLinear | None:
@@ -78,25 +86,37 @@ def build_plan(model: nn.Module) -> DecodeStack | None:
                                  *lins))
     shape = StackShape(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps, a.rope_theta,
                        a.max_position_embeddings)
-    return DecodeStack(layers, model.norm.weight.detach(), shape)
+    return DecodeStack(layers, model.norm.weight.detach(), shape, embed=emb.detach())
 
 
 class DecodeFastPath:
     """Per model: the plan for its current state, rebuilt when that state changes. The state is the
-    linear modules, their activation widths and whether anything is hooked; hooks are rescanned
-    only when torch has handed out a hook handle since the last scan (RemovableHandle.next_id), or
-    while one was found (so a removed hook gives the fast path back)."""
+    linear modules and the embedding weight (by identity), the QuantLinear ones' activation widths
+    and whether anything is hooked; hooks are rescanned only when torch has handed out a hook handle since the last scan
+    (RemovableHandle.next_id), or while one was found (so a removed hook gives the fast path back)."""
 
     def __init__(self) -> None:
-        self._state: tuple | None = None
+        self._lins: list[nn.Module] = []
+        self._quants: list[QuantLinear] = []
+        self._widths: list[tuple] = []
+        self._emb: torch.Tensor | None = None
         self._plan: DecodeStack | None = None
         self._hook_id, self._hooked = -1, True
 
-    def _current(self, model: nn.Module) -> tuple:
+    def _plan_for(self, model: nn.Module) -> DecodeStack | None:
+        """The plan, rebuilt first if the state changed (C-level comparisons: ~120 modules a token)."""
         if self._hooked or RemovableHandle.next_id != self._hook_id:
-            self._hook_id, self._hooked = RemovableHandle.next_id, _hooked(model)
-        lins = _linears(model)
-        return lins, _widths(lins), self._hooked
+            hooked = _hooked(model)
+            if hooked != self._hooked:
+                self._lins = []  # rebuild (or drop) below
+            self._hook_id, self._hooked = RemovableHandle.next_id, hooked
+        lins, emb = _linears(model), model._modules["embed_tokens"]._parameters["weight"]
+        if (len(lins) != len(self._lins) or any(map(operator.is_not, lins, self._lins))
+                or list(map(_WIDTH, self._quants)) != self._widths or emb is not self._emb):
+            self._lins, self._quants, self._emb = lins, [m for m in lins if type(m) is QuantLinear], emb
+            self._widths = list(map(_WIDTH, self._quants))
+            self._plan = None if self._hooked else build_plan(model)
+        return self._plan
 
     def __call__(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
@@ -110,14 +130,12 @@ class DecodeFastPath:
                 or kc.device.type != "cpu" or kc.shape[2:] != (a.num_key_value_heads, a.head_dim)
                 or vc.shape != kc.shape):
             return None
-        state = self._current(model)
-        if state != self._state:
-            self._state, self._plan = state, None if state[-1] else build_plan(model)
-        plan = self._plan
-        table, seq_len = meta.block_tables[0], meta.seq_lens[0]
-        if (plan is None or table.dtype != torch.int32 or not table.is_contiguous()
-                or seq_len > table.shape[0] * kc.shape[1] or len(kv_caches) != len(model.layers)):
+        plan = self._plan_for(model)
+        table, seq_len, slots = meta.block_tables, meta.seq_lens[0], meta.slot_mapping
+        if (plan is None or table.dtype != torch.int32 or not table.is_contiguous() or table.shape[0] != 1
+                or seq_len > table.shape[1] * kc.shape[1] or len(kv_caches) != len(model.layers)
+                or input_ids.dtype != torch.int64 or positions.dtype != torch.int64 or not positions.is_cpu
+                or slots.dtype != torch.int64 or not slots.is_cpu or positions.numel() != 1 or slots.numel() != 1):
             return None
-        h = model.embed_tokens.weight[int(input_ids[0])].clone()
-        out = plan.step(h, int(positions[0]), int(meta.slot_mapping[0]), seq_len, table, kv_caches)
+        out = plan.step_ids(input_ids, positions, slots, seq_len, table, kv_caches)
         return None if out is None else out.view(1, -1)

@@ -372,3 +372,18 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
     free(ph);
     return 0;
 }
+
+/* decode_stack_f32 for the token ids[0] at position positions[0] in cache slot slots[0] (the
+ * engine's int64 step tensors, read here rather than converted one by one in Python): h = its row
+ * of embed (float32 [vocab, hidden], row stride es floats), then the step. Returns 1 when the token
+ * is outside [0, vocab) or decode_stack_f32 refuses. */
+int decode_stack_ids(const struct dmodel *m, const float *embed, int64_t es, int64_t vocab, const int64_t *ids,
+                     const int64_t *positions, const int64_t *slots, float *h, float *out, int64_t seq_len,
+                     const int32_t *table, float *const *k_caches, float *const *v_caches, float *scratch,
+                     int64_t scratch_len) {
+    const int64_t tok = ids[0];
+    if (tok < 0 || tok >= vocab) return 1;
+    memcpy(h, embed + tok * es, (size_t)m->hidden * sizeof(float));
+    return decode_stack_f32(m, h, out, positions[0], slots[0], seq_len, table, k_caches, v_caches, scratch,
+                            scratch_len);
+}

@@ -208,21 +208,8 @@ INLINE void tile_dpbf16(const uint16_t *const a[MRD], const uint16_t *panel, int
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_common.h"
 #define HAVE_AMX 1
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tilecfg_t;
-
-/* Linux hands out the AMX tile state only on request (once a process; torch's oneDNN asks too). */
-static int amx_permitted(void) {
-    static int ok = -1;
-    if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return ok;
-}
 
 /* Tiles 0-3 accumulate 2 row blocks x 2 panels, 4-5 hold x's row blocks, 6-7 the panels' k pairs:
  * all 16 rows of 64 bytes. Per thread: the configuration is thread state. */

@@ -223,23 +223,15 @@ static inline __attribute__((always_inline)) void qk_tile_bf16(const uint16_t *q
 #endif
 
 #if QK_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_common.h"
 #define HAVE_AMX 1
 #define AMX_ROWS 16 /* rows per tile: the row block of the AMX path */
-
-/* Linux hands out the AMX register state on request, once per process (repeats are no-ops). */
-static int amx_permitted(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0; }
 
 /* Every tile 16 rows of 64 bytes: tmm0/1 scores (16 rows x 16 keys each), tmm2 q (16 rows x 32
  * dims), tmm3/4 keys (16 dim pairs x 16 keys), tmm5 outputs (16 rows x 16 columns), tmm6
  * probabilities (16 rows x 32 keys), tmm7 values (16 key pairs x 16 columns). */
 static void amx_configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed, aligned(64))) cfg = {0};
+    tilecfg_t cfg = {0};
     cfg.palette = 1;
     for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
     _tile_loadconfig(&cfg);

@@ -101,6 +101,10 @@ class FrontendConfig(ServiceConfig):
     # real model's tokenizer); None, or a tokenizer that fails to load: the tokenizer service renders.
     local_render: LocalRender | None = None
     route_timeout_s: float = 15.0
+    # No reply to a route within this long: asked again (same request id and attempt), until
+    # route_timeout_s. A balancer killed holding the request never answers; a balancer answers a
+    # repeat with the first ask's result (balancer/route_memo.py), so a slow route is not doubled.
+    route_attempt_s: float = Field(2.0, gt=0)
     stream_idle_timeout_s: float = 120.0  # no chunk for this long: give up on the request
     # Bus blips (generation.py): a gap in a stream's chunk numbers is filled from the worker's
     # replay buffer once it has lasted gap_wait_s; a stream whose bus stays down bus_outage_s fails (503).

@@ -82,6 +82,7 @@ class Generation:
         self.migrations = 0
         self._heard = time.monotonic()  # when something last came for this request
         self._resync_at: float | None = None  # when to ask the worker for chunks after ours (reconnect)
+        self._orphans: set[str] = set()  # workers told to stop this request (they streamed it, not ours)
 
     @property
     def request_id(self) -> str:
@@ -102,8 +103,11 @@ class Generation:
 
     async def _route(self) -> None:
         cfg = self.router.cfg
+        # Idempotent: asked again after route_attempt_s without a reply (see FrontendConfig).
         accepted = await self.router.bus.request(self.router.subjects.balancer_route, self.req, GenerateAccepted,
-                                                 timeout=cfg.route_timeout_s, wait_for_responders_s=cfg.restart_wait_s)
+                                                 timeout=min(cfg.route_attempt_s, cfg.route_timeout_s),
+                                                 wait_for_responders_s=max(cfg.restart_wait_s, cfg.route_timeout_s),
+                                                 idempotent=True)
         self.worker_id, self.decode_worker_id = accepted.worker_id, accepted.decode_worker_id
 
     def watches(self, worker_id: str) -> bool:
@@ -124,7 +128,9 @@ class Generation:
                     if item.attempt == self.req.attempt and item.worker_id in self._workers():
                         self._decoding |= item.worker_id == self.decode_worker_id
                         self.order.take(item)
-                    continue  # else from an abandoned attempt
+                    elif item.worker_id not in self._workers():  # an abandoned attempt, or a route asked twice
+                        await self._abort_orphan(item.worker_id)
+                    continue
                 for chunk in self.order.ready():  # before a failure too: a migration resumes from them
                     self.sent.setdefault(chunk.index, []).extend(chunk.token_ids)
                     if chunk.finished:
@@ -252,6 +258,16 @@ class Generation:
         self.migrations += 1
         self.router.migrations.labels(reason.value, "fresh" if fresh else "resumed").inc()
         await self._route()
+
+    async def _abort_orphan(self, worker_id: str) -> None:
+        """A worker that streams this request without holding it for us stops: a route repeated
+        after a balancer died with the first ask can have reached two workers (once per worker)."""
+        if worker_id in self._orphans:
+            return
+        self._orphans.add(worker_id)
+        await self.router.bus.publish(self.router.subjects.worker_abort(worker_id),
+                                      AbortRequest(request_id=self.request_id, reason="orphan"))
+        self.router.aborts.inc()
 
     def finish_choice(self, index: int) -> None:
         """The consumer ended a choice early (a stop string it matched itself)."""

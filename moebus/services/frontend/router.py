@@ -1,6 +1,7 @@
 """StreamRouter: the frontend's single wildcard subscription for every request's token stream.
 
-Chunks arrive on ``frontend.stream.<instance>.<request_id>`` and go to that request's queue;
+Chunks arrive on ``frontend.chunks.<instance>`` (a worker's engine step, every stream's chunks
+together) or ``frontend.stream.<instance>.<request_id>`` (one chunk) and go to their request's queue;
 ``balancer.worker_lost`` events go to every request running on the lost worker; the bus going down
 or coming back goes to every request (after a reconnect each asks its worker for what it missed).
 """
@@ -12,7 +13,14 @@ from nats.aio.msg import Msg
 
 from moebus.shared.bus import Bus
 from moebus.shared.errors import NoResponders, RequestTimeout, ServiceError
-from moebus.shared.messages import GenerateRequest, ImageEmbedding, SamplingOptions, TokenChunk, WorkerLost
+from moebus.shared.messages import (
+    GenerateRequest,
+    ImageEmbedding,
+    SamplingOptions,
+    TokenChunk,
+    TokenChunks,
+    WorkerLost,
+)
 from moebus.shared.messages.generate import ReplayReply, ReplayRequest
 from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
@@ -45,6 +53,8 @@ class StreamRouter:
     async def start(self) -> None:
         await self.bus.subscribe(self.subjects.frontend_stream_all(self.instance_id), TokenChunk, self._on_chunk,
                                  concurrent=False, traced=False, endpoint="stream")
+        await self.bus.subscribe(self.subjects.frontend_chunks(self.instance_id), TokenChunks, self._on_chunks,
+                                 concurrent=False, traced=False, endpoint="chunks")
         await self.bus.subscribe(self.subjects.balancer_worker_lost, WorkerLost, self._on_lost, concurrent=False,
                                  endpoint="worker_lost")
         self.bus.watch(self._on_bus)
@@ -68,6 +78,11 @@ class StreamRouter:
         gen = self._gens.get(chunk.request_id)
         if gen is not None:
             gen.queue.put_nowait(chunk)
+
+    async def _on_chunks(self, batch: TokenChunks, _: Msg) -> None:
+        for chunk in batch.chunks:
+            if (gen := self._gens.get(chunk.request_id)) is not None:
+                gen.queue.put_nowait(chunk)
 
     async def replay(self, worker: str, req: ReplayRequest) -> ReplayReply | None:
         """The chunks `worker` already sent for a request; None when it cannot answer now."""

@@ -63,5 +63,9 @@ class WorkerConfig(ServiceConfig):
     # nats-server, the frontend and the client carry the token out while the cores are free.
     # 0: no hold.
     first_token_hold_ms: float = Field(6.0, ge=0, le=100)
+    # A request admitted while the engine thread sleeps (idle): the event loop waits up to this long
+    # (ms) for the thread to wake with it, the GIL released, so its step starts before the loop has
+    # finished the accept reply (engine_loop.py); 0: never wait.
+    admit_handoff_ms: float = Field(2.0, ge=0, le=100)
     # A stats line (running, waiting, KV usage, tok/s) this often while there is work; 0: none.
     stats_log_interval_s: float = Field(10.0, ge=0)

@@ -78,7 +78,7 @@ class EngineLoop:
                  restart_backoff_s: float = 1.0, healthy_after_s: float = 300.0,
                  warmup: Callable[[EnginePort], None] | None = None, nice: int = 0,
                  handoff: Callable[[threading.Event], None] | None = None, handoff_s: float = 0.0,
-                 hold_s: float = 0.0) -> None:
+                 hold_s: float = 0.0, admit_s: float = 0.0) -> None:
         self._factory, self._loop, self.kv = factory, loop, kv
         self.nice = nice  # added to the engine thread's nice value (Linux: per thread), see _lower_priority
         self._warmup = warmup  # run on each new engine before it is ready (kernels compiled, paths run once)
@@ -103,6 +103,12 @@ class EngineLoop:
         # least half of its outputs): the token still has to cross nats-server, the frontend and
         # the client, each of which needs a core in turn.
         self.hold_s = hold_s
+        # An add while the thread sleeps on an empty queue waits (at most admit_s) until the thread
+        # has woken with it: the loop blocks with the GIL released, so the thread starts on the
+        # request at once instead of when the loop next goes idle (c=1 TTFT).
+        self.admit_s = admit_s
+        self._asleep = False  # the thread is blocked on an empty command queue (idle)
+        self._woke = threading.Event()
         self._fresh: set[str] = set()  # added, no output yet
         self._stopping = False
 
@@ -119,7 +125,12 @@ class EngineLoop:
         """params: the request's engine parameters, all n choices (the engine fans out); resume: a
         migrated request's open choices and their tokens so far; images: encoder rows of the prompt;
         priority: the engine queue's order (lower first)."""
+        handing = self._asleep and self.admit_s > 0
+        if handing:
+            self._woke.clear()
         self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only, resume, images, priority))
+        if handing:
+            self._woke.wait(self.admit_s)
 
     def inject(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: Any,
                payload: Any, images: Sequence[ImageEmbedding] = ()) -> None:
@@ -198,7 +209,7 @@ class EngineLoop:
             # Block only when idle; a lockstep rank only briefly (the group waits on its step).
             wait = (0.002 if cast(LockstepEngine, engine).group_idle else 0.0) if lockstep else (0.5 if idle else 0.0)
             try:
-                cmd = self._cmds.get(timeout=wait) if wait else self._cmds.get_nowait()
+                cmd = self._sleep_for_cmd(wait) if wait else self._cmds.get_nowait()
                 while True:
                     if cmd is _STOP:
                         return
@@ -218,6 +229,14 @@ class EngineLoop:
             if outputs or failed or prefilled:
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs, failed, prefilled, step)
                 self._hand_off(outputs, step.ended_ns)
+
+    def _sleep_for_cmd(self, wait: float) -> Any:
+        self._asleep = True
+        try:
+            return self._cmds.get(timeout=wait)
+        finally:
+            self._asleep = False
+            self._woke.set()
 
     def _hand_off(self, outputs: Sequence[EngineOutput], step_ended_ns: int) -> None:
         first = [o.request_id for o in outputs if o.request_id in self._fresh]

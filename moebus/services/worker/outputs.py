@@ -1,10 +1,12 @@
-"""Engine RequestOutput -> wire TokenChunk (text, logprobs with token strings)."""
+"""Engine RequestOutput -> wire TokenChunk (text, logprobs with token strings); a step's chunks
+grouped per frontend (StepChunks)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from moebus.engine.port import EngineOutput
-from moebus.shared.messages import GenerateRequest, TokenChunk, TokenLogprob, TopLogprob
+from moebus.shared.messages import GenerateRequest, TokenChunk, TokenChunks, TokenLogprob, TopLogprob
 
 
 def chunk_from_output(out: EngineOutput, req: GenerateRequest, worker_id: str, index: int, seq: int,
@@ -34,3 +36,27 @@ def _text(tok: Any, token_id: int) -> str:
         return tok.decode([token_id], skip_special_tokens=False)
     except TypeError:  # tokenizers without the keyword (the toy one)
         return tok.decode([token_id])
+
+
+class StepChunks:
+    """One engine step's encoded chunks grouped by frontend, as TokenChunks messages of at most
+    about max_bytes each (long logprob lists stay well under the server's max payload)."""
+
+    def __init__(self, max_bytes: int = 256 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self._groups: dict[str, list[list[bytes]]] = {}
+        self._size: dict[str, int] = {}  # of each frontend's last group
+
+    def add(self, frontend: str, data: bytes) -> None:
+        groups = self._groups.setdefault(frontend, [[]])
+        if groups[-1] and self._size[frontend] + len(data) > self.max_bytes:
+            groups.append([])
+            self._size[frontend] = 0
+        groups[-1].append(data)
+        self._size[frontend] = self._size.get(frontend, 0) + len(data)
+
+    def messages(self) -> Iterator[tuple[str, bytes]]:
+        """(frontend id, encoded TokenChunks), in the order the chunks came."""
+        for frontend, groups in self._groups.items():
+            for group in groups:
+                yield frontend, TokenChunks.join(group)

@@ -39,6 +39,7 @@ from moebus.shared.messages import (
     Load,
     SamplingOptions,
     TokenChunk,
+    TokenChunks,
     WorkerLost,
 )
 from moebus.shared.messages.generate import ReplayReply, ReplayRequest
@@ -52,7 +53,7 @@ from .engine_loop import AddFailed, EngineLoop, Prefilled, StepTiming
 from .engine_metrics import EngineMetrics
 from .engines import engine_params, make_engine
 from .leases import FrontendLeases
-from .outputs import chunk_from_output
+from .outputs import StepChunks, chunk_from_output
 from .quarantine import Quarantine
 from .replay import ReplayBuffer
 from .spans import RequestSpans
@@ -82,7 +83,8 @@ class WorkerService(Service):
         self.quarantine = Quarantine(self._add)  # suspects (their engine broke before) run alone
         self._beat_pending = False
         self._active: dict[str, Active] = {}
-        self._outbox: asyncio.Queue[tuple[str, TokenChunk | Handoff, bytes, dict[str, str]] | None] = asyncio.Queue()
+        # (subject, encoded message, headers, what it is: for a failed publish's log line)
+        self._outbox: asyncio.Queue[tuple[str, bytes, dict[str, str], str] | None] = asyncio.Queue()
         self._queued = self._published = 0  # outbox items put / published (first-token hand-off)
         self.replay = ReplayBuffer(cfg.replay_max_bytes, cfg.replay_grace_s)
         self.leases = FrontendLeases(cfg.frontend_lease_s)  # a dead frontend's requests are aborted
@@ -152,7 +154,8 @@ class WorkerService(Service):
                                 warmup=self._warm_up if self.cfg.warmup else None, nice=self.cfg.engine_nice,
                                 handoff=lambda sent: self.spawn(self._handed_off(sent)),
                                 handoff_s=self.cfg.first_token_handoff_ms / 1000,
-                                hold_s=self.cfg.first_token_hold_ms / 1000)
+                                hold_s=self.cfg.first_token_hold_ms / 1000,
+                                admit_s=self.cfg.admit_handoff_ms / 1000)
         self._loop.start()
         self.spawn(self._publisher())
         if self.cfg.stats_log_interval_s:
@@ -239,32 +242,37 @@ class WorkerService(Service):
             raise ServiceError(ErrorCode.UNAVAILABLE, f"{self.instance_id} is not taking requests", retry_after=1)
         if req.model != self.served_model:
             raise ServiceError(ErrorCode.NOT_FOUND, f"worker serves {self.served_model!r}", param="model")
-        accepted = GenerateAccepted(request_id=req.request_id, worker_id=self.instance_id, attempt=req.attempt)
         if req.request_id in self._active:
-            return accepted  # a retried delivery of the same request: idempotent
+            return self._accepted(req)  # a retried delivery of the same request: idempotent
         if self.queued() >= self.cfg.max_queued:
             self.request_counts.inc("rejected_overloaded")
             raise ServiceError(ErrorCode.OVERLOADED, f"{self.instance_id} queue is full", retry_after=1)
         self.split.check(req)  # stage prefill / decode: ServiceError when it cannot run here
         params = engine_params(req.params, self.toy)  # ValueError -> 400
-        a = Active(req, self.tracing.inject(), time.monotonic(), params, seq=[0] * req.params.n,
+        a = Active(req, {}, time.monotonic(), params, seq=[0] * req.params.n,
                    open={c.index for c in req.resume} if req.resume else set(range(req.params.n)))
-        a.spans = RequestSpans.begin(self.tracing, req, self.instance_id)  # None unless this request is traced
         self._active[req.request_id] = a
-        self.replay.open(req.request_id, req.attempt)
-        if req.frontend_id:
-            self.leases.hold((req.frontend_id, req.frontend_incarnation), time.monotonic())
+        accepted_ns = time.time_ns()
         if req.stage == "decode":
             a.seq[0] = 1  # the prefill worker sent chunk 0 (the first token)
             self.spawn(self.split.start_decode(a))
         elif self.link is not None and self.link.broker is not None:
             self.spawn(self._fetch_then_add(a))  # the broker's tiers may hold this prompt's prefix
-        else:
+        else:  # into the engine first: the rest here runs while an idle engine starts on it
             self.quarantine.submit(a)
+        # (before this returns, so before any of its chunks: they come through this loop)
+        a.trace_headers = self.tracing.inject()
+        a.spans = RequestSpans.begin(self.tracing, req, self.instance_id, accepted_ns)  # None unless traced
+        self.replay.open(req.request_id, req.attempt)
+        if req.frontend_id:
+            self.leases.hold((req.frontend_id, req.frontend_incarnation), time.monotonic())
         self.request_counts.inc("accepted")
         self.demand.accepted(len(req.prompt_token_ids))
         self._m_queue.set(self.queued())
-        return accepted
+        return self._accepted(req)
+
+    def _accepted(self, req: GenerateRequest) -> GenerateAccepted:
+        return GenerateAccepted(request_id=req.request_id, worker_id=self.instance_id, attempt=req.attempt)
 
     def _add(self, a: Active) -> None:
         resume = {c.index: c.token_ids for c in a.req.resume} if a.req.resume else None
@@ -296,6 +304,7 @@ class WorkerService(Service):
         for f in failed:
             self.fail(f.request_id, ErrorCode.BAD_REQUEST, f.error, retryable=False, counter="failed")
         tok = self._loop.tokenizer
+        batches = StepChunks()  # this step's chunks, one message per frontend
         for out in outputs:
             rid, i = out.request_id, out.index
             a = self._active.get(rid)
@@ -334,7 +343,14 @@ class WorkerService(Service):
                     self.release(rid, "finished")
                     self.engine_metrics.finished(chunk.finish_reason)
                     self._beat_soon()
-            self.send(a.req.reply_to, chunk, a.trace_headers)
+            data = chunk.encode()
+            self.replay.record(chunk, data)
+            if (fid := self._frontend_of(a.req)) is not None:
+                batches.add(fid, data)
+            else:
+                self._enqueue(a.req.reply_to, data, a.trace_headers, chunk.request_id)
+        for fid, data in batches.messages():
+            self._enqueue(self.subjects.frontend_chunks(fid), data, {}, f"a step's chunks for {fid}")
         for p in prefilled:
             if (a := self._active.get(p.request_id)) is not None and a.spans is not None:
                 a.spans.extracted(p)
@@ -403,16 +419,29 @@ class WorkerService(Service):
         self.request_counts.inc(counter)
         chunk = TokenChunk(request_id=rid, worker_id=self.instance_id, attempt=a.req.attempt, finished=True,
                            error=code.value, error_message=message, retryable=retryable, failed_worker=blame)
-        self.send(a.req.reply_to, chunk, a.trace_headers)
+        self.send(a.req.reply_to, chunk, a.trace_headers, a.req)
         self.replay.finish(rid)
 
-    def send(self, subject: str, message: TokenChunk | Handoff, headers: dict[str, str]) -> None:
+    def send(self, subject: str, message: TokenChunk | Handoff, headers: dict[str, str],
+             req: GenerateRequest | None = None) -> None:
         """Publish in order after everything sent before (one publisher drains the outbox); a
-        chunk is kept for replay from now on."""
+        chunk is kept for replay from now on. A chunk of `req` for its frontend's stream goes the
+        way of the step's chunks (frontend_chunks): one subscription there keeps its order."""
         data = message.encode()
         if isinstance(message, TokenChunk):
             self.replay.record(message, data)
-        self._outbox.put_nowait((subject, message, data, headers))
+            if req is not None and req.reply_to == subject and (fid := self._frontend_of(req)) is not None:
+                subject, data = self.subjects.frontend_chunks(fid), TokenChunks.join([data])
+        self._enqueue(subject, data, headers, message.request_id)
+
+    def _frontend_of(self, req: GenerateRequest) -> str | None:
+        """The frontend whose stream subject the request names (its chunks go in that frontend's
+        step messages); None: a reply subject of the sender's own (tests, tools)."""
+        fid = req.frontend_id
+        return fid if fid and req.reply_to == self.subjects.frontend_stream(fid, req.request_id) else None
+
+    def _enqueue(self, subject: str, data: bytes, headers: dict[str, str], what: str) -> None:
+        self._outbox.put_nowait((subject, data, headers, what))
         self._queued += 1
 
     async def on_replay(self, req: ReplayRequest, _: Msg) -> ReplayReply:
@@ -438,10 +467,10 @@ class WorkerService(Service):
     async def _publisher(self) -> None:
         # One consumer keeps each request's chunks in order.
         while (item := await self._outbox.get()) is not None:
-            subject, chunk, data, headers = item
+            subject, data, headers, what = item
             try:
                 await self.bus.publish(subject, data, headers=headers)
             except Exception:  # cut off with nats-py's buffer full: the frontend asks the replay buffer later
-                log.log(logging.WARNING if self.bus.connected else logging.DEBUG, "could not publish a chunk of %s",
-                        chunk.request_id, exc_info=True)
+                log.log(logging.WARNING if self.bus.connected else logging.DEBUG, "could not publish %s", what,
+                        exc_info=True)
             self._published += 1

@@ -46,14 +46,16 @@ class RequestSpans:
         self.reasons: list[str] = []
 
     @classmethod
-    def begin(cls, tracing: Tracing, req: GenerateRequest, worker_id: str) -> RequestSpans | None:
-        """In the `generate` handler: None unless its span records."""
+    def begin(cls, tracing: Tracing, req: GenerateRequest, worker_id: str,
+              accepted_ns: int | None = None) -> RequestSpans | None:
+        """In the `generate` handler: None unless its span records. accepted_ns: when the request
+        was queued for the engine (its `queue` span's start; default now)."""
         span = trace.get_current_span()
         if not span.is_recording():
             return None
         span.set_attributes({Attr.WORKER: worker_id, Attr.GENERATION_ID: req.request_id, Attr.MODEL: req.model,
                              "moebus.stage": req.stage, "moebus.attempt": req.attempt})
-        return cls(tracing, current_context(), req, time.time_ns())
+        return cls(tracing, current_context(), req, accepted_ns or time.time_ns())
 
     def _attrs(self, **extra: Any) -> dict[str, Any]:
         return {Attr.GENERATION_ID: self.req.request_id, "moebus.stage": self.req.stage,

@@ -11,6 +11,7 @@ from .generate import (
     SamplingOptions,
     StructuredOptions,
     TokenChunk,
+    TokenChunks,
     TokenLogprob,
     TopLogprob,
 )
@@ -38,7 +39,7 @@ from .tokenizer import (
 __all__ = [
     "AbortRequest", "ChatMessage", "ContentPart", "DetokenizeReply", "DetokenizeRequest", "GenerateAccepted",
     "GenerateRequest", "Handoff", "HandoffBeat", "HealthReply", "Heartbeat", "KVInfo", "KVTransferSpec", "Load", "RenderReply", "RenderRequest",
-    "SamplingOptions", "StructuredOptions", "TokenChunk", "TokenLogprob", "TopLogprob",
+    "SamplingOptions", "StructuredOptions", "TokenChunk", "TokenChunks", "TokenLogprob", "TopLogprob",
     "WorkerLost",
     # planner
     "PlannerDecision", "PoolDecision", "PoolObservation",

@@ -134,6 +134,18 @@ class TokenChunk(Message):
     failed_worker: str | None = None  # the worker at fault when it is not the sender (a split's other half)
 
 
+class TokenChunks(Message):
+    """A worker's chunks for one frontend, every stream's of an engine step together: at c=64 one
+    message a step instead of 64 (each a publish, a server hop and a callback on 2 shared cores)."""
+
+    chunks: list[TokenChunk] = []
+
+    @staticmethod
+    def join(encoded: list[bytes]) -> bytes:
+        """TokenChunks' encoding from its chunks' own (each already encoded for the replay buffer)."""
+        return b'{"chunks":[' + b",".join(encoded) + b"]}"
+
+
 class Handoff(Message):
     """Prefill worker -> decode worker: the first token (already streamed to the client)."""
 
