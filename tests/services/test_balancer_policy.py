@@ -6,6 +6,7 @@ import pytest
 
 from moebus.services.balancer import BalancerConfig, BalancerService
 from moebus.services.balancer.policy import StaticOrder
+from moebus.services.balancer.service import _Route
 from moebus.services.balancer.table import WorkerTable
 from moebus.shared.messages import GenerateRequest, Heartbeat, Load
 
@@ -26,7 +27,7 @@ def balancer(policy: str, waiting: dict[str, int], **kw) -> BalancerService:
 
 async def routes(bal: BalancerService, n: int) -> list[list[str]]:
     req = GenerateRequest(request_id="r", model="m", prompt_token_ids=[1, 2, 3], reply_to="x.y")
-    return [[e.worker_id for e in await bal._ordered(req, set(), None)] for _ in range(n)]
+    return [[e.worker_id for e in await bal._ordered(req, _Route(), None)] for _ in range(n)]
 
 
 async def test_kv_policy_is_least_loaded_without_kv_info() -> None:

@@ -10,6 +10,9 @@ from moebus.shared.service import ServiceConfig
 class BalancerConfig(ServiceConfig):
     missed_heartbeats: int = Field(3, ge=1)  # a worker silent this many intervals is dead
     worker_timeout_s: float = 5.0  # how long a worker may take to accept (not to finish) a request
+    # A route asked again (same request id and attempt: the frontend heard nothing in time) gets the
+    # answer already given for this long, instead of a second worker (route_memo.py).
+    route_memo_s: float = Field(60.0, ge=0)
     # aggregated: any worker runs a whole request; disaggregated: a prefill worker runs it to its
     # first token, a decode worker (which receives the KV) the rest.
     mode: Literal["aggregated", "disaggregated"] = "aggregated"

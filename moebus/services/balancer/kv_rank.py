@@ -9,6 +9,7 @@ Each route's decision is counted by reason in `moebus_balancer_route_decisions_t
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from moebus.shared.bus import Bus
 from moebus.shared.kv_client import KVBrokerClient
@@ -17,13 +18,21 @@ from moebus.shared.messages import BROKER_HOLDER
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import annotate
 
-from .kv_routing import RoutingWeights, WorkerState, overlaps, rank_workers
+from .kv_routing import RoutingWeights, WorkerState, overlaps, prefill_tokens, rank_workers
 from .table import WorkerEntry
 
 # prefix_hit: some worker (or the broker's tiers) held the prompt's leading blocks; no_prefix:
 # asked, none did; index_unavailable: the broker did not answer (or is being left alone);
 # load_only: nothing to ask about (one candidate, or no KV info in the heartbeats).
 REASONS = ("prefix_hit", "no_prefix", "index_unavailable", "load_only")
+
+
+@dataclass(slots=True)
+class Ranking:
+    entries: list[WorkerEntry]  # best first
+    # Worker id -> prompt tokens it would compute (its cached prefix taken off); what a pick there
+    # counts as pending load until the worker's next heartbeat. Empty: not ranked by KV.
+    prefill_tokens: dict[str, float] = field(default_factory=dict)
 
 
 class KVRanker:
@@ -43,11 +52,11 @@ class KVRanker:
         if self._decided:
             self._decided[reason].inc()
 
-    async def order(self, prompt: list[int], entries: list[WorkerEntry]) -> list[WorkerEntry]:
+    async def order(self, prompt: list[int], entries: list[WorkerEntry]) -> Ranking:
         kv = next((e.beat.kv for e in entries if e.beat.kv is not None), None)
         if kv is None or len(entries) < 2:
             self._decide("load_only")
-            return entries
+            return Ranking(entries)
         matches = None
         hashes = stable_block_hashes(prompt, kv.block_size, kv.namespace)
         reason = "no_prefix" if not hashes else "index_unavailable"  # unless asked and answered
@@ -61,16 +70,23 @@ class KVRanker:
         device, tiers, shared = overlaps(matches or [])
         self.hits += bool(device or tiers)
         self._decide("prefix_hit" if device or tiers else reason)
-        states = [_state(e, device, tiers) for e in entries]
-        ranked = dict(rank_workers(len(prompt), states, RoutingWeights(kv.block_size), shared))
+        weights = RoutingWeights(kv.block_size)
+        states = [_state(e, device, tiers, weights) for e in entries]
+        ranked = dict(rank_workers(len(prompt), states, weights, shared))
         # Equal cost: fewest past picks first (round robin); full workers last (stale numbers).
-        return sorted(entries, key=lambda e: (e.worker_id not in ranked, ranked.get(e.worker_id, 0.0),
-                                              e.assigned_total, e.worker_id))
+        order = sorted(entries, key=lambda e: (e.worker_id not in ranked, ranked.get(e.worker_id, 0.0),
+                                               e.assigned_total, e.worker_id))
+        held = {s.worker_id: max(s.cached_blocks, s.tier_blocks, shared) * kv.block_size for s in states}
+        return Ranking(order, {w: float(prefill_tokens(len(prompt), n)) for w, n in held.items()})
 
 
-def _state(e: WorkerEntry, device: dict[str, int], tiers: dict[str, int]) -> WorkerState:
+def _state(e: WorkerEntry, device: dict[str, int], tiers: dict[str, int], weights: RoutingWeights) -> WorkerState:
+    """Queued work in prefill tokens: the waiting requests the last heartbeat reported at the
+    average prompt's cost, plus what was picked here since, at its own estimate (table.py)."""
     load = e.beat.load
+    waiting = load.num_waiting if load else 0
     return WorkerState(e.worker_id, cached_blocks=device.get(e.worker_id, 0), tier_blocks=tiers.get(e.worker_id, 0),
                        num_running=load.num_running if load else 0, num_waiting=e.queued,
                        max_waiting=load.max_waiting if load else 0,
+                       queued_prefill_tokens=waiting * weights.waiting_cost_tokens + e.pending_tokens,
                        kv_blocks_free=load.kv_blocks_free if load and load.kv_blocks_total else None)

@@ -22,7 +22,7 @@ class WorkerState:
     num_running: int = 0
     num_waiting: int = 0
     max_waiting: int = 0  # 0: no admission limit
-    queued_prefill_tokens: int | None = None  # exact queued work, when the worker reports it
+    queued_prefill_tokens: float | None = None  # queued work, when known better than by count
     kv_blocks_free: int | None = None
 
 

@@ -40,6 +40,7 @@ from moebus.shared.tracing import Attr, annotate
 from .config import BalancerConfig
 from .kv_rank import KVRanker
 from .policy import StaticOrder
+from .route_memo import RouteMemo
 from .spans import route_attributes
 from .table import WorkerEntry, WorkerTable
 
@@ -52,6 +53,7 @@ class _Route:
     """One route call's own state (route calls run concurrently: nothing of it lives on the service)."""
 
     tried: set[str] = field(default_factory=set)  # workers offered this request (or excluded by the frontend)
+    prefill_tokens: dict[str, float] = field(default_factory=dict)  # the KV ranking's estimate per worker
     overloaded: bool = False  # some worker refused it as overloaded: 429 rather than 503
 
 
@@ -68,6 +70,7 @@ class BalancerService(Service):
         self.ranker: KVRanker | None = None
         self.static = None if cfg.policy == "kv" else StaticOrder(cfg.policy, cfg.policy_seed)
         self.picks: dict[str, int] = {}  # worker id -> requests routed there (both halves of splits)
+        self.memo = RouteMemo(cfg.route_memo_s, on_repeat=self._m_routed.labels("repeat").inc)
 
     def stats(self) -> dict[str, Any]:
         kv = {"queries": self.ranker.queries, "hits": self.ranker.hits} if self.ranker else {}
@@ -112,13 +115,16 @@ class BalancerService(Service):
             return False
         return True
 
-    async def route(self, req: GenerateRequest, _: Msg) -> GenerateAccepted:
+    async def route(self, req: GenerateRequest, msg: Msg) -> GenerateAccepted:
+        return await self.memo.once((req.request_id, req.attempt), lambda: self._route(req, msg))
+
+    async def _route(self, req: GenerateRequest, msg: Msg) -> GenerateAccepted:
         r = _Route(tried=set(req.exclude_workers))
         await self._await_first_worker(req.model, r.tried)
         if self.cfg.mode == "disaggregated":
             accepted = await self._route_split(req, r)
-        else:
-            accepted = await self._dispatch(req, await self._ordered(req, r.tried, None), r)
+        else:  # the request goes on as the frontend encoded it: no second encode on the way
+            accepted = await self._dispatch(req, await self._ordered(req, r, None), r, msg.data)
         if accepted is not None:
             self._m_routed.labels("ok").inc()
             annotate({Attr.WORKER: accepted.worker_id, "moebus.decode_worker_id": accepted.decode_worker_id,
@@ -130,29 +136,35 @@ class BalancerService(Service):
         self._m_routed.labels("unavailable").inc()
         raise ServiceError(ErrorCode.UNAVAILABLE, f"no live worker serves {req.model!r}", retry_after=2)
 
-    async def _ordered(self, req: GenerateRequest, tried: set[str], roles: tuple[str, ...] | None,
+    async def _ordered(self, req: GenerateRequest, r: _Route, roles: tuple[str, ...] | None,
                        kv_aware: bool = True) -> list[WorkerEntry]:
-        cands = self.table.candidates(req.model, time.monotonic(), tried, roles)
+        cands = self.table.candidates(req.model, time.monotonic(), r.tried, roles)
         route_attributes(self.cfg, req, cands, roles)
         if self.static is not None:
             return self.static.order(cands)
         if kv_aware and self.ranker is not None:
-            cands = await self.ranker.order(req.hash_token_ids(), cands)
+            ranking = await self.ranker.order(req.hash_token_ids(), cands)
+            r.prefill_tokens.update(ranking.prefill_tokens)
+            return ranking.entries
         return cands
 
-    async def _dispatch(self, req: GenerateRequest, ordered: list[WorkerEntry], r: _Route) -> GenerateAccepted | None:
-        """Offer the request to each candidate in turn; None when none of them took it."""
+    async def _dispatch(self, req: GenerateRequest, ordered: list[WorkerEntry], r: _Route,
+                        data: bytes | None = None) -> GenerateAccepted | None:
+        """Offer the request to each candidate in turn; None when none of them took it. data: `req`
+        already encoded (as received, unchanged)."""
         for entry in ordered:
             worker = entry.worker_id
             if worker in r.tried:
                 continue
             r.tried.add(worker)
-            self.table.assigned(worker)
+            # pending load until its next heartbeat: the ranking's estimate, else the whole prompt
+            tokens = r.prefill_tokens.get(worker, float(len(req.prompt_token_ids)))
+            self.table.assigned(worker, tokens=tokens)
             try:
-                accepted = await self.bus.request(self.subjects.worker_generate(worker), req, GenerateAccepted,
-                                                  timeout=self.cfg.worker_timeout_s)
+                accepted = await self.bus.request(self.subjects.worker_generate(worker), req if data is None else data,
+                                                  GenerateAccepted, timeout=self.cfg.worker_timeout_s)
             except ServiceError as e:
-                self.table.assigned(worker, -1)
+                self.table.assigned(worker, -1, tokens)
                 if not await self._next_candidate(e, req, worker):
                     raise
                 r.overloaded |= e.code is ErrorCode.OVERLOADED
@@ -162,15 +174,15 @@ class BalancerService(Service):
         return None
 
     async def _route_split(self, req: GenerateRequest, r: _Route) -> GenerateAccepted | None:
-        prefill = await self._ordered(req, r.tried, PREFILL)
-        decode = [e for e in await self._ordered(req, r.tried, DECODE, kv_aware=False)
+        prefill = await self._ordered(req, r, PREFILL)
+        decode = [e for e in await self._ordered(req, r, DECODE, kv_aware=False)
                   if e.beat.kv is not None and e.beat.kv.transfer_address]
         if len({e.worker_id for e in prefill + decode}) < 2:  # one worker cannot be both halves
             prefill = [] if decode else prefill
         # n > 1 and migrated requests (the prompt and the tokens so far prefill together) run whole
         if req.params.n != 1 or req.resume or not prefill or not decode:
             whole = req.model_copy(update={"stage": "aggregated", "kv_transfer": None})
-            return await self._dispatch(whole, decode or prefill or await self._ordered(req, r.tried, None), r)
+            return await self._dispatch(whole, decode or prefill or await self._ordered(req, r, None), r)
         tid = f"{req.request_id}#{req.attempt}"
         for d in decode:
             spec = KVTransferSpec(transfer_id=tid, prefill_worker=prefill[0].worker_id, decode_worker=d.worker_id,
@@ -191,7 +203,7 @@ class BalancerService(Service):
         """Right after a (re)start the table fills within one heartbeat interval: wait for it
         rather than answer 503 to the first requests."""
         deadline = self._started + self.cfg.heartbeat_interval_s * 1.5
-        while not self.table.candidates(model, time.monotonic(), exclude) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.table.candidates(model, time.monotonic(), exclude):
             await asyncio.sleep(0.02)
 
     async def _next_candidate(self, e: ServiceError, req: GenerateRequest, worker: str) -> bool:

@@ -2,7 +2,10 @@
 
 Heartbeats are up to one interval stale, so every assignment also counts as `pending` load until
 the worker's next heartbeat reports it; that spreads a burst instead of piling it onto whichever
-worker looked idlest a moment ago.
+worker looked idlest a moment ago. `pending_tokens` says how much: the prefill tokens each pending
+request was estimated to cost there (a follow-up with a cached prefix costs a few, a new prompt
+all of its tokens), so a finished follow-up the worker has not reported yet does not push the next
+one off its cache.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ class WorkerEntry:
     beat: Heartbeat
     last_seen: float
     pending: int = 0  # assigned since the last heartbeat
+    pending_tokens: float = 0.0  # their estimated prefill tokens on this worker
     assigned_total: int = 0  # tiebreak: among equals, the one picked least often (round robin)
     skip_until: float = 0.0  # not routable for a while (it just answered no-responders)
 
@@ -65,7 +69,7 @@ class WorkerTable:
         if restarted:
             self._workers[beat.instance_id] = WorkerEntry(beat, now)
         else:
-            entry.beat, entry.last_seen, entry.pending = beat, now, 0
+            entry.beat, entry.last_seen, entry.pending, entry.pending_tokens = beat, now, 0, 0.0
         return restarted
 
     def silent(self, now: float, since: float = -math.inf) -> list[str]:
@@ -99,15 +103,17 @@ class WorkerTable:
               and (roles is None or (e.beat.role or "both") in roles)]
         return sorted(ok, key=WorkerEntry.sort_key)
 
-    def assigned(self, worker_id: str, n: int = 1) -> None:
+    def assigned(self, worker_id: str, n: int = 1, tokens: float = 0.0) -> None:
         """Count a pick right away (before the worker answers) so concurrent routes spread out;
-        n=-1 takes it back when the worker refused."""
+        n=-1 takes it back when the worker refused. tokens: its estimated prefill tokens there."""
         entry = self._workers.get(worker_id)
         if entry is not None:
             entry.pending = max(0, entry.pending + n)
+            entry.pending_tokens = max(0.0, entry.pending_tokens + n * tokens) if entry.pending else 0.0
             entry.assigned_total += max(n, 0)
 
     def snapshot(self) -> list[dict]:
         return [{"worker_id": e.worker_id, "model": e.beat.model, "ready": e.beat.ready, "role": e.beat.role,
                  "draining": e.beat.draining, "queued": e.queued, "pending": e.pending,
+                 "pending_tokens": e.pending_tokens,
                  "load": e.beat.load.model_dump() if e.beat.load else None} for e in self._workers.values()]
