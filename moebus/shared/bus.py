@@ -227,14 +227,15 @@ class Bus:
         data = msg if isinstance(msg, bytes) else msg.encode()
         headers = self.tracing.inject(headers)
         self.check_size(data, headers, f"{_kind(msg)} on {subject}")
-        deadline, pause = time.monotonic() + wait_for_responders_s, 0.05
+        started = time.monotonic()
+        deadline, pause = started + wait_for_responders_s, 0.05
         ask = self._ask_cuttable if idempotent else self.nc.request
         while True:
             try:
                 reply = await ask(subject, data, timeout=timeout, headers=headers)
                 if reply is None:  # the connection dropped under it
                     if time.monotonic() > deadline:
-                        raise RequestTimeout(subject, timeout) from None
+                        raise RequestTimeout(subject, _waited(started, timeout)) from None
                     continue
                 break
             except nats.errors.NoRespondersError:
@@ -244,7 +245,7 @@ class Bus:
                 pause = min(pause * 2, 0.5)
             except nats.errors.TimeoutError:
                 if not idempotent or time.monotonic() > deadline:
-                    raise RequestTimeout(subject, timeout) from None
+                    raise RequestTimeout(subject, _waited(started, timeout)) from None
         err = ServiceError.from_headers(reply.headers)
         if err is not None:
             raise err
@@ -343,3 +344,8 @@ def _as_service_error(e: Exception, endpoint: str) -> ServiceError:
         return ServiceError(ErrorCode.BAD_REQUEST, str(e))
     log.exception("handler %s failed", endpoint)
     return ServiceError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+
+def _waited(started: float, timeout: float) -> float:
+    """What a timeout error reports: the whole wait, asks again included (at least one ask's)."""
+    return round(max(timeout, time.monotonic() - started), 1)

@@ -4,6 +4,7 @@ reconnect); another waits as before, since its responder may still answer after 
 from __future__ import annotations
 
 import asyncio
+import re
 
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.errors import RequestTimeout
@@ -75,3 +76,26 @@ async def test_an_idempotent_request_with_no_time_left_fails_at_once() -> None:
 async def test_another_request_still_takes_a_reply_that_comes_after_the_reconnect() -> None:
     seen, err = await _blip_under_a_request(idempotent=False, wait_s=30, late=True)
     assert err is None and seen == ["a"]
+
+
+async def test_an_idempotent_timeout_reports_the_whole_wait() -> None:
+    """Asked again every 0.2 s for 1 s with nobody answering: the error names the 1 s waited, not
+    one ask's 0.2 s."""
+    server = await asyncio.to_thread(NatsServer().start)
+    bus = await Bus.connect(BusConfig(servers=[server.url]), Tracing("t"))
+    asks = []
+
+    async def swallow(beat: Heartbeat, _) -> None:
+        asks.append(beat.instance_id)
+    try:
+        await bus.subscribe(SUBJECT, Heartbeat, swallow)
+        beat = Heartbeat(instance_id="a", service="t", ts=0, interval_s=1)
+        try:
+            await bus.request(SUBJECT, beat, Heartbeat, timeout=0.2, wait_for_responders_s=1.0, idempotent=True)
+        except RequestTimeout as e:
+            err = e
+        assert 1.0 <= float(re.search(r"within ([\d.]+)s", str(err)).group(1)) < 3.0, str(err)
+        assert len(asks) >= 4
+    finally:
+        await bus.drain()
+        await asyncio.to_thread(server.stop)
