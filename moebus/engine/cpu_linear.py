@@ -42,13 +42,15 @@ QA_MAX_ROWS = 3
 # while on Zen 3 (AVX2) it lost 3% (2.52 vs 2.45 ns a block); the head's logits move by <= 1e-4.
 QA16_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
-# Rows above which the plain GEMM is used; None: packed at every size. With AMX (bf16 tiles) the
-# packed bf16 GEMM is as fast or faster at large sizes too (Sapphire Rapids, 2 threads, SmolLM2's four
-# layer shapes, weights packed for 64 rows: 1536 rows 4.16 vs 4.45 ms, 2048 5.56 vs 5.65, 4096 11.27 vs
-# 11.40; a whole 1536-token prefill step 289-301 vs 304-325 ms over three alternating runs; 512 rows
-# alone lose, 1.94 vs 1.79): packed at every size there.
+# Rows above which the plain GEMM is used; None: packed at every size. Where the CPU has native bf16
+# dot products the packed bf16 GEMM is as fast or faster at large sizes too, so it is packed at every
+# size there (2 threads, SmolLM2's four layer shapes, weights packed for 64 rows). Sapphire Rapids
+# (AMX): 1536 rows 4.16 vs 4.45 ms, 2048 5.56 vs 5.65, 4096 11.27 vs 11.40, a 1536-token prefill step
+# 289-301 vs 304-325 ms (512 rows alone lose, 1.94 vs 1.79). Zen 4 (avx512_bf16, no AMX; median of
+# 9): 256 rows 4.33 vs 4.59 ms, 512 8.75 vs 9.11, 1536 26.37 vs 28.33, 2048 34.63 vs 37.67. The cap
+# of 256 stays for CPUs that only convert bf16 (unmeasured since it was set).
 PACKED_MAX_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: 256, torch.float32: None}
-PACKED_MAX_ROWS_AMX: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float32: None}
+PACKED_MAX_ROWS_NATIVE_BF16: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float32: None}
 
 # Calls of fewer multiply-adds (rows x in x out) take the plain GEMM: oneDNN's packed call costs
 # ~40 us more per call, which small GEMMs never win back. Measured on a Zen 3 VM in fp32 (packed vs
@@ -60,7 +62,8 @@ PACKED_MIN_MACS: dict[torch.dtype, int] = {torch.bfloat16: 0, torch.float32: 1 <
 @functools.cache
 def packed_max_rows(dtype: torch.dtype) -> int | None:
     """PACKED_MAX_ROWS for this CPU."""
-    return (PACKED_MAX_ROWS_AMX if "amx_bf16" in cpu_flags() else PACKED_MAX_ROWS)[dtype]
+    native = {"amx_bf16", "avx512_bf16"} & cpu_flags()
+    return (PACKED_MAX_ROWS_NATIVE_BF16 if native else PACKED_MAX_ROWS)[dtype]
 
 
 @functools.cache
