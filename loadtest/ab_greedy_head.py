@@ -1,7 +1,8 @@
 """Paired A/B of the in-process engine's decode steps (issue 21, target 2): the greedy LM head's
-auto C path (bf16: AMX where the CPU has it; fp32: AVX-512 FMA tiles where built) vs another of its
-paths (--b-isa, default fma256: the AVX2 tiles all dtypes took before; avx512_bf16 to try vdpbf16ps,
-e.g. on Zen 4; bf16-only paths leave the fp32 pair at auto).
+auto C path (bf16: AMX where the CPU has it, else vdpbf16ps where it has AVX512-BF16; fp32: AVX-512
+FMA tiles where built) vs another of its paths (--b-isa, default fma256: the AVX2 tiles all dtypes
+took before; fma: the float32 tiles bf16 took without AMX before 2026-12-05; bf16-only paths leave
+the fp32 pair at auto).
 
     flock /tmp/moebus-bench.lock python loadtest/ab_greedy_head.py --batch 16 64 --rounds 7 [--b-isa fma]
 
@@ -13,6 +14,7 @@ arm, with its slowest and fastest round.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -37,7 +39,6 @@ def _engine(dtype: str, batch: int, prompt_len: int, tokens: int):
 
 
 def run(batch: int, rounds: int, steps: int, prompt_len: int, b_isa: str = "fma256") -> None:
-    import moebus.engine.model_runner as mr
     from moebus.kernels.lm_head_argmax import isas, lm_head_argmax, lm_head_argmax_cpu
 
     def b_head(x, w, panels):
@@ -48,23 +49,26 @@ def run(batch: int, rounds: int, steps: int, prompt_len: int, b_isa: str = "fma2
 
     tokens = 3 + 2 * rounds * steps + 16
     engines = {"bf16": _engine("bfloat16", batch, prompt_len, tokens), "fp32": _engine("float32", batch, prompt_len, tokens)}
-    arms = {"bf16 head auto": ("bf16", lm_head_argmax), f"bf16 head {b_isa}": ("bf16", b_head),
-            "fp32 head auto": ("fp32", lm_head_argmax), f"fp32 head {b_isa}": ("fp32", b_head)}
+    # The runner binds its head once (functools.partial of lm_head_argmax with the packed weight):
+    # each arm swaps that bound call for one with its own head function.
+    auto = {k: eng.runner.greedy_head for k, eng in engines.items()}
+    if not all(isinstance(h, functools.partial) for h in auto.values()):
+        raise SystemExit(f"no fused dense greedy head to compare: {auto}")
+    heads = {k: {"auto": h, b_isa: functools.partial(b_head, *h.args, **h.keywords)} for k, h in auto.items()}
 
-    def arm(name: str) -> Callable[[], None]:
-        eng_name, head = arms[name]
-
+    def arm(eng_name: str, head: str) -> Callable[[], None]:
         def steps_with_head() -> None:
-            mr.lm_head_argmax = head
+            engines[eng_name].runner.greedy_head = heads[eng_name][head]
             for _ in range(steps):
                 engines[eng_name].step()
         return steps_with_head
 
     try:
-        timed = alternate({k: arm(k) for k in arms}, rounds, clock=time.process_time)
+        timed = alternate({f"{d} head {h}": arm(d, h) for d in engines for h in ("auto", b_isa)}, rounds,
+                          clock=time.process_time)
     finally:
-        mr.lm_head_argmax = lm_head_argmax
-        for eng in engines.values():
+        for k, eng in engines.items():
+            eng.runner.greedy_head = auto[k]
             eng.close()
     rate = {k: batch * steps / t.median for k, t in timed.items()}
     won = [wins(timed[f"{d} head auto"], timed[f"{d} head {b_isa}"]) for d in ("bf16", "fp32")]
