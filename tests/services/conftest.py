@@ -77,7 +77,7 @@ async def toy_stack(nats_url: str, *, workers: int = 1, engine: dict | None = No
         ws = []
         for i in range(workers):
             cfg = WorkerConfig(model="toy", instance_id=f"worker-{i}", engine={"step_delay_s": 0.002, **(engine or {})},
-                               drain_grace_s=2.0, **(worker or {}), **common)
+                               drain_grace_s=2.0, **{**common, **(worker or {})})
             ws.append(await stack.enter_async_context(WorkerService(cfg, engine_factory=engine_factory, **kw)))
         fcfg = FrontendConfig(host="127.0.0.1", port=0, models=["toy"], **(frontend or {}), **common)
         runner, port = await start_frontend(fcfg, tracer_provider)

@@ -81,7 +81,6 @@ class WorkerService(Service):
         self.link: WorkerKVLink | None = None  # transports, broker index and tiers
         self.split = SplitStages(self, cfg.handoff_beat_s, cfg.handoff_lost_s)
         self.quarantine = Quarantine(self._add)  # suspects (their engine broke before) run alone
-        self._beat_pending = False
         self._active: dict[str, Active] = {}
         # (subject, encoded message, headers, what it is: for a failed publish's log line)
         self._outbox: asyncio.Queue[tuple[str, bytes, dict[str, str], str] | None] = asyncio.Queue()
@@ -305,6 +304,8 @@ class WorkerService(Service):
             self.fail(f.request_id, ErrorCode.BAD_REQUEST, f.error, retryable=False, counter="failed")
         tok = self._loop.tokenizer
         batches = StepChunks()  # this step's chunks, one message per frontend
+        direct: list[tuple[str, bytes, dict[str, str], str]] = []  # chunks for a reply subject of their own
+        finished = False
         for out in outputs:
             rid, i = out.request_id, out.index
             a = self._active.get(rid)
@@ -342,13 +343,21 @@ class WorkerService(Service):
                 if not a.open:
                     self.release(rid, "finished")
                     self.engine_metrics.finished(chunk.finish_reason)
-                    self._beat_soon()
+                    finished = True
             data = chunk.encode()
             self.replay.record(chunk, data)
             if (fid := self._frontend_of(a.req)) is not None:
                 batches.add(fid, data)
             else:
-                self._enqueue(a.req.reply_to, data, a.trace_headers, chunk.request_id)
+                direct.append((a.req.reply_to, data, a.trace_headers, chunk.request_id))
+        if finished:
+            # A request finished: the balancers hear of it before its last chunk leaves (the same
+            # outbox, the same connection), so a client's next request, maybe with this worker's
+            # cached prefix, is never routed on the load of the one it just got the end of.
+            self._enqueue(self.subjects.heartbeat(self.name, self.instance_id), self.heartbeat().encode(), {},
+                          "a heartbeat")
+        for item in direct:
+            self._enqueue(*item)
         for fid, data in batches.messages():
             self._enqueue(self.subjects.frontend_chunks(fid), data, {}, f"a step's chunks for {fid}")
         for p in prefilled:
@@ -356,19 +365,6 @@ class WorkerService(Service):
                 a.spans.extracted(p)
             self.split.prefilled(p)
         self._m_queue.set(self.queued())
-
-    def _beat_soon(self) -> None:
-        """A finished request: tell the balancers now, not at the next beat, so its stale load
-        does not push the next request (maybe one with this worker's cached prefix) elsewhere."""
-        if self._beat_pending:
-            return
-        self._beat_pending = True
-
-        async def beat() -> None:
-            await asyncio.sleep(0.005)  # one beat for requests finishing together
-            self._beat_pending = False
-            await self.publish_heartbeat()
-        self.spawn(beat())
 
     def _on_fatal(self, exc: BaseException) -> None:
         """The engine broke: its requests may run elsewhere (the frontend caps how many workers
