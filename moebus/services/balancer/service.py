@@ -120,7 +120,7 @@ class BalancerService(Service):
 
     async def _route(self, req: GenerateRequest, msg: Msg) -> GenerateAccepted:
         r = _Route(tried=set(req.exclude_workers))
-        await self._await_first_worker(req.model, r.tried)
+        await self._await_a_worker(req.model, r.tried)
         if self.cfg.mode == "disaggregated":
             accepted = await self._route_split(req, r)
         else:  # the request goes on as the frontend encoded it: no second encode on the way
@@ -199,10 +199,11 @@ class BalancerService(Service):
             return pre.model_copy(update={"decode_worker_id": dec.worker_id})
         return None
 
-    async def _await_first_worker(self, model: str, exclude: set[str]) -> None:
-        """Right after a (re)start the table fills within one heartbeat interval: wait for it
-        rather than answer 503 to the first requests."""
-        deadline = self._started + self.cfg.heartbeat_interval_s * 1.5
+    async def _await_a_worker(self, model: str, exclude: set[str]) -> None:
+        """No routable worker: wait up to 1.5 heartbeat intervals for one rather than answer 503
+        at once. Right after a (re)start the table fills within one interval, and a worker dropped
+        for missed beats (its process or ours starved of CPU a moment) is back with its next beat."""
+        deadline = time.monotonic() + self.cfg.heartbeat_interval_s * 1.5
         while time.monotonic() < deadline and not self.table.candidates(model, time.monotonic(), exclude):
             await asyncio.sleep(0.02)
 
