@@ -46,9 +46,10 @@ QA16_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 # dot products the packed bf16 GEMM is as fast or faster at large sizes too, so it is packed at every
 # size there (2 threads, SmolLM2's four layer shapes, weights packed for 64 rows). Sapphire Rapids
 # (AMX): 1536 rows 4.16 vs 4.45 ms, 2048 5.56 vs 5.65, 4096 11.27 vs 11.40, a 1536-token prefill step
-# 289-301 vs 304-325 ms (512 rows alone lose, 1.94 vs 1.79). Zen 4 (avx512_bf16, no AMX; median of
-# 9): 256 rows 4.33 vs 4.59 ms, 512 8.75 vs 9.11, 1536 26.37 vs 28.33, 2048 34.63 vs 37.67. The cap
-# of 256 stays for CPUs that only convert bf16 (unmeasured since it was set).
+# 289-301 vs 304-325 ms (512 rows alone lose, 1.94 vs 1.79). Zen 4 (avx512_bf16, no AMX;
+# loadtest/ab_packed_linear.py, medians of 9): 256 rows 4.61 vs 5.19 ms, 512 8.98 vs 9.77, 1536 25.96
+# vs 28.54, 2048 34.61 vs 37.61. The cap of 256 stays for CPUs that only convert bf16 (unmeasured
+# since it was set).
 PACKED_MAX_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: 256, torch.float32: None}
 PACKED_MAX_ROWS_NATIVE_BF16: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float32: None}
 
