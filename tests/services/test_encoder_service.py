@@ -4,6 +4,7 @@ The real encoder runs in test_vision_stack.py."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import uuid
 from pathlib import Path
@@ -230,3 +231,35 @@ async def test_http_images_when_enabled_with_a_size_cap(nats_server) -> None:
         await bus.drain()
         await svc.__aexit__(None, None, None)
         await runner.cleanup()
+
+
+async def test_an_encoder_killed_holding_the_request_costs_one_timeout_not_the_request(nats_server) -> None:
+    """The frontend's picked encoder swallows the request (SIGKILLed with its subscription still on
+    the server): after encoder_timeout_s the frontend asks any encoder instead of failing with 504."""
+    from types import SimpleNamespace
+
+    from moebus.services.frontend import FrontendConfig
+    from moebus.services.frontend.service import FrontendService
+
+    svc, bus, prefix = await started(nats_server.url, RecordingEncoder())
+    zombie = await Bus.connect(BusConfig(servers=[nats_server.url], name="zombie"), Tracing("zombie"))
+    swallowed = []
+
+    async def swallow(req: EncodeRequest, _) -> None:
+        swallowed.append(len(req.images))
+    forgot = []
+    try:
+        await zombie.subscribe(svc.subjects.encoder_encode_on("encoder-z"), EncodeRequest, swallow)
+        await zombie.flush()
+        picker = SimpleNamespace(pick=lambda key: "encoder-z", forget=forgot.append)
+        cfg = FrontendConfig(nats_url=nats_server.url, subject_prefix=prefix, accept_images=True,
+                             encoder_timeout_s=0.5, restart_wait_s=5.0)
+        fe = SimpleNamespace(cfg=cfg, encoders=picker, bus=bus, subjects=svc.subjects)
+        url = "data:image/png;base64," + base64.b64encode(png((200, 10, 10))).decode()
+        reply = await FrontendService.encode_images(fe, "m", [url])
+        assert swallowed == [1] and forgot == ["encoder-z"]
+        assert len(reply.images) == 1
+    finally:
+        await zombie.drain()
+        await bus.drain()
+        await svc.__aexit__(None, None, None)

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from moebus.shared.errors import NoResponders, ServiceError, context_length_exceeded
+from moebus.shared.errors import NoResponders, RequestTimeout, ServiceError, context_length_exceeded
 from moebus.shared.messages import (
     DetokenizeReply,
     DetokenizeRequest,
@@ -115,7 +115,9 @@ class FrontendService(Service):
                 try:
                     return await self.bus.request(self.subjects.encoder_encode_on(target), req, EncodeReply,
                                                   timeout=self.cfg.encoder_timeout_s, idempotent=True)
-                except NoResponders:  # gone since its last beat: any encoder will do
+                except (NoResponders, RequestTimeout):
+                    # Gone since its last beat, or killed holding the request (its subscription
+                    # outlived it a moment and swallowed it): any encoder will do, a restarted one too.
                     self.encoders.forget(target)
             return await self.bus.request(self.subjects.encoder_encode, req, EncodeReply,
                                           timeout=self.cfg.encoder_timeout_s,
