@@ -12,7 +12,6 @@ its logits' write, read-back and separate argmax call were ~0.1 ms of a ~6 ms to
 """
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 
 import torch
@@ -31,13 +30,7 @@ def quant_argmax_ref(x: torch.Tensor, w: torch.Tensor, qtype: str, bits: int | N
 
 
 def cpu_function() -> Callable[..., int] | None:
-    lib = library("quant_argmax_cpu.c").get()
-    if lib is None:
-        return None
-    fn = lib.quant_argmax_f32
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    return fn
+    return library("quant_argmax_cpu.c").function("quant_argmax", torch.float32, _ARGTYPES)
 
 
 def quant_argmax_cpu_unchecked(fn: Callable[..., int], x: torch.Tensor, w: torch.Tensor, qtype_id: int,

@@ -126,13 +126,7 @@ def cpu_kernel_available() -> bool:
 
 
 def cpu_function() -> Callable[..., int] | None:
-    lib = library("quant_matmul_cpu.c").get()
-    if lib is None:
-        return None
-    fn = lib.quant_matmul_f32
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _CPU_ARGTYPES, I32
-    return fn
+    return library("quant_matmul_cpu.c").function("quant_matmul", torch.float32, _CPU_ARGTYPES)
 
 
 def quant_matmul_cpu_unchecked(fn: Callable[..., int], x: torch.Tensor, w: torch.Tensor, qtype_id: int,
