@@ -18,7 +18,7 @@ from moebus.shared.messages import BROKER_HOLDER
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import annotate
 
-from .kv_routing import RoutingWeights, WorkerState, overlaps, prefill_tokens, rank_workers
+from .kv_routing import RoutingWeights, WorkerState, overlaps, prefill_tokens, rank_workers, usable_tokens
 from .table import WorkerEntry
 
 # prefix_hit: some worker (or the broker's tiers) held the prompt's leading blocks; no_prefix:
@@ -76,8 +76,9 @@ class KVRanker:
         # Equal cost: fewest past picks first (round robin); full workers last (stale numbers).
         order = sorted(entries, key=lambda e: (e.worker_id not in ranked, ranked.get(e.worker_id, 0.0),
                                                e.assigned_total, e.worker_id))
-        held = {s.worker_id: max(s.cached_blocks, s.tier_blocks, shared) * kv.block_size for s in states}
-        return Ranking(order, {w: float(prefill_tokens(len(prompt), n)) for w, n in held.items()})
+        n = len(prompt)
+        return Ranking(order, {s.worker_id: float(prefill_tokens(n, usable_tokens(n, s, kv.block_size, shared)))
+                               for s in states})
 
 
 def _state(e: WorkerEntry, device: dict[str, int], tiers: dict[str, int], weights: RoutingWeights) -> WorkerState:

@@ -44,6 +44,12 @@ def prefill_tokens(prompt_len: int, cached_tokens: int) -> int:
     return max(1, prompt_len - min(cached_tokens, prompt_len - 1))
 
 
+def usable_tokens(prompt_len: int, w: WorkerState, block_size: int, shared_tier_blocks: int = 0) -> int:
+    """Prompt tokens `w` need not compute: its cached prefix, or one it can load from a tier."""
+    held = max(w.cached_blocks, w.tier_blocks, shared_tier_blocks) * block_size
+    return min(held, prompt_len - 1)
+
+
 def routing_cost(prompt_len: int, w: WorkerState, weights: RoutingWeights = RoutingWeights(),
                  shared_tier_blocks: int = 0) -> float:
     """shared_tier_blocks: leading prompt blocks the KV broker's tiers hold (any worker can load them)."""
@@ -51,8 +57,7 @@ def routing_cost(prompt_len: int, w: WorkerState, weights: RoutingWeights = Rout
         return float("inf")
     bs = weights.block_size
     local = w.cached_blocks * bs
-    loadable = max(w.tier_blocks, shared_tier_blocks) * bs
-    usable = min(max(local, loadable), prompt_len - 1)
+    usable = usable_tokens(prompt_len, w, bs, shared_tier_blocks)
     compute = prefill_tokens(prompt_len, usable)
     load = max(0, usable - local) * weights.tier_load_cost
     queued = w.queued_prefill_tokens if w.queued_prefill_tokens is not None \
