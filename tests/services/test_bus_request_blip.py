@@ -44,7 +44,9 @@ async def _blip_under_a_request(idempotent: bool, wait_s: float, late: bool = Fa
     ask = asyncio.create_task(caller.request(SUBJECT, beat, Heartbeat, timeout=30, wait_for_responders_s=wait_s,
                                              idempotent=idempotent))
     try:
-        await wait_for(lambda: seen == ["a"])
+        await wait_for(lambda: seen == ["a"] or ask.done(), timeout=20)
+        assert not ask.done(), f"the request ended before the blip: {ask.exception()!r}"
+        assert seen == ["a"], seen
         port = server.port
         await asyncio.to_thread(server.stop)
         await asyncio.sleep(0.3)
