@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import subprocess
 import tempfile
@@ -40,7 +41,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--layers", type=int, default=30)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dt = getattr(torch, args.dtype)
     rel = "moebus/kernels/csrc/paged_attention_cpu.c"
     old_src = subprocess.run(["git", "show", f"{args.rev}:{rel}"], capture_output=True, text=True, check=True).stdout

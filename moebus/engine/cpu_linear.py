@@ -7,7 +7,9 @@ bf16 at decode sizes 1.2-1.7x (AVX-512/AMX; at 4096 rows the plain path wins, 0.
 every row count on AVX2 (Zen 3: 1.1-1.2x on the layer shapes of SmolLM2, 1.3-2.2x on its
 49152-row LM head, 1-4096 rows). A PackedLinear keeps both weights and picks by dtype and row
 count. Results are the same GEMM up to summation order (tested against F.linear). The packed copy
-is taken once: weights must not change after, and it doubles the memory of the packed weights.
+is taken once: weights must not change after, and it doubles the memory of the packed weights. On
+CPUs with AVX512-BF16 and no AMX, bf16 layers keep a third copy in pack_panels' layout for decode
+sizes (PANEL_MAX_ROWS), where kernels/panel_linear.py beats oneDNN.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from torch import nn
 
 from moebus.engine.dtype_choice import cpu_flags
 from moebus.kernels.argmax import row_argmax
+from moebus.kernels.lm_head_argmax import pack_panels
+from moebus.kernels.panel_linear import panel_linear_applies, panel_linear_cpu
 from moebus.kernels.quant_argmax import cpu_function as argmax_function
 from moebus.kernels.quant_argmax import quant_argmax_cpu_unchecked
 from moebus.kernels.quant_matmul import (
@@ -53,6 +57,14 @@ QA16_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 PACKED_MAX_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: 256, torch.float32: None}
 PACKED_MAX_ROWS_NATIVE_BF16: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float32: None}
 
+# bf16 calls of at most this many rows take kernels/panel_linear.py (vdpbf16ps on pack_panels'
+# layout, the next weights prefetched) on CPUs with AVX512-BF16 and no AMX. Zen 4 VM, 2 threads,
+# SmolLM2's four layer shapes x 30 layers of distinct weights (cold, as in a decode step),
+# loadtest/ab_panel_linear.py: 1 row 11.1 -> 6.0 ms, 8 rows 16.8 -> 7.6, 16 rows 15.0 -> 11.8, 64
+# rows 44.0 -> 37.3, 128 rows 75.6 -> 71.6 (oneDNN's packed GEMM -> the panel kernel). AMX CPUs
+# keep oneDNN (its AMX tiles; the panel kernel is unmeasured there).
+PANEL_MAX_ROWS = 128
+
 # Calls of fewer multiply-adds (rows x in x out) take the plain GEMM: oneDNN's packed call costs
 # ~40 us more per call, which small GEMMs never win back. Measured on a Zen 3 VM in fp32 (packed vs
 # F.linear): 64 x 128 -> 128 82 vs 29 us, 1 x 1536 -> 576 132 vs 80 us, 64 x 128 -> 512 (4.2M)
@@ -65,6 +77,13 @@ def packed_max_rows(dtype: torch.dtype) -> int | None:
     """PACKED_MAX_ROWS for this CPU."""
     native = {"amx_bf16", "avx512_bf16"} & cpu_flags()
     return (PACKED_MAX_ROWS_NATIVE_BF16 if native else PACKED_MAX_ROWS)[dtype]
+
+
+@functools.cache
+def panels_wanted(dtype: torch.dtype) -> bool:
+    """Whether PackedLinear keeps a pack_panels copy for the panel kernel (PANEL_MAX_ROWS)."""
+    flags = cpu_flags()
+    return dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
 @functools.cache
@@ -84,12 +103,17 @@ def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 class PackedLinear(nn.Linear):
     packed: torch.Tensor
+    panels: torch.Tensor | None  # pack_panels(weight) where panels_wanted: calls up to PANEL_MAX_ROWS
     max_rows: int | None
     min_rows: int  # fewest rows worth the packed call (PACKED_MIN_MACS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         rows = flat.shape[0]
+        if self.panels is not None and rows <= PANEL_MAX_ROWS and flat.dtype == self.weight.dtype:
+            out = panel_linear_cpu(flat, self.panels, self.out_features, self.in_features, self.bias)
+            if out is not None:
+                return out.reshape(*x.shape[:-1], out.shape[-1])
         if (rows < self.min_rows or (self.max_rows is not None and rows > self.max_rows)
                 or flat.dtype != self.weight.dtype):
             return F.linear(x, self.weight, self.bias)
@@ -106,6 +130,9 @@ def _packed(weight: nn.Parameter, bias: nn.Parameter | None, row_hint: int) -> P
     new.min_rows = -(-PACKED_MIN_MACS[weight.dtype] // weight.numel())
     new.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), row_hint),
                         persistent=False)
+    n, k = weight.shape
+    panels = pack_panels(weight) if panels_wanted(weight.dtype) and panel_linear_applies(n, k, weight.dtype) else None
+    new.register_buffer("panels", panels, persistent=False)
     return new
 
 

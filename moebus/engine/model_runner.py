@@ -271,4 +271,5 @@ def _greedy_head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tenso
         weight = emb.weight if head is None and isinstance(emb, torch.nn.Embedding) else None
     if weight is None or weight.device.type != "cpu":
         return None
-    return functools.partial(lm_head_argmax, w=weight, panels=pack_panels(weight))
+    panels = getattr(head, "panels", None)  # a PackedLinear's copy for the panel kernel: the same layout
+    return functools.partial(lm_head_argmax, w=weight, panels=panels if panels is not None else pack_panels(weight))

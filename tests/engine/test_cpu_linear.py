@@ -2,12 +2,15 @@ import pytest
 import torch
 from torch import nn
 
+import moebus.engine.cpu_linear as cl
 from moebus.engine.cpu_linear import (
     PACKED_MIN_MACS,
+    PANEL_MAX_ROWS,
     PackedLinear,
     pack_linears,
     packed_max_rows,
     packing_available,
+    panels_wanted,
 )
 
 # bf16 packing needs AVX-512 or AVX-NE-CONVERT; fp32 packing works wherever oneDNN does.
@@ -57,8 +60,64 @@ def test_small_calls_take_the_plain_gemm(dtype):
     if packed.min_rows > 1:
         assert torch.equal(small, torch.nn.functional.linear(x[:packed.min_rows - 1], layer.weight))
         assert calls == [x.shape[0]]  # only the large call was packed
+    elif packed.panels is not None:  # these row counts take the panel kernel instead
+        assert calls == []
     else:
         assert calls == [1, x.shape[0]]
+
+
+PANELS = pytest.mark.skipif(not (packing_available(torch.bfloat16) and panels_wanted(torch.bfloat16)),
+                            reason="the panel kernel serves bf16 on AVX512-BF16 CPUs without AMX only")
+
+
+@PANELS
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_decode_sizes_take_the_panel_kernel_and_larger_calls_onednn(bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 48, bias=bias).to(torch.bfloat16)
+    model = nn.Sequential(layer)
+    pack_linears(model)
+    packed = model[0]
+    assert packed.panels is not None
+    x = torch.randn(PANEL_MAX_ROWS + 1, 96, dtype=torch.bfloat16)
+    calls = []
+    real_panel, real_dnn = cl.panel_linear_cpu, torch.ops.mkldnn._linear_pointwise
+    cl.panel_linear_cpu = lambda x, *a: calls.append(("panel", x.shape[0])) or real_panel(x, *a)
+    torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(("onednn", a[0].shape[0])) or real_dnn(*a)
+    try:
+        for rows in (1, 5, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1):
+            out = packed(x[:rows])
+            ref = x[:rows].double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+            torch.testing.assert_close(out.double(), ref, **TOL[torch.bfloat16])
+    finally:
+        cl.panel_linear_cpu, torch.ops.mkldnn._linear_pointwise = real_panel, real_dnn
+    assert calls == [("panel", 1), ("panel", 5), ("panel", PANEL_MAX_ROWS), ("onednn", PANEL_MAX_ROWS + 1)]
+
+
+@PANELS
+def test_a_shape_the_panel_kernel_does_not_take_keeps_onednn():
+    model = nn.Sequential(nn.Linear(40, 48, bias=False).to(torch.bfloat16))  # in 40: not whole k pairs of 32
+    pack_linears(model)
+    assert model[0].panels is None
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    torch.testing.assert_close(model(x), torch.nn.functional.linear(x, model[0].weight), **TOL[torch.bfloat16])
+
+
+@PANELS
+def test_the_greedy_head_shares_the_tied_heads_panels():
+    from moebus.engine.model_runner import _greedy_head
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens, self.lm_head = nn.Embedding(160, 64), None
+    torch.manual_seed(0)
+    model = Tied().to(torch.bfloat16)
+    pack_linears(model)
+    head = _greedy_head(model)
+    assert head.keywords["panels"] is model.lm_head.panels
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert torch.equal(head(x), torch.nn.functional.linear(x, model.embed_tokens.weight).argmax(-1))
 
 
 def test_only_packable_dtypes_are_packed():
