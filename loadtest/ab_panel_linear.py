@@ -1,7 +1,7 @@
-"""oneDNN's packed bf16 GEMM vs the panel kernel (kernels/panel_linear.py) at decode row counts,
+"""oneDNN's packed GEMM vs the panel kernel (kernels/panel_linear.py) at decode row counts,
 alternating in one process.
 
-    python loadtest/ab_panel_linear.py --rows 1 8 16 64 128 [--rounds 7] [--threads 2] [--head]
+    python loadtest/ab_panel_linear.py --rows 1 8 16 64 128 [--dtype float32] [--rounds 7] [--threads 2] [--head]
 
 One round calls SmolLM2's four layer shapes for each of --layers layers (default 30, distinct
 weights: each is read from memory, as in a decode step, not from the last-level cache); --head adds
@@ -30,16 +30,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--head", action="store_true")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(s, generator=g) * 0.05).bfloat16() for _ in range(args.layers) for s in SHAPES]
+    dt = getattr(torch, args.dtype)
+    weights = [(torch.randn(s, generator=g) * 0.05).to(dt) for _ in range(args.layers) for s in SHAPES]
     if args.head:
-        weights.append((torch.randn(HEAD, generator=g) * 0.05).bfloat16())
+        weights.append((torch.randn(HEAD, generator=g) * 0.05).to(dt))
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
     panels = [pack_panels(w) for w in weights]
     for rows in args.rows:
-        xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in {w.shape[1] for w in weights}}
+        xs = {k: torch.randn(rows, k, generator=g).to(dt) for k in {w.shape[1] for w in weights}}
 
         def run_onednn(xs: dict[int, torch.Tensor] = xs) -> list[torch.Tensor]:
             return [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")

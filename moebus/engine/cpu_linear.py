@@ -8,8 +8,8 @@ every row count on AVX2 (Zen 3: 1.1-1.2x on the layer shapes of SmolLM2, 1.3-2.2
 49152-row LM head, 1-4096 rows). A PackedLinear keeps both weights and picks by dtype and row
 count. Results are the same GEMM up to summation order (tested against F.linear). The packed copy
 is taken once: weights must not change after, and it doubles the memory of the packed weights. On
-CPUs with AVX512-BF16 and no AMX, bf16 layers keep a third copy in pack_panels' layout for decode
-sizes (PANEL_MAX_ROWS), where kernels/panel_linear.py beats oneDNN.
+AVX-512 CPUs without AMX, layers keep a third copy in pack_panels' layout for decode sizes
+(PANEL_MAX_ROWS), where kernels/panel_linear.py beats oneDNN.
 """
 from __future__ import annotations
 
@@ -57,12 +57,14 @@ QA16_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 PACKED_MAX_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: 256, torch.float32: None}
 PACKED_MAX_ROWS_NATIVE_BF16: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float32: None}
 
-# bf16 calls of at most this many rows take kernels/panel_linear.py (vdpbf16ps on pack_panels'
-# layout, the next weights prefetched) on CPUs with AVX512-BF16 and no AMX. Zen 4 VM, 2 threads,
-# SmolLM2's four layer shapes x 30 layers of distinct weights (cold, as in a decode step),
-# loadtest/ab_panel_linear.py: 1 row 11.1 -> 6.0 ms, 8 rows 16.8 -> 7.6, 16 rows 15.0 -> 11.8, 64
-# rows 44.0 -> 37.3, 128 rows 75.6 -> 71.6 (oneDNN's packed GEMM -> the panel kernel). AMX CPUs
-# keep oneDNN (its AMX tiles; the panel kernel is unmeasured there).
+# Calls of at most this many rows take kernels/panel_linear.py (pack_panels' layout, the next
+# weights prefetched): bf16 on CPUs with AVX512-BF16 (vdpbf16ps), float32 on AVX-512, not where
+# there is AMX (oneDNN's AMX tiles; the panel kernel is unmeasured there). Zen 4 VM, 2 threads,
+# SmolLM2's four layer shapes x 30 layers of distinct weights (cold, as in a decode step) and its
+# head, loadtest/ab_panel_linear.py --head, oneDNN's packed GEMM -> the panel kernel, 7/7 rounds
+# each: bf16 1 row 13.7 -> 9.8 ms, 16 rows 18.9 -> 14.5, 64 49.8 -> 45.3, 128 89.6 -> 85.5;
+# float32 (layers only) 1 row 17.8 -> 11.9, 16 rows 24.5 -> 20.2, 64 77.3 -> 68.9, 128 148.0 ->
+# 141.3. At 256 rows bf16 oneDNN is ahead (168.4 vs 172.3 ms).
 PANEL_MAX_ROWS = 128
 
 # Calls of fewer multiply-adds (rows x in x out) take the plain GEMM: oneDNN's packed call costs
@@ -83,7 +85,8 @@ def packed_max_rows(dtype: torch.dtype) -> int | None:
 def panels_wanted(dtype: torch.dtype) -> bool:
     """Whether PackedLinear keeps a pack_panels copy for the panel kernel (PANEL_MAX_ROWS)."""
     flags = cpu_flags()
-    return dtype == torch.bfloat16 and "avx512_bf16" in flags and "amx_bf16" not in flags
+    needs = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}.get(dtype)
+    return needs in flags and "amx_bf16" not in flags
 
 
 @functools.cache

@@ -1,9 +1,11 @@
-/* A bf16 linear for few rows on vdpbf16ps: out[M, N] = x[M, K] . w[N, K]^T (+ bias), float32
- * sums rounded to bf16 once, as kernels/panel_linear.py's reference (F.linear) does.
+/* A linear for few rows: out[M, N] = x[M, K] . w[N, K]^T (+ bias), float32 sums (rounded to bf16
+ * once for bf16), as kernels/panel_linear.py's reference (F.linear) does. bf16 on vdpbf16ps,
+ * float32 on AVX-512 FMAs.
  *
- * The weight comes as kernels/lm_head_argmax.py's pack_panels lays bf16 out: panels of 16 output
- * rows, wp [N / 16][K / 2][16][2], a panel's 16 columns at one k pair in one 64-byte load, which
- * vdpbf16ps multiplies by a broadcast pair of x. Why a kernel of our own: at decode sizes (2-32
+ * The weight comes as kernels/lm_head_argmax.py's pack_panels lays it out: panels of 16 output
+ * rows; bf16 wp [N / 16][K / 2][16][2], a panel's 16 columns at one k pair in one 64-byte load,
+ * which vdpbf16ps multiplies by a broadcast pair of x; float32 wp [N / 16][K][16], 16 columns at
+ * one k against a broadcast x. Either way a "step" of k is 4 bytes of an x row and 64 of a panel. Why a kernel of our own: at decode sizes (2-32
  * rows) oneDNN's packed GEMM reaches a fraction of the core's dot-product rate, and each weight is
  * read from memory once a step, cold; here a register tile holds R rows x C panels of accumulators
  * (more panels for fewer rows, so that each weight load feeds several products), the next panels are
@@ -11,113 +13,142 @@
  * that loses its core for a while does not hold the others at the end of the call.
  *
  * Each row's sums run over k in the same order whatever M is: a row's result does not depend on
- * the other rows (batch invariance). Returns 1 (the caller falls back) for shapes outside it: K
- * not a multiple of 32, N not of 16, or a build without AVX512-BF16.
+ * the other rows (batch invariance). Returns 1 (the caller falls back) for shapes outside it: N
+ * not a multiple of 16, bf16 K not of 32, or a build without AVX512-BF16 (bf16) or AVX-512 (float32).
  */
 #include "cpu_common.h"
 
 #define NR 16   /* output columns a panel */
-#define PR 32   /* bf16 a panel holds per k pair */
 #define GROUP 4 /* panels a task: enough work to amortize the task, enough tasks to balance */
 /* Rows a register tile: 12 rows x 2 panels is 24 accumulators, 2 weight loads and 12 broadcasts a
- * k pair. Measured against blocks of 16 rows on 1 panel (loadtest/ab_panel_linear.py, Zen 4): 16
- * rows 11.5 -> 10.3 ms, 64 rows 38.8 -> 33.8 (14 x 2 was no better). */
+ * step. Measured against blocks of 16 rows on 1 panel (bf16, loadtest/ab_panel_linear.py, Zen 4):
+ * 16 rows 11.5 -> 10.3 ms, 64 rows 38.8 -> 33.8 (14 x 2 was no better). */
 #define ROWS 12
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 
+/* What differs between the types: the x operand of a step, the multiply-add, the store of 16 sums. */
+#define A_f32(p) _mm512_set1_ps(*(const float *)(p))
+#define MAC_f32(acc, a, w) _mm512_fmadd_ps(a, _mm512_castsi512_ps(w), acc)
+#define STORE_f32(dst, v) _mm512_storeu_ps((float *)(dst), v)
+typedef __m512 a_f32;
+#if defined(__AVX512BF16__)
+static inline __m512bh a_pair(const char *p) {
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+#define A_bf16(p) a_pair(p)
+#define MAC_bf16(acc, a, w) _mm512_dpbf16_ps(acc, a, (__m512bh)(w))
+#define STORE_bf16(dst, v) _mm256_storeu_si256((__m256i *)(dst), (__m256i)_mm512_cvtneps_pbh(v))
+typedef __m512bh a_bf16;
+#endif
+
 /* out rows [0, rows) x C panels from R-row register tiles (rows past `rows` repeat the last row and
- * are not stored); the `pf_bytes` at pf (the next panels) are prefetched over the k loop. */
-#define DEFINE_TILE(R, C)                                                                                   \
-    static inline __attribute__((always_inline)) void tile_##R##x##C(                                      \
-        const uint16_t *x, int64_t xs, const uint16_t *wp, int64_t pstride, int K2, const float *bias,     \
-        uint16_t *out, int64_t os, int rows, const char *pf, int64_t pf_bytes) {                           \
+ * are not stored); the `pf_bytes` at pf (the next panels) are prefetched over the k loop. Strides
+ * in bytes; ES is the output element size. */
+#define DEFINE_TILE(T, ES, R, C)                                                                            \
+    static inline __attribute__((always_inline)) void tile_##T##_##R##x##C(                                \
+        const char *x, int64_t xs, const char *wp, int64_t pstride, int steps, const float *bias,          \
+        char *out, int64_t os, int rows, const char *pf, int64_t pf_bytes) {                               \
         __m512 acc[R][C];                                                                                   \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                                \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                \
-        const uint16_t *xr[R];                                                                              \
+        const char *xr[R];                                                                                  \
         for (int r = 0; r < R; r++) xr[r] = x + (r < rows ? r : rows - 1) * xs;                             \
-        const int64_t step = (pf_bytes / K2 + 63) / 64 * 64;                                                \
-        for (int i = 0; i < K2; i++) {                                                                      \
+        const int64_t ahead = (pf_bytes / steps + 63) / 64 * 64;                                            \
+        for (int i = 0; i < steps; i++) {                                                                   \
             if (pf)                                                                                         \
-                for (int64_t o = 0; o < step; o += 64) __builtin_prefetch(pf + i * step + o, 0, 2);         \
-            __m512bh w[C];                                                                                  \
+                for (int64_t o = 0; o < ahead; o += 64) __builtin_prefetch(pf + i * ahead + o, 0, 2);       \
+            __m512i w[C];                                                                                   \
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                             \
-                w[c] = (__m512bh)_mm512_loadu_si512(wp + c * pstride + i * PR);                             \
+                w[c] = _mm512_loadu_si512(wp + c * pstride + i * 64);                                       \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                          \
-                int32_t pair;                                                                               \
-                memcpy(&pair, xr[r] + 2 * i, sizeof pair);                                                  \
-                const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);                                       \
-                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                         \
-                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, w[c]);                                       \
+                const a_##T a = A_##T(xr[r] + 4 * i);                                                       \
+                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = MAC_##T(acc[r][c], a, w[c]); \
             }                                                                                               \
         }                                                                                                   \
         for (int r = 0; r < rows; r++)                                                                      \
-            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                           \
-                const __m512 v = bias ? _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + c * NR)) : acc[r][c]; \
-                _mm256_storeu_si256((__m256i *)(out + r * os + c * NR), (__m256i)_mm512_cvtneps_pbh(v));    \
-            }                                                                                               \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                             \
+                STORE_##T(out + r * os + c * NR * ES,                                                       \
+                          bias ? _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + c * NR)) : acc[r][c]);     \
     }
-DEFINE_TILE(12, 2)
-DEFINE_TILE(12, 1)
-DEFINE_TILE(8, 2)
-DEFINE_TILE(4, 4)
-DEFINE_TILE(2, 4)
-DEFINE_TILE(1, 4)
 
 /* Panels [p0, p1) for one block of rows <= ROWS, in the widest tiles the row count allows. */
-static void panels_rows(const uint16_t *x, int64_t xs, const uint16_t *wp, int64_t pstride, int K2,
-                        const float *bias, uint16_t *out, int64_t os, int rows, int64_t p0, int64_t p1,
-                        const char *pf, int64_t pf_bytes) {
-    const int64_t pbytes = pstride * 2;
-    int64_t p = p0;
-#define RUN(R, C)                                                                                               \
-    for (; p + C <= p1; p += C)                                                                                 \
-        tile_##R##x##C(x, xs, wp + p * pstride, pstride, K2, bias ? bias + p * NR : 0, out + p * NR, os, rows, \
-                       pf ? pf + (p - p0) * pbytes : 0, pf ? pf_bytes * C / (p1 - p0) : 0)
-    if (rows > 8)
-        RUN(12, 2);
-    else if (rows > 4)
-        RUN(8, 2);
-    else if (rows > 2)
-        RUN(4, 4);
-    else if (rows > 1)
-        RUN(2, 4);
-    else
-        RUN(1, 4);
-    RUN(12, 1); /* what a wide tile left */
-#undef RUN
-}
-
-int panel_linear_bf16(const uint16_t *x, int64_t xs, const uint16_t *wp, const float *bias, int64_t M, int64_t N,
-                      int64_t K, uint16_t *out, int64_t os) {
-    if (K % 32 || N % NR || K <= 0 || N <= 0 || M <= 0) return 1;
-    const int K2 = (int)(K / 2);
-    const int64_t P = N / NR, pstride = (int64_t)K2 * PR;
-    const int64_t tasks = (P + GROUP - 1) / GROUP;
-#pragma omp parallel for schedule(guided) if (M * N * K >= 262144)
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t p0 = t * GROUP, p1 = p0 + GROUP < P ? p0 + GROUP : P;
-        /* the next task's panels, fetched while the first row block runs: guided chunks are runs of
-         * tasks, so the thread that prefetched them takes them next (with schedule(dynamic, 1) the
-         * other thread often did, and a whole process ran at the speed of no prefetch: 16 rows 17.7
-         * vs 11.7 ms); the chunks still shrink toward the end, so a thread that lost its core for a
-         * while leaves the rest to the others */
-        const int64_t q1 = p1 + GROUP < P ? p1 + GROUP : P;
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-            const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;
-            const char *pf = m0 == 0 && p1 < P ? (const char *)(wp + p1 * pstride) : 0;
-            panels_rows(x + m0 * xs, xs, wp, pstride, K2, bias, out + m0 * os, os, rows, p0, p1, pf,
-                        (q1 - p1) * pstride * 2);
-        }
+#define DEFINE_PANELS_ROWS(T, ES)                                                                           \
+    DEFINE_TILE(T, ES, 12, 2)                                                                               \
+    DEFINE_TILE(T, ES, 12, 1)                                                                               \
+    DEFINE_TILE(T, ES, 8, 2)                                                                                \
+    DEFINE_TILE(T, ES, 4, 4)                                                                                \
+    DEFINE_TILE(T, ES, 2, 4)                                                                                \
+    DEFINE_TILE(T, ES, 1, 4)                                                                                \
+    static void panels_rows_##T(const char *x, int64_t xs, const char *wp, int64_t pstride, int steps,      \
+                                const float *bias, char *out, int64_t os, int rows, int64_t p0, int64_t p1, \
+                                const char *pf, int64_t pf_bytes) {                                         \
+        int64_t p = p0;                                                                                     \
+        if (rows > 8)                                                                                       \
+            RUN(T, ES, 12, 2);                                                                              \
+        else if (rows > 4)                                                                                  \
+            RUN(T, ES, 8, 2);                                                                               \
+        else if (rows > 2)                                                                                  \
+            RUN(T, ES, 4, 4);                                                                               \
+        else if (rows > 1)                                                                                  \
+            RUN(T, ES, 2, 4);                                                                               \
+        else                                                                                                \
+            RUN(T, ES, 1, 4);                                                                               \
+        RUN(T, ES, 12, 1); /* what a wide tile left */                                                      \
     }
-    return 0;
-}
-#else
-int panel_linear_bf16(const uint16_t *x, int64_t xs, const uint16_t *wp, const float *bias, int64_t M, int64_t N,
-                      int64_t K, uint16_t *out, int64_t os) {
-    (void)x, (void)xs, (void)wp, (void)bias, (void)M, (void)N, (void)K, (void)out, (void)os;
-    return 1;
-}
+#define RUN(T, ES, R, C)                                                                                         \
+    for (; p + C <= p1; p += C)                                                                                  \
+    tile_##T##_##R##x##C(x, xs, wp + p * pstride, pstride, steps, bias ? bias + p * NR : 0, out + p * NR * ES, os, \
+                         rows, pf ? pf + (p - p0) * pstride : 0, pf ? pf_bytes * C / (p1 - p0) : 0)
+
+/* The entry point: strides in elements, as the Python side passes them. */
+#define DEFINE_PANEL_LINEAR(T, ES, STEP_K)                                                                  \
+    int panel_linear_##T(const void *x, int64_t xs, const void *wp, const float *bias, int64_t M, int64_t N, \
+                         int64_t K, void *out, int64_t os) {                                                \
+        if ((STEP_K == 2 && K % 32) || N % NR || K <= 0 || N <= 0 || M <= 0) return 1;                     \
+        const int steps = (int)(K / STEP_K);                                                                \
+        const int64_t P = N / NR, pstride = (int64_t)steps * 64, tasks = (P + GROUP - 1) / GROUP;           \
+        _Pragma("omp parallel for schedule(guided) if (M * N * K >= 262144)")                             \
+        for (int64_t t = 0; t < tasks; t++) {                                                               \
+            const int64_t p0 = t * GROUP, p1 = p0 + GROUP < P ? p0 + GROUP : P;                             \
+            const int64_t q1 = p1 + GROUP < P ? p1 + GROUP : P;                                             \
+            for (int64_t m0 = 0; m0 < M; m0 += ROWS) {                                                      \
+                const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;                                      \
+                const char *pf = m0 == 0 && p1 < P ? (const char *)wp + p1 * pstride : 0;                   \
+                panels_rows_##T((const char *)x + m0 * xs * ES, xs * ES, (const char *)wp, pstride, steps,  \
+                                bias, (char *)out + m0 * os * ES, os * ES, rows, p0, p1, pf,                \
+                                (q1 - p1) * pstride);                                                       \
+            }                                                                                               \
+        }                                                                                                   \
+        return 0;                                                                                           \
+    }
+/* The next task's panels are fetched while the first row block runs: guided chunks are runs of
+ * tasks, so the thread that prefetched them takes them next (with schedule(dynamic, 1) the other
+ * thread often did, and a whole process ran at the speed of no prefetch: bf16 16 rows 17.7 vs 11.7
+ * ms); the chunks still shrink toward the end, so a thread that lost its core for a while leaves
+ * the rest to the others. */
+
+DEFINE_PANELS_ROWS(f32, 4)
+DEFINE_PANEL_LINEAR(f32, 4, 1)
+#if defined(__AVX512BF16__)
+DEFINE_PANELS_ROWS(bf16, 2)
+DEFINE_PANEL_LINEAR(bf16, 2, 2)
+#define HAVE_BF16_ENTRY 1
+#endif
+#endif
+
+#define DECLINE(T)                                                                                          \
+    int panel_linear_##T(const void *x, int64_t xs, const void *wp, const float *bias, int64_t M, int64_t N, \
+                         int64_t K, void *out, int64_t os) {                                                \
+        (void)x, (void)xs, (void)wp, (void)bias, (void)M, (void)N, (void)K, (void)out, (void)os;          \
+        return 1;                                                                                           \
+    }
+#if !defined(__AVX512F__)
+DECLINE(f32)
+#endif
+#if !defined(HAVE_BF16_ENTRY)
+DECLINE(bf16)
 #endif
