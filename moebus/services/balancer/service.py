@@ -42,6 +42,7 @@ from .kv_rank import KVRanker
 from .policy import StaticOrder
 from .route_memo import RouteMemo
 from .spans import route_attributes
+from .stalls import LoopStalls
 from .table import WorkerEntry, WorkerTable
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class BalancerService(Service):
         super().__init__(cfg, **kw)
         self.cfg: BalancerConfig = cfg
         self.table = WorkerTable(cfg.missed_heartbeats)
+        # our own stalls do not count as workers' silence (stalls.py); forgotten after a few allowances
+        self.stalls = LoopStalls(horizon_s=4 * cfg.missed_heartbeats * cfg.heartbeat_interval_s,
+                                 min_lag_s=cfg.heartbeat_interval_s / 10)
         self._m_routed = self.metrics.counter("routed_total", "Route outcomes", ["outcome"])
         self._m_lost = self.metrics.counter("workers_lost_total", "Workers dropped for missed heartbeats")
         self._m_workers = self.metrics.gauge("workers", "Workers in the table")
@@ -99,10 +103,14 @@ class BalancerService(Service):
         await self.bus.publish(self.subjects.balancer_worker_lost, WorkerLost(worker_id=worker_id, reason=reason))
 
     async def _reaper(self) -> None:
+        period = self.cfg.heartbeat_interval_s / 2
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s / 2)
-            if self.table.silent(time.monotonic(), self.bus.evidence_since) and await self._hearing():
-                for worker_id in self.table.expire(time.monotonic(), self.bus.evidence_since):
+            due = time.monotonic() + period
+            await asyncio.sleep(period)
+            self.stalls.record(due, time.monotonic())
+            if self.table.silent(time.monotonic(), self.bus.evidence_since, self.stalls.since) \
+                    and await self._hearing():
+                for worker_id in self.table.expire(time.monotonic(), self.bus.evidence_since, self.stalls.since):
                     await self._announce_lost(worker_id, "missed heartbeats")
             self._m_workers.set(len(self.table))
 

@@ -10,6 +10,7 @@ one off its cache.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from moebus.shared.messages import Heartbeat
@@ -72,15 +73,22 @@ class WorkerTable:
             entry.beat, entry.last_seen, entry.pending, entry.pending_tokens = beat, now, 0, 0.0
         return restarted
 
-    def silent(self, now: float, since: float = -math.inf) -> list[str]:
+    def silent(self, now: float, since: float = -math.inf,
+               deaf: Callable[[float], float] = lambda _: 0.0) -> list[str]:
         """Workers that missed too many heartbeats. since: silence before this does not count (we
-        could not hear them: Bus.evidence_since; +inf: nobody is silent)."""
-        return [w for w, e in self._workers.items()
-                if now - max(e.last_seen, since) > self.missed * e.beat.interval_s]
+        could not hear them: Bus.evidence_since; +inf: nobody is silent); deaf(t): seconds after
+        t that we could not listen either (our own loop stalled: LoopStalls.since)."""
+        out = []
+        for w, e in self._workers.items():
+            start = max(e.last_seen, since)
+            if now - start - deaf(start) > self.missed * e.beat.interval_s:
+                out.append(w)
+        return out
 
-    def expire(self, now: float, since: float = -math.inf) -> list[str]:
+    def expire(self, now: float, since: float = -math.inf,
+               deaf: Callable[[float], float] = lambda _: 0.0) -> list[str]:
         """Drop the silent workers; returns their ids."""
-        dead = self.silent(now, since)
+        dead = self.silent(now, since, deaf)
         for w in dead:
             del self._workers[w]
         return dead
