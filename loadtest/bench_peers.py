@@ -33,7 +33,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS_DIR = REPO / "loadtest" / "peers"
-PORTS = {"moebus": 8401, "vllm": 8402, "llamacpp": 8403}
+PORTS = {"moebus": 8401, "vllm": 8402, "llamacpp": 8403, "moebus-dp2": 8404}
+# moebus configurations besides the default (one worker with every core's thread), run by
+# serve_moebus.sh with these `moebus up` flags. moebus-dp2: two workers of one thread each on 2
+# cores (data parallel: no OpenMP barrier between the cores, so another process on one core stalls
+# only that worker), each with half the burst step budget (a 1-thread step takes twice as long;
+# the fleet's first tokens keep their pace).
+VARIANTS = {"moebus-dp2": ["--workers", "2", "--torch-threads", "1",
+                           "--engine", json.dumps({"burst_step_tokens": 768})]}
 MODEL = "smollm2"
 
 
@@ -79,7 +86,8 @@ def make_prompts(n: int, length: int, seed: str) -> tuple[list[str], list[list[i
 class Server:
     def __init__(self, name: str, log: Path, dtype: str, spans: Path | None, threads: int) -> None:
         self.name, self.port, self.log = name, PORTS[name], log
-        args = ["bash", str(PEERS_DIR / f"serve_{name}.sh"), str(self.port)]
+        script = "moebus" if name in VARIANTS else name
+        args = ["bash", str(PEERS_DIR / f"serve_{script}.sh"), str(self.port), *VARIANTS.get(name, [])]
         if name == "moebus" and spans is not None:
             args += ["--trace-file", str(spans)]
         env = {**os.environ, "DTYPE": dtype, "THREADS": str(threads)}
@@ -255,9 +263,10 @@ def _med(xs: list[float]) -> str:
     return f"{m:.1f}" if len(xs) == 1 else f"{m:.1f} ({min(xs):.1f}-{max(xs):.1f})"
 
 
-def table(runs: list[Run], servers: list[str], concurrencies: list[int]) -> str:
+def table(runs: list[Run], servers: list[str], concurrencies: list[int], ref: str = "moebus") -> str:
+    """One row per server and concurrency; the ratios are `ref`'s over that server's."""
     lines = ["| c | server | tok/s | TPOT ms | TTFT p50 ms | ok/requests | load avg 1m | "
-             "tok/s ratio moebus/server | TPOT ratio | TTFT ratio |",
+             f"tok/s ratio {ref}/server | TPOT ratio | TTFT ratio |",
              "| ---: | --- | --- | --- | --- | --- | --- | ---: | ---: | ---: |"]
     for c in concurrencies:
         med: dict[str, dict[str, float]] = {}
@@ -269,9 +278,9 @@ def table(runs: list[Run], servers: list[str], concurrencies: list[int]) -> str:
             rs = [r for r in runs if r.server == s and r.concurrency == c]
             if not rs:
                 continue
-            m, mb = med[s], med.get("moebus")
+            m, mb = med[s], med.get(ref)
             ratios = ["-", "-", "-"]
-            if mb and s != "moebus" and m["tok_s"] > 0:
+            if mb and s != ref and m["tok_s"] > 0:
                 ratios = [f"{mb['tok_s'] / m['tok_s']:.2f}", f"{mb['tpot_ms'] / m['tpot_ms']:.2f}",
                           f"{mb['ttft_ms'] / m['ttft_ms']:.2f}"]
             ok = f"{sum(r.ok for r in rs)}/{sum(r.requests for r in rs)}" if s != "engine" else "-"
@@ -284,7 +293,8 @@ def table(runs: list[Run], servers: list[str], concurrencies: list[int]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="moebus,vllm,llamacpp,engine",
-                    help="comma list of moebus, vllm, llamacpp, engine (in-process moebus engine)")
+                    help="comma list of moebus, vllm, llamacpp, engine (in-process moebus engine), "
+                         f"and moebus configurations: {', '.join(VARIANTS)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -364,6 +374,8 @@ def main() -> None:
     print(f"prompt {args.prompt_len} / output {args.output_len} tokens, {'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}, ignore_eos, {args.rounds} rounds "
           f"(order rotated), dtype {args.dtype}, {args.threads} threads per server; medians (min-max) over rounds")
     print(table(runs, servers, concs))
+    for ref in (s for s in servers if s in VARIANTS):
+        print(f"\nthe same, ratios of {ref}:\n" + table(runs, servers, concs, ref))
     if "engine" in servers and "moebus" in servers:
         print("\nstack overhead (engine in-process tok/s / moebus stack tok/s, per round):")
         for c in concs:
