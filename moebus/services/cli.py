@@ -5,12 +5,13 @@ import argparse
 import importlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from moebus.shared.logs import FORMATS, LOG_FORMAT_ENV
 
 from .launcher import SERVICES, up
-from .startup import threads_per_worker
+from .startup import threads_per_worker, usable_cores
 
 ROLES = ("prefill", "decode")  # `moebus serve decode ...` = `moebus serve worker --role decode ...`
 
@@ -26,6 +27,9 @@ def _up(args: argparse.Namespace) -> int:
         engine["enable_prefix_caching"] = args.enable_prefix_caching
     if args.model != "toy":  # auto: from the CPU's flags, resolved and logged by each worker's engine
         engine.setdefault("dtype", args.dtype)
+    if args.share_cores and args.model != "toy":  # every worker may take every core, by turns (core_share.py)
+        worker.setdefault("torch_threads", usable_cores())
+        worker.setdefault("core_share_dir", tempfile.mkdtemp(prefix="moebus-cores-"))
     if "torch_threads" not in worker and args.model != "toy":  # the cores split between workers, not shared
         each = threads_per_worker(args.workers if args.mode == "aggregated" else
                                   args.prefill_workers + args.decode_workers)
@@ -105,6 +109,9 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                         "default: the model's own, or for smollm2 the shipped one with tool calling)")
     u.add_argument("--workers", type=int, default=1,
                    help="engine worker processes (aggregated mode); the CPU cores are split between them")
+    u.add_argument("--share-cores", action="store_true",
+                   help="workers share the cores by who has work instead of a fixed split: before each step "
+                        "a worker takes the cores // the workers with work (a lone request gets them all)")
     u.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     u.add_argument("--nats-port", type=int, default=0, help="port of the nats-server we start (0: a free one)")
     u.add_argument("--nats-cluster", type=int, default=1, metavar="N",

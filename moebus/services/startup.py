@@ -92,8 +92,12 @@ def threads_per_worker(workers: int) -> int | None:
     (torch's own default)."""
     if workers <= 1:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // workers)
+    return max(1, usable_cores() // workers)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class WaitReporter:

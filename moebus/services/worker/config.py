@@ -36,6 +36,9 @@ class WorkerConfig(ServiceConfig):
     kv_share: bool = False
     kv_snapshot_s: float = Field(10.0, gt=0)  # full index snapshot this often (< the broker's holder_ttl_s)
     torch_threads: int | None = None  # torch intra-op threads of this process (None: torch's default)
+    # Workers on one host sharing its torch_threads cores (core_share.py): the directory of their
+    # busy files; before each step a worker takes torch_threads // (workers with work). None: off.
+    core_share_dir: str | None = None
     ep: int = Field(1, ge=1)  # expert-parallel group size: this many ranks, one WorkerService each
     # Chunks already sent, kept for a frontend that lost some in a bus blip (replay.py): all
     # requests' together (0: none kept), and how long after a request ends.

@@ -78,7 +78,7 @@ class EngineLoop:
                  restart_backoff_s: float = 1.0, healthy_after_s: float = 300.0,
                  warmup: Callable[[EnginePort], None] | None = None, nice: int = 0,
                  handoff: Callable[[threading.Event], None] | None = None, handoff_s: float = 0.0,
-                 hold_s: float = 0.0, admit_s: float = 0.0) -> None:
+                 hold_s: float = 0.0, admit_s: float = 0.0, pace: Callable[[bool], None] | None = None) -> None:
         self._factory, self._loop, self.kv = factory, loop, kv
         self.nice = nice  # added to the engine thread's nice value (Linux: per thread), see _lower_priority
         self._warmup = warmup  # run on each new engine before it is ready (kernels compiled, paths run once)
@@ -107,6 +107,9 @@ class EngineLoop:
         # has woken with it: the loop blocks with the GIL released, so the thread starts on the
         # request at once instead of when the loop next goes idle (c=1 TTFT).
         self.admit_s = admit_s
+        # Called on the engine thread before each step (True) and while idle (False): co-located
+        # workers sharing the cores set this step's threads there (core_share.py).
+        self._pace = pace
         self._asleep = False  # the thread is blocked on an empty command queue (idle)
         self._woke = threading.Event()
         self._fresh: set[str] = set()  # added, no output yet
@@ -217,8 +220,11 @@ class EngineLoop:
                     cmd = self._cmds.get_nowait()
             except queue.Empty:
                 pass
+            busy = lockstep or engine.has_unfinished_requests()
+            if self._pace is not None:
+                self._pace(busy)
             started_ns = time.time_ns()
-            outputs = engine.step() if lockstep or engine.has_unfinished_requests() else []
+            outputs = engine.step() if busy else []
             step = StepTiming(started_ns, time.time_ns(), len(outputs))
             if engine.failed_steps_in_a_row >= self.max_failed_steps:
                 raise RuntimeError(f"{engine.failed_steps_in_a_row} engine steps in a row failed")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,7 @@ from moebus.shared.service import Service
 
 from .active import Active
 from .config import WorkerConfig
+from .core_share import CoreShare, torch_pacer
 from .counters import RequestCounters
 from .demand import Demand
 from .engine_loop import AddFailed, EngineLoop, Prefilled, StepTiming
@@ -79,6 +81,7 @@ class WorkerService(Service):
         self._factory: Callable[[], EnginePort] = engine_factory or (lambda: make_engine(cfg))
         self.kv: EngineKV | None = None  # real engines: engine-thread KV hooks
         self.link: WorkerKVLink | None = None  # transports, broker index and tiers
+        self.cores: CoreShare | None = None  # co-located workers sharing the cores (cfg.core_share_dir)
         self.split = SplitStages(self, cfg.handoff_beat_s, cfg.handoff_lost_s)
         self.quarantine = Quarantine(self._add)  # suspects (their engine broke before) run alone
         self._active: dict[str, Active] = {}
@@ -146,6 +149,10 @@ class WorkerService(Service):
             from .kv_engine import EngineKV  # torch lives behind this import
 
             self.kv = EngineKV(self.cfg.kv_cpu_bytes, on_corrupt=lambda tier: corrupt.labels(tier).inc())
+        pace = None
+        if self.cfg.core_share_dir and not self.toy:
+            self.cores = CoreShare(self.cfg.core_share_dir, self.instance_id, self.cfg.torch_threads or os.cpu_count() or 1)
+            pace = torch_pacer(self.cores)
         self._loop = EngineLoop(self._factory, asyncio.get_running_loop(), self._on_outputs, self._on_fatal,
                                 on_ready=lambda: self.spawn(self.publish_heartbeat()),  # be routable at once
                                 kv=self.kv, max_restarts=self.cfg.engine_restarts,
@@ -154,7 +161,7 @@ class WorkerService(Service):
                                 handoff=lambda sent: self.spawn(self._handed_off(sent)),
                                 handoff_s=self.cfg.first_token_handoff_ms / 1000,
                                 hold_s=self.cfg.first_token_hold_ms / 1000,
-                                admit_s=self.cfg.admit_handoff_ms / 1000)
+                                admit_s=self.cfg.admit_handoff_ms / 1000, pace=pace)
         self._loop.start()
         self.spawn(self._publisher())
         if self.cfg.stats_log_interval_s:
@@ -225,6 +232,8 @@ class WorkerService(Service):
         await self.split.flush(deadline - time.monotonic())
         if self._loop is not None:
             await asyncio.to_thread(self._loop.stop)
+        if self.cores is not None:
+            self.cores.close()
         await self._outbox.put(None)
         await self._outbox_drained()
         if self.link is not None:

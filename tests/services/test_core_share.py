@@ -1,0 +1,104 @@
+"""Co-located workers sharing the host's cores by who has work (worker/core_share.py): each step a
+worker takes cores // (workers with work); a dead worker's claim lapses; the engine loop asks
+before every step, on its own thread, and says when it has gone idle."""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from types import SimpleNamespace
+
+import torch
+
+from moebus.devmodel.toy import ToyEngine
+from moebus.services.worker.core_share import CoreShare, torch_pacer
+from moebus.services.worker.engine_loop import EngineLoop
+
+
+def test_the_cores_go_to_the_workers_with_work(tmp_path) -> None:
+    a, b, c = (CoreShare(tmp_path, name, cores=4, lease_s=10.0, rescan_s=0.0) for name in "abc")
+    try:
+        assert a.threads(True, now=1.0) == 4  # alone with work: every core
+        assert b.threads(True, now=1.0) == 2
+        assert a.threads(True, now=1.1) == 2
+        assert c.threads(True, now=1.2) == 1  # 4 // 3
+        c.threads(False, now=1.3)  # c's work is done
+        assert a.threads(True, now=1.4) == 2
+        b.threads(False, now=1.5)
+        assert a.threads(True, now=1.6) == 4
+        # b dies holding work: its claim lapses after lease_s
+        assert b.threads(True, now=2.0) == 2
+        assert a.threads(True, now=11.9) == 2 and a.threads(True, now=12.1) == 4
+        c.close()  # leaving removes its file: the others forget it at their next rescan
+        assert sorted(os.listdir(tmp_path)) == ["a.busy", "b.busy"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_late_scan_finds_a_new_worker(tmp_path) -> None:
+    a = CoreShare(tmp_path, "a", cores=2, rescan_s=1.0)
+    try:
+        assert a.threads(True, now=0.0) == 2
+        b = CoreShare(tmp_path, "b", cores=2, rescan_s=1.0)
+        assert b.threads(True, now=0.1) == 1
+        assert a.threads(True, now=0.5) == 2  # not rescanned yet
+        assert a.threads(True, now=1.0) == 1
+        b.close()
+        assert a.threads(True, now=2.0) == 2
+    finally:
+        a.close()
+
+
+def test_the_pacer_sets_the_calling_threads_torch_threads(tmp_path) -> None:
+    before = torch.get_num_threads()
+    a, b = CoreShare(tmp_path, "a", cores=2), CoreShare(tmp_path, "b", cores=2)
+    seen: list[int] = []
+
+    def engine_thread() -> None:
+        pace = torch_pacer(a)
+        pace(True)
+        seen.append(torch.get_num_threads())
+        b.threads(True)
+        a._scanned = -float("inf")  # rescan now
+        pace(True)
+        seen.append(torch.get_num_threads())
+        pace(False)  # idle: nothing set
+        seen.append(torch.get_num_threads())
+
+    try:
+        t = threading.Thread(target=engine_thread)
+        t.start()
+        t.join()
+        assert seen == [2, 1, 1]
+    finally:
+        a.close()
+        b.close()
+        torch.set_num_threads(before)
+
+
+async def test_the_engine_loop_paces_each_step_and_says_when_idle() -> None:
+    calls: list[tuple[bool, str]] = []
+    done = asyncio.Event()
+
+    def on_outputs(outputs, failed, prefilled, step) -> None:
+        if any(o.finished for o in outputs):
+            done.set()
+
+    loop = EngineLoop(ToyEngine, asyncio.get_running_loop(), on_outputs, lambda e: None,
+                      pace=lambda busy: calls.append((busy, threading.current_thread().name)))
+    loop.start()
+    try:
+        assert await asyncio.to_thread(loop.ready.wait, 10)
+        loop.add("r0", [1, 2, 3], SimpleNamespace(n=1, max_tokens=3, logprobs=None, structured=None))
+        await asyncio.wait_for(done.wait(), 30)
+        for _ in range(200):  # the loop goes idle after the last step
+            if calls and not calls[-1][0] and any(busy for busy, _ in calls):
+                break
+            await asyncio.sleep(0.01)
+        busy = [b for b, _ in calls]
+        assert busy.count(True) >= 3, calls  # one a step: 3 tokens
+        assert busy[-1] is False, calls
+        assert {name for _, name in calls} == {"moebus-engine"}
+    finally:
+        await asyncio.to_thread(loop.stop)
