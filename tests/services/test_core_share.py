@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import torch
@@ -19,15 +20,18 @@ def test_the_cores_go_to_the_workers_with_work(tmp_path) -> None:
     a, b, c = (CoreShare(tmp_path, name, cores=4, lease_s=10.0, rescan_s=0.0) for name in "abc")
     try:
         assert a.threads(True, now=1.0) == 4  # alone with work: every core
-        assert b.threads(True, now=1.0) == 2
-        assert a.threads(True, now=1.1) == 2
-        assert c.threads(True, now=1.2) == 1  # 4 // 3
-        c.threads(False, now=1.3)  # c's work is done
-        assert a.threads(True, now=1.4) == 2
-        b.threads(False, now=1.5)
-        assert a.threads(True, now=1.6) == 4
+        assert b.threads(True, now=1.0) == 0  # a's step holds them all: b waits for a's next step
+        assert a.threads(True, now=1.1) == 2  # a takes its half
+        assert b.threads(True, now=1.1) == 2
+        assert c.threads(True, now=1.2) == 0
+        assert a.threads(True, now=1.3) == 1 and b.threads(True, now=1.3) == 1  # 4 // 3
+        assert c.threads(True, now=1.3) == 1
+        c.threads(False, now=1.4)  # c's work is done
+        assert a.threads(True, now=1.5) == 2 and b.threads(True, now=1.5) == 2
+        b.threads(False, now=1.6)
+        assert a.threads(True, now=1.7) == 4
         # b dies holding work: its claim lapses after lease_s
-        assert b.threads(True, now=2.0) == 2
+        assert b.threads(True, now=2.0) == 0 and a.threads(True, now=2.0) == 2
         assert a.threads(True, now=11.9) == 2 and a.threads(True, now=12.1) == 4
         c.close()  # leaving removes its file: the others forget it at their next rescan
         assert sorted(os.listdir(tmp_path)) == ["a.busy", "b.busy"]
@@ -36,41 +40,55 @@ def test_the_cores_go_to_the_workers_with_work(tmp_path) -> None:
         b.close()
 
 
+def test_more_busy_workers_than_cores_run_a_thread_each(tmp_path) -> None:
+    shares = [CoreShare(tmp_path, f"w{i}", cores=2, rescan_s=0.0) for i in range(3)]
+    try:
+        for s in shares:
+            s.threads(True, now=1.0)
+        assert [s.threads(True, now=1.1) for s in shares] == [1, 1, 1]  # nobody waits forever
+    finally:
+        for s in shares:
+            s.close()
+
+
 def test_a_late_scan_finds_a_new_worker(tmp_path) -> None:
     a = CoreShare(tmp_path, "a", cores=2, rescan_s=1.0)
     try:
         assert a.threads(True, now=0.0) == 2
         b = CoreShare(tmp_path, "b", cores=2, rescan_s=1.0)
-        assert b.threads(True, now=0.1) == 1
+        assert b.threads(True, now=0.1) == 0
         assert a.threads(True, now=0.5) == 2  # not rescanned yet
         assert a.threads(True, now=1.0) == 1
+        assert b.threads(True, now=1.0) == 1
         b.close()
         assert a.threads(True, now=2.0) == 2
     finally:
         a.close()
 
 
-def test_the_pacer_sets_the_calling_threads_torch_threads(tmp_path) -> None:
+def test_the_pacer_waits_for_the_cores_then_sets_the_threads(tmp_path) -> None:
+    """On an engine thread: b gets work while a holds both cores; b's pacer waits until a's next
+    step gives one back, then runs with one thread; alone again, a goes back to two."""
     before = torch.get_num_threads()
-    a, b = CoreShare(tmp_path, "a", cores=2), CoreShare(tmp_path, "b", cores=2)
-    seen: list[int] = []
-
-    def engine_thread() -> None:
-        pace = torch_pacer(a)
-        pace(True)
-        seen.append(torch.get_num_threads())
-        b.threads(True)
-        a._scanned = -float("inf")  # rescan now
-        pace(True)
-        seen.append(torch.get_num_threads())
-        pace(False)  # idle: nothing set
-        seen.append(torch.get_num_threads())
-
+    a, b = CoreShare(tmp_path, "a", cores=2, rescan_s=0.0), CoreShare(tmp_path, "b", cores=2, rescan_s=0.0)
+    seen: list[tuple[str, int]] = []
     try:
+        assert a.threads(True) == 2
+
+        def engine_thread() -> None:
+            pace = torch_pacer(b, wait_s=10.0)
+            pace(True)
+            seen.append(("b", torch.get_num_threads()))
+            pace(False)  # idle: nothing set, its claim dropped
+
         t = threading.Thread(target=engine_thread)
         t.start()
-        t.join()
-        assert seen == [2, 1, 1]
+        time.sleep(0.2)
+        assert t.is_alive() and not seen  # b waits while a's step holds both cores
+        assert a.threads(True) == 1  # a's next step
+        t.join(10)
+        assert seen == [("b", 1)]
+        assert a.threads(True) == 2
     finally:
         a.close()
         b.close()

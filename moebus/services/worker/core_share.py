@@ -7,10 +7,13 @@ core; a loaded fleet runs C // N threads a worker with no OpenMP barrier across 
 core taken by another process (the client, the frontend) stalls one worker instead of all of
 them, and each worker's Python part of a step runs while the others compute.
 
-Each worker renews "busy until" (monotonic seconds, CLOCK_MONOTONIC: the same clock in every
-process of the host) in its own 8-byte file in the directory while it has work, and writes 0 when
-it has none. A worker that dies stops renewing; after `lease_s` it counts as idle. When workers
-start at once, one step may run with too many threads in all (each counted the others idle).
+Each worker keeps "busy until" (monotonic seconds, CLOCK_MONOTONIC: the same clock in every
+process of the host) and the threads its current step uses in its own small file in the
+directory, renewed before each step while it has work and zeroed when it has none. A worker that
+dies stops renewing; after `lease_s` it counts as idle. A worker that gets work while a busy peer
+still holds the cores (a step started alone, with all of them) waits for that peer's next step,
+where the peer takes its smaller share: two sets of spinning OpenMP threads on the same cores
+would stall each other at every barrier. More busy workers than cores run one thread each.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-_STAMP = struct.Struct("<d")
+_STATE = struct.Struct("<dd")  # busy until, threads of the current step
 SUFFIX = ".busy"
 
 
@@ -38,13 +41,23 @@ class CoreShare:
         self._scanned = -float("inf")
 
     def threads(self, busy: bool, now: float | None = None) -> int:
-        """Mark this worker busy (or idle) and return the threads its next step should use."""
+        """Mark this worker busy (or idle) and return the threads its next step may use: the cores
+        // the workers with work, or 0 while busy peers still hold the cores it needs (ask again)."""
         now = time.monotonic() if now is None else now
-        os.pwrite(self._own, _STAMP.pack(now + self.lease_s if busy else 0.0), 0)
+        if not busy:
+            self._write(0.0, 0)
+            return 0
         if now - self._scanned >= self.rescan_s:
             self._rescan(now)
-        busy_peers = sum(1 for fd in self._peers.values() if _read(fd) > now)
-        return max(1, self.cores // (busy_peers + 1))
+        peers = [(until, held) for until, held in map(_read, self._peers.values()) if until > now]
+        share = max(1, self.cores // (len(peers) + 1))
+        free = self.cores - int(sum(held for _, held in peers))
+        n = share if len(peers) >= self.cores else min(share, free)
+        self._write(now + self.lease_s, max(n, 0))
+        return max(n, 0)
+
+    def _write(self, until: float, threads: int) -> None:
+        os.pwrite(self._own, _STATE.pack(until, float(threads)), 0)
 
     def _rescan(self, now: float) -> None:
         self._scanned = now
@@ -66,14 +79,15 @@ class CoreShare:
         self._own_path.unlink(missing_ok=True)
 
 
-def _read(fd: int) -> float:
-    data = os.pread(fd, _STAMP.size, 0)
-    return _STAMP.unpack(data)[0] if len(data) == _STAMP.size else 0.0
+def _read(fd: int) -> tuple[float, float]:
+    data = os.pread(fd, _STATE.size, 0)
+    return _STATE.unpack(data) if len(data) == _STATE.size else (0.0, 0.0)
 
 
-def torch_pacer(share: CoreShare) -> Callable[[bool], None]:
+def torch_pacer(share: CoreShare, wait_s: float = 5.0, poll_s: float = 0.001) -> Callable[[bool], None]:
     """For the engine thread, before each step (busy) and while idle: sets its torch (OpenMP)
-    threads to the share's answer when that changes."""
+    threads to the share's answer when that changes; while the answer is 0 it waits (at most wait_s,
+    then takes one thread: a peer stuck in a step must not stop this one)."""
     import torch  # the worker imports torch only for a real engine
 
     current: int | None = None
@@ -81,7 +95,14 @@ def torch_pacer(share: CoreShare) -> Callable[[bool], None]:
     def pace(busy: bool) -> None:
         nonlocal current
         n = share.threads(busy)
-        if busy and n != current:
+        if not busy:
+            return
+        deadline = time.monotonic() + wait_s
+        while n == 0 and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            n = share.threads(True)
+        n = max(n, 1)
+        if n != current:
             torch.set_num_threads(n)
             current = n
 
