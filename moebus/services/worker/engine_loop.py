@@ -208,6 +208,8 @@ class EngineLoop:
         lockstep = engine.lockstep
         while True:
             idle = not engine.has_unfinished_requests()
+            if idle and self._pace is not None:
+                self._pace(False)  # before sleeping: a peer must not wait on this one's claim to the cores
             failed: list[AddFailed] = []
             # Block only when idle; a lockstep rank only briefly (the group waits on its step).
             wait = (0.002 if cast(LockstepEngine, engine).group_idle else 0.0) if lockstep else (0.5 if idle else 0.0)
@@ -221,8 +223,8 @@ class EngineLoop:
             except queue.Empty:
                 pass
             busy = lockstep or engine.has_unfinished_requests()
-            if self._pace is not None:
-                self._pace(busy)
+            if busy and self._pace is not None:
+                self._pace(True)
             started_ns = time.time_ns()
             outputs = engine.step() if busy else []
             step = StepTiming(started_ns, time.time_ns(), len(outputs))
