@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -38,6 +41,27 @@ def test_the_cores_go_to_the_workers_with_work(tmp_path) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_killed_workers_cores_are_free_at_once(tmp_path) -> None:
+    """A worker SIGKILLed in a step that held every core: its file still says busy for lease_s,
+    but its process is gone, so the survivor takes the cores at its next step."""
+    code = ("import sys, time; from moebus.services.worker.core_share import CoreShare; "
+            "s = CoreShare(sys.argv[1], 'dead', cores=2, lease_s=3600.0); print(s.threads(True), flush=True); "
+            "time.sleep(3600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    a = CoreShare(tmp_path, "a", cores=2, rescan_s=0.0)
+    try:
+        assert proc.stdout.readline().strip() == "2"  # it holds both cores
+        assert a.threads(True) == 0  # alive: a waits for its next step
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert (tmp_path / "dead.busy").exists()  # no close(): the file stays
+        assert a.threads(True) == 2
+    finally:
+        proc.kill()
+        proc.wait(10)
+        a.close()
 
 
 def test_more_busy_workers_than_cores_run_a_thread_each(tmp_path) -> None:

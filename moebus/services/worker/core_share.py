@@ -8,9 +8,9 @@ core taken by another process (the client, the frontend) stalls one worker inste
 them, and each worker's Python part of a step runs while the others compute.
 
 Each worker keeps "busy until" (monotonic seconds, CLOCK_MONOTONIC: the same clock in every
-process of the host) and the threads its current step uses in its own small file in the
-directory, renewed before each step while it has work and zeroed when it has none. A worker that
-dies stops renewing; after `lease_s` it counts as idle. A worker that gets work while a busy peer
+process of the host), the threads its current step uses and its pid in its own small file in the
+directory, renewed before each step while it has work and zeroed when it has none. A worker whose
+process is gone counts as idle at once; one that lives but stops renewing, after `lease_s`. A worker that gets work while a busy peer
 still holds the cores (a step started alone, with all of them) waits for that peer's next step,
 where the peer takes its smaller share: two sets of spinning OpenMP threads on the same cores
 would stall each other at every barrier. More busy workers than cores run one thread each.
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-_STATE = struct.Struct("<dd")  # busy until, threads of the current step
+_STATE = struct.Struct("<ddq")  # busy until, threads of the current step, pid
 SUFFIX = ".busy"
 
 
@@ -49,7 +49,8 @@ class CoreShare:
             return 0
         if now - self._scanned >= self.rescan_s:
             self._rescan(now)
-        peers = [(until, held) for until, held in map(_read, self._peers.values()) if until > now]
+        peers = [(until, held) for until, held, pid in map(_read, self._peers.values())
+                 if until > now and _alive(pid)]
         share = max(1, self.cores // (len(peers) + 1))
         free = self.cores - int(sum(held for _, held in peers))
         n = share if len(peers) >= self.cores else min(share, free)
@@ -57,7 +58,7 @@ class CoreShare:
         return max(n, 0)
 
     def _write(self, until: float, threads: int) -> None:
-        os.pwrite(self._own, _STATE.pack(until, float(threads)), 0)
+        os.pwrite(self._own, _STATE.pack(until, float(threads), os.getpid()), 0)
 
     def _rescan(self, now: float) -> None:
         self._scanned = now
@@ -79,9 +80,22 @@ class CoreShare:
         self._own_path.unlink(missing_ok=True)
 
 
-def _read(fd: int) -> tuple[float, float]:
+def _read(fd: int) -> tuple[float, float, int]:
     data = os.pread(fd, _STATE.size, 0)
-    return _STATE.unpack(data) if len(data) == _STATE.size else (0.0, 0.0)
+    return _STATE.unpack(data) if len(data) == _STATE.size else (0.0, 0.0, 0)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this pid exists (a SIGKILLed worker's file says busy until its lease)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
 
 
 def torch_pacer(share: CoreShare, wait_s: float = 5.0, poll_s: float = 0.001) -> Callable[[bool], None]:
