@@ -104,10 +104,7 @@ def torch_pacer(share: CoreShare, wait_s: float = 5.0, poll_s: float = 0.001) ->
     then takes one thread: a peer stuck in a step must not stop this one)."""
     import torch  # the worker imports torch only for a real engine
 
-    current: int | None = None
-
     def pace(busy: bool) -> None:
-        nonlocal current
         n = share.threads(busy)
         if not busy:
             return
@@ -116,8 +113,7 @@ def torch_pacer(share: CoreShare, wait_s: float = 5.0, poll_s: float = 0.001) ->
             time.sleep(poll_s)
             n = share.threads(True)
         n = max(n, 1)
-        if n != current:
+        if n != torch.get_num_threads():  # asked, not remembered: a rebuilt engine sets its own
             torch.set_num_threads(n)
-            current = n
 
     return pace
