@@ -28,9 +28,11 @@ SUFFIX = ".busy"
 
 
 class CoreShare:
-    def __init__(self, directory: str | os.PathLike, name: str, cores: int, lease_s: float = 10.0,
+    def __init__(self, directory: str | os.PathLike, name: str, cores: int, lease_s: float = 30.0,
                  rescan_s: float = 1.0) -> None:
-        """cores: what all the workers of the directory share; lease_s: longer than any step."""
+        """cores: what all the workers of the directory share; lease_s: longer than any step (an
+        8192-token float32 prefill step on 2 cores takes ~9 s here); a dead process's claim ends
+        at once anyway, so only a live worker that stopped stepping waits it out."""
         if cores < 1:
             raise ValueError("cores must be >= 1")
         self.dir, self.cores, self.lease_s, self.rescan_s = Path(directory), cores, lease_s, rescan_s
@@ -98,11 +100,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def torch_pacer(share: CoreShare, wait_s: float = 5.0, poll_s: float = 0.001) -> Callable[[bool], None]:
+def torch_pacer(share: CoreShare, wait_s: float | None = None, poll_s: float = 0.001) -> Callable[[bool], None]:
     """For the engine thread, before each step (busy) and while idle: sets its torch (OpenMP)
-    threads to the share's answer when that changes; while the answer is 0 it waits (at most wait_s,
-    then takes one thread: a peer stuck in a step must not stop this one)."""
+    threads to the share's answer when that changes; while the answer is 0 it waits for the peers'
+    next steps (at most wait_s, default the lease, by which a silent peer's claim has lapsed; then
+    it takes one thread: nothing may stop this worker for good)."""
     import torch  # the worker imports torch only for a real engine
+
+    wait_s = share.lease_s if wait_s is None else wait_s
 
     def pace(busy: bool) -> None:
         n = share.threads(busy)
