@@ -8,10 +8,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from moebus.shared.cores import usable_cores
 from moebus.shared.logs import FORMATS, LOG_FORMAT_ENV
 
 from .launcher import SERVICES, up
-from .startup import threads_per_worker, usable_cores
+from .startup import threads_per_worker
 
 ROLES = ("prefill", "decode")  # `moebus serve decode ...` = `moebus serve worker --role decode ...`
 

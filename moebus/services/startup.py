@@ -10,7 +10,6 @@ The toy model needs none of it. `./run` says when it installs (phase 0).
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from moebus.devmodel.toy import TOY_MODEL
+from moebus.shared.cores import usable_cores
 
 Say = Callable[[str], None]
 
@@ -93,11 +93,6 @@ def threads_per_worker(workers: int) -> int | None:
     if workers <= 1:
         return None
     return max(1, usable_cores() // workers)
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class WaitReporter:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from nats.aio.subscription import Subscription
 
 from moebus.devmodel.toy import TOY_MODEL
 from moebus.engine.port import EngineOutput, EnginePort
+from moebus.shared.cores import usable_cores
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import (
     AbortRequest,
@@ -151,7 +151,7 @@ class WorkerService(Service):
             self.kv = EngineKV(self.cfg.kv_cpu_bytes, on_corrupt=lambda tier: corrupt.labels(tier).inc())
         pace = None
         if self.cfg.core_share_dir and not self.toy:
-            self.cores = CoreShare(self.cfg.core_share_dir, self.instance_id, self.cfg.torch_threads or os.cpu_count() or 1)
+            self.cores = CoreShare(self.cfg.core_share_dir, self.instance_id, self.cfg.torch_threads or usable_cores())
             pace = torch_pacer(self.cores)
         self._loop = EngineLoop(self._factory, asyncio.get_running_loop(), self._on_outputs, self._on_fatal,
                                 on_ready=lambda: self.spawn(self.publish_heartbeat()),  # be routable at once
