@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -86,10 +87,12 @@ def make_prompts(n: int, length: int, seed: str) -> tuple[list[str], list[list[i
 # ---- servers ----------------------------------------------------------------------------------
 
 class Server:
-    def __init__(self, name: str, log: Path, dtype: str, spans: Path | None, threads: int) -> None:
-        self.name, self.port, self.log = name, PORTS[name], log
-        script = "moebus" if name in VARIANTS else name
-        args = ["bash", str(PEERS_DIR / f"serve_{script}.sh"), str(self.port), *VARIANTS.get(name, [])]
+    def __init__(self, name: str, log: Path, dtype: str, spans: Path | None, threads: int,
+                 variants: dict[str, list[str]], port: int) -> None:
+        """variants: `moebus up` flags of each moebus configuration besides the default."""
+        self.name, self.port, self.log = name, port, log
+        script = "moebus" if name in variants else name
+        args = ["bash", str(PEERS_DIR / f"serve_{script}.sh"), str(self.port), *variants.get(name, [])]
         if name == "moebus" and spans is not None:
             args += ["--trace-file", str(spans)]
         env = {**os.environ, "DTYPE": dtype, "THREADS": str(threads)}
@@ -308,6 +311,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy; 1: the API's default)")
     ap.add_argument("--spans", action=argparse.BooleanOptionalAction, default=True,
                     help="moebus writes trace spans: the c=1 TTFT split")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="one more moebus configuration to list in --servers: `moebus up` flags (shell words), "
+                         "e.g. dp2s512='--workers 2 --share-cores --engine {\"burst_step_tokens\": 512}'")
     ap.add_argument("--engine-json", default="{}",
                     help='extra EngineConfig fields of the in-process engine, e.g. \'{"max_num_batched_tokens": 512}\'')
     ap.add_argument("--out", default=None, help="a folder for the per-run JSON and server logs (default: a temp dir)")
@@ -317,9 +323,16 @@ def main() -> None:
         with open(args.engine_child) as f:
             print(json.dumps(engine_child(json.load(f))))
         return
+    variants = dict(VARIANTS)
+    ports = dict(PORTS)
+    for i, v in enumerate(args.variant):
+        name, sep, flags = v.partition("=")
+        if not sep or not name or name in PORTS:
+            ap.error(f"--variant {v!r}: want NAME=FLAGS with a new NAME")
+        variants[name], ports[name] = shlex.split(flags), 8410 + i
     servers = [s for s in args.servers.split(",") if s]
     for s in servers:
-        if s not in (*PORTS, "engine"):
+        if s not in (*ports, "engine"):
             ap.error(f"unknown server {s}")
     concs = [int(c) for c in args.concurrency.split(",")]
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-peers-"))
@@ -346,7 +359,7 @@ def main() -> None:
                           flush=True)
                 continue
             spans = out / f"spans-{rnd}.jsonl" if s == "moebus" and args.spans else None
-            srv = Server(s, out / f"{s}-{rnd}.log", args.dtype, spans, args.threads)
+            srv = Server(s, out / f"{s}-{rnd}.log", args.dtype, spans, args.threads, variants, ports[s])
             try:
                 try:
                     ready = srv.wait_ready()
@@ -376,7 +389,7 @@ def main() -> None:
     print(f"prompt {args.prompt_len} / output {args.output_len} tokens, {'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'}, ignore_eos, {args.rounds} rounds "
           f"(order rotated), dtype {args.dtype}, {args.threads} threads per server; medians (min-max) over rounds")
     print(table(runs, servers, concs))
-    for ref in (s for s in servers if s in VARIANTS):
+    for ref in (s for s in servers if s in variants):
         print(f"\nthe same, ratios of {ref}:\n" + table(runs, servers, concs, ref))
     if "engine" in servers and "moebus" in servers:
         print("\nstack overhead (engine in-process tok/s / moebus stack tok/s, per round):")
