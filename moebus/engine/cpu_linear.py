@@ -23,7 +23,7 @@ from torch import nn
 from moebus.engine.dtype_choice import cpu_flags
 from moebus.kernels.argmax import row_argmax
 from moebus.kernels.lm_head_argmax import pack_panels
-from moebus.kernels.panel_linear import panel_linear_applies, panel_linear_cpu
+from moebus.kernels.panel_linear import PanelLinear, panel_linear_applies
 from moebus.kernels.quant_argmax import cpu_function as argmax_function
 from moebus.kernels.quant_argmax import quant_argmax_cpu_unchecked
 from moebus.kernels.quant_matmul import (
@@ -107,14 +107,16 @@ def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 class PackedLinear(nn.Linear):
     packed: torch.Tensor
     panels: torch.Tensor | None  # pack_panels(weight) where panels_wanted: calls up to PANEL_MAX_ROWS
+    panel: PanelLinear | None  # the kernel bound to panels
     max_rows: int | None
     min_rows: int  # fewest rows worth the packed call (PACKED_MIN_MACS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         rows = flat.shape[0]
-        if self.panels is not None and rows <= PANEL_MAX_ROWS and flat.dtype == self.weight.dtype:
-            out = panel_linear_cpu(flat, self.panels, self.out_features, self.in_features, self.bias)
+        panel = self.__dict__["panel"]  # a plain attribute: not through nn.Module's __getattr__
+        if panel is not None and rows <= PANEL_MAX_ROWS:
+            out = panel(flat)
             if out is not None:
                 return out.reshape(*x.shape[:-1], out.shape[-1])
         if (rows < self.min_rows or (self.max_rows is not None and rows > self.max_rows)
@@ -136,6 +138,7 @@ def _packed(weight: nn.Parameter, bias: nn.Parameter | None, row_hint: int) -> P
     n, k = weight.shape
     panels = pack_panels(weight) if panels_wanted(weight.dtype) and panel_linear_applies(n, k, weight.dtype) else None
     new.register_buffer("panels", panels, persistent=False)
+    new.panel = None if panels is None else PanelLinear(panels, n, k, bias)
     return new
 
 

@@ -20,7 +20,7 @@ from moebus.engine.sampling.spec_decode import rejection_sample
 from moebus.engine.scheduler import SchedulerOutput
 from moebus.kernels.argmax import row_argmax
 from moebus.kernels.lm_head_argmax import lm_head_argmax, pack_panels
-from moebus.kernels.panel_linear import panel_linear_applies, panel_linear_cpu
+from moebus.kernels.panel_linear import PanelLinear, panel_linear_applies
 
 PLACEHOLDER = -1  # an output token whose value the previous (still running) step will produce
 
@@ -277,19 +277,18 @@ def _greedy_head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tenso
     fused = functools.partial(lm_head_argmax, w=weight, panels=panels)
     n, k = weight.shape
     if panels_wanted(weight.dtype) and panel_linear_applies(n, k, weight.dtype):
-        return functools.partial(_panel_greedy, panels=panels, n=n, k=k, fallback=fused)
+        return functools.partial(_panel_greedy, panel=PanelLinear(panels, n, k), fallback=fused)
     return fused
 
 
-def _panel_greedy(x: torch.Tensor, panels: torch.Tensor, n: int, k: int,
-                  fallback: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _panel_greedy(x: torch.Tensor, panel: PanelLinear, fallback: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Decode-sized rows: the logits by the panel kernel, then their argmax (the reference's
     semantics exactly: logits in the storage dtype, first maximum). On a Zen 4 VM (2 threads, the
     49152 x 576 head, cold) this beat the fused head+argmax kernel, whose tiles are 16 rows x 1
     panel: bf16 1 / 16 / 64 rows 2.33 -> 1.79, 4.78 -> 2.50, 12.37 -> 9.16 ms; float32 4.81 -> 3.68,
     8.79 -> 5.48, 20.85 -> 18.53 ms, writing and reading the logits included."""
-    if x.shape[0] <= PANEL_MAX_ROWS and x.dtype == panels.dtype:
-        logits = panel_linear_cpu(x, panels, n, k)
+    if x.shape[0] <= PANEL_MAX_ROWS:
+        logits = panel(x)
         if logits is not None:
             return row_argmax(logits)
     return fallback(x)

