@@ -5,6 +5,9 @@ verify; a step gives each running request min(remaining, budget) tokens (chunked
 out of the token budget), then admits waiting requests by priority. While several requests have
 prompt tokens to compute (a burst), the budget is the smaller burst_step_tokens: the burst prefills
 over a few steps and the first requests' first tokens go out after part of the work, not all of it.
+In a burst a step that already computes prompt tokens starts no prompt it cannot finish: a
+partial chunk would delay the first tokens of the prompts it finishes and hasten none (shortest
+remaining work first); a prompt that fits no step is still chunked, first in its step.
 When blocks run out the lowest-priority running request is preempted: its blocks are freed and it
 recomputes later.
 """
@@ -114,7 +117,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._step_budget()
+        budget, burst = self._step_budget()
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         i = 0
         while i < len(self.running) and budget > 0:
@@ -136,8 +139,9 @@ class Scheduler:
                 break
             if req.wait_for is not None and req.wait_for.is_prefill and not req.wait_for.status.finished:
                 continue  # let the first of n siblings fill the shared prompt blocks
+            whole = burst and any(e.num_tokens - e.num_draft > 1 for e in out.scheduled)
             try:
-                n = self._admit(req, budget, out)
+                n = self._admit(req, budget, out, whole)
             except Exception as e:
                 self._drop(req, e, out)
                 continue
@@ -146,12 +150,15 @@ class Scheduler:
             budget -= n
         return out
 
-    def _step_budget(self) -> int:
+    def _step_budget(self) -> tuple[int, bool]:
+        """This step's token budget, and whether prompts compete for it (a burst)."""
         cfg = self.config
         if cfg.burst_step_tokens is None or not cfg.enable_chunked_prefill:
-            return cfg.max_num_batched_tokens
+            return cfg.max_num_batched_tokens, False
         prompts = len(self.waiting) + sum(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
-        return min(cfg.burst_step_tokens, cfg.max_num_batched_tokens) if prompts > 1 else cfg.max_num_batched_tokens
+        if prompts > 1:
+            return min(cfg.burst_step_tokens, cfg.max_num_batched_tokens), True
+        return cfg.max_num_batched_tokens, False
 
     def _continue(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Schedule a running request's next tokens (0: it has none now); None: it was preempted."""
@@ -172,12 +179,13 @@ class Scheduler:
         out.scheduled.append(self._entry(req, n, num_draft))
         return n
 
-    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> int | None:
-        """Start a waiting request (its prompt's cached prefix first); None: it does not fit."""
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput, whole: bool = False) -> int | None:
+        """Start a waiting request (its prompt's cached prefix first); None: it does not fit, or
+        (whole) it would not finish its prompt in this step."""
         cached = self.bm.match_prefix(req) if req.num_computed_tokens == 0 else []
         computed = len(cached) * self.bm.block_size if cached else req.num_computed_tokens
         n = req.num_tokens - computed
-        if n > budget and not self.config.enable_chunked_prefill:
+        if n > budget and (whole or not self.config.enable_chunked_prefill):
             return None
         n = min(n, budget)
         if not self.bm.can_allocate(req, computed + n, cached):

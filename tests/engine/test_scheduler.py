@@ -120,21 +120,40 @@ def test_a_burst_of_prompts_prefills_over_smaller_steps():
     s = _burst_sched()
     for i in range(5):
         s.add(Request(f"r{i}", list(range(10 * i, 10 * i + 8)), SamplingParams()))
-    assert _steps(s, 3) == [
+    assert _steps(s, 4) == [
         [("r0", 8), ("r1", 8)],
-        [("r0", 1), ("r1", 1), ("r2", 8), ("r3", 6)],
-        [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 2), ("r4", 8)],
+        [("r0", 1), ("r1", 1), ("r2", 8)],  # r3 would not finish here: it waits, r2's token is not delayed
+        [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 8)],
+        [("r0", 1), ("r1", 1), ("r2", 1), ("r3", 1), ("r4", 8)],
+    ]
+
+
+def test_a_burst_still_chunks_a_prompt_that_fits_no_step():
+    """Whole prompts only once the step computes prompt tokens: a prompt longer than the budget
+    is chunked when it comes first (decode rows beside it do not count), and a step's first prompt
+    may be a partial one."""
+    s = _burst_sched()
+    s.add(Request("d", list(range(4)), SamplingParams()))
+    assert _steps(s, 1) == [[("d", 4)]]
+    s.add(Request("long", list(range(100, 130)), SamplingParams()))
+    s.add(Request("short", list(range(200, 206)), SamplingParams()))
+    assert _steps(s, 3) == [
+        [("d", 1), ("long", 15)],  # long first: chunked; short would not finish beside it
+        [("d", 1), ("long", 15)],
+        [("d", 1), ("long", 1), ("short", 6)],  # long decodes; short starts once it can finish
     ]
 
 
 def test_a_lone_prompt_keeps_the_whole_step_budget():
-    """Decode rows beside a lone prompt do not make a burst; a second arrival does."""
+    """Decode rows beside a lone prompt do not make a burst; a second arrival does (and then
+    waits for a step where its prompt finishes)."""
     s = _burst_sched()
     s.add(Request("d", list(range(4)), SamplingParams()))
     s.add(Request("long", list(range(100, 200)), SamplingParams()))
-    assert _steps(s, 2) == [[("d", 4), ("long", 12)], [("d", 1), ("long", 63)]]
+    assert _steps(s, 2) == [[("d", 4)], [("d", 1), ("long", 63)]]
     s.add(Request("new", list(range(200, 210)), SamplingParams()))
-    assert _steps(s, 2) == [[("d", 1), ("long", 15)], [("d", 1), ("long", 10), ("new", 5)]]
+    assert _steps(s, 4) == [[("d", 1), ("long", 15)], [("d", 1), ("long", 15)], [("d", 1), ("long", 7)],
+                            [("d", 1), ("long", 1), ("new", 10)]]
 
 
 def test_without_chunked_prefill_the_burst_budget_does_not_apply():
