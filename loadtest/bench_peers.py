@@ -34,16 +34,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS_DIR = REPO / "loadtest" / "peers"
-PORTS = {"moebus": 8401, "vllm": 8402, "llamacpp": 8403, "moebus-dp2": 8404, "moebus-dp2s": 8405}
-# moebus configurations besides the default (one worker with every core's thread), run by
-# serve_moebus.sh with these `moebus up` flags. moebus-dp2: two workers of one thread each on 2
-# cores (data parallel: no OpenMP barrier between the cores, so another process on one core stalls
-# only that worker), each with half the burst step budget (a 1-thread step takes twice as long;
-# the fleet's first tokens keep their pace). moebus-dp2s: the same two workers sharing the cores by
-# who has work (--share-cores: a lone request gets both cores, two busy workers one each).
-VARIANTS = {"moebus-dp2": ["--workers", "2", "--torch-threads", "1",
-                           "--engine", json.dumps({"burst_step_tokens": 768})],
-            "moebus-dp2s": ["--workers", "2", "--share-cores", "--engine", json.dumps({"burst_step_tokens": 768})]}
+PORTS = {"moebus": 8401, "vllm": 8402, "llamacpp": 8403, "moebus-1w": 8404, "moebus-dp2": 8405}
+# moebus configurations besides the default (`moebus up --workers auto`: two workers sharing the
+# cores where there are 2+ cores and memory for them, services/fleet_shape.py), run by
+# serve_moebus.sh with these `moebus up` flags. moebus-1w: one worker with every core's thread (the
+# default before 2026-12-05). moebus-dp2: two workers of one thread each on 2 cores (a fixed split:
+# no OpenMP barrier between the cores, so another process on one core stalls only that worker),
+# each with half the burst step budget.
+VARIANTS = {"moebus-1w": ["--workers", "1"],
+            "moebus-dp2": ["--workers", "2", "--torch-threads", "1",
+                           "--engine", json.dumps({"burst_step_tokens": 768})]}
 MODEL = "smollm2"
 
 

@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from moebus.shared.cores import usable_cores
 from moebus.shared.logs import FORMATS, LOG_FORMAT_ENV
 
+from .fleet_shape import SHARED_BURST_STEP_TOKENS, FleetShape, auto_shape, mem_available, model_file_bytes
 from .launcher import SERVICES, up
-from .startup import threads_per_worker
+from .startup import say_to, threads_per_worker
 
 ROLES = ("prefill", "decode")  # `moebus serve decode ...` = `moebus serve worker --role decode ...`
 
@@ -28,16 +32,31 @@ def _up(args: argparse.Namespace) -> int:
         engine["enable_prefix_caching"] = args.enable_prefix_caching
     if args.model != "toy":  # auto: from the CPU's flags, resolved and logged by each worker's engine
         engine.setdefault("dtype", args.dtype)
-    if args.share_cores and args.model != "toy":  # every worker may take every core, by turns (core_share.py)
+    shape = _shape(args, engine, worker)
+    if shape.why:
+        say_to(sys.stderr)(f"workers: {shape.workers}{' sharing the cores' if shape.share_cores else ''} "
+                 f"(--workers auto: {shape.why})")
+    made_dir = None
+    if shape.share_cores and args.model != "toy":  # every worker may take every core, by turns (core_share.py)
         worker.setdefault("torch_threads", usable_cores())
-        worker.setdefault("core_share_dir", tempfile.mkdtemp(prefix="moebus-cores-"))
+        if "core_share_dir" not in worker:
+            worker["core_share_dir"] = made_dir = tempfile.mkdtemp(prefix="moebus-cores-")
+        engine.setdefault("burst_step_tokens", SHARED_BURST_STEP_TOKENS)
     if "torch_threads" not in worker and args.model != "toy":  # the cores split between workers, not shared
-        each = threads_per_worker(args.workers if args.mode == "aggregated" else
+        each = threads_per_worker(shape.workers if args.mode == "aggregated" else
                                   args.prefill_workers + args.decode_workers)
         if each is not None:
             worker["torch_threads"] = each
     os.environ[LOG_FORMAT_ENV] = args.log_format  # every process the launcher starts inherits it
-    return up(port=args.port, model=args.model, host=args.host, workers=args.workers,
+    try:
+        return _run_up(args, shape, engine, worker)
+    finally:
+        if made_dir is not None:  # the workers' files went with them
+            shutil.rmtree(made_dir, ignore_errors=True)
+
+
+def _run_up(args: argparse.Namespace, shape: FleetShape, engine: dict, worker: dict) -> int:
+    return up(port=args.port, model=args.model, host=args.host, workers=shape.workers,
               served_model_name=args.served_model_name, nats_url=args.nats_url, nats_port=args.nats_port,
               nats_cluster=args.nats_cluster,
               api_keys=args.api_key or [], heartbeat_interval_s=args.heartbeat_interval,
@@ -60,6 +79,34 @@ def _tokenizer(args: argparse.Namespace) -> dict:
     if not path.is_file():
         raise SystemExit(f"moebus up: --chat-template {args.chat_template}: no such file")
     return {"chat_template": str(path)}
+
+
+def _shape(args: argparse.Namespace, engine: dict, worker: dict) -> FleetShape:
+    """The workers to start and whether they share the cores; `why` is set when auto chose."""
+    if args.workers != "auto":
+        return FleetShape(args.workers, args.share_cores, "")
+    if (args.model == "toy" or args.mode != "aggregated" or args.autoscale is not None
+            or "torch_threads" in worker):  # a fleet shaped otherwise, or threads the operator chose
+        return FleetShape(1, args.share_cores, "")
+    from moebus.engine.config import EngineConfig
+    from moebus.engine.models import resolve
+
+    default_kv = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "kv_cache_bytes")
+    kv_bytes = int(engine.get("kv_cache_bytes", default_kv))
+    return auto_shape(usable_cores(), model_file_bytes(resolve(args.model)), kv_bytes, mem_available())
+
+
+def workers_arg(text: str) -> int | str:
+    """`auto` or a count >= 1."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"need at least 1 worker, got {n}")
+    return n
 
 
 def autoscale_bounds(text: str) -> tuple[int, int]:
@@ -108,11 +155,14 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a jinja chat template that replaces the model's (function tools are rendered through it; "
                         "default: the model's own, or for smollm2 the shipped one with tool calling)")
-    u.add_argument("--workers", type=int, default=1,
-                   help="engine worker processes (aggregated mode); the CPU cores are split between them")
+    u.add_argument("--workers", type=workers_arg, default="auto",
+                   help="engine worker processes (aggregated mode); the CPU cores are split between them. "
+                        "auto: two sharing the cores (--share-cores) where the host has 2+ cores and memory "
+                        "for two copies of the model, else one (moebus/services/fleet_shape.py)")
     u.add_argument("--share-cores", action="store_true",
                    help="workers share the cores by who has work instead of a fixed split: before each step "
-                        "a worker takes the cores // the workers with work (a lone request gets them all)")
+                        "a worker takes the cores // the workers with work (a lone request gets them all); "
+                        f"their burst steps are {SHARED_BURST_STEP_TOKENS} tokens unless --engine says")
     u.add_argument("--nats-url", default=None, help="use this NATS instead of starting one")
     u.add_argument("--nats-port", type=int, default=0, help="port of the nats-server we start (0: a free one)")
     u.add_argument("--nats-cluster", type=int, default=1, metavar="N",

@@ -55,6 +55,8 @@ def _up_kwargs(monkeypatch, argv: list[str]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     monkeypatch.setattr(services_cli, "up", lambda **kw: seen.update(kw) or 0)
     monkeypatch.setenv(LOG_FORMAT_ENV, "text")
+    if "--workers" not in argv:  # one worker: --workers auto's choice depends on the host (test_fleet_shape.py)
+        argv = ["--workers", "1", *argv]
     assert main(["up", *argv]) == 0
     return seen
 
