@@ -26,7 +26,7 @@ def test_auto_shares_the_cores_where_cores_and_memory_allow():
 
 @pytest.mark.parametrize("cores, model, mem, why", [
     (1, SMOLLM2_GGUF, 20 * GIB, "1 core"),
-    (2, SMOLLM2_GGUF, 8 * GIB, "GiB available"),  # ~3.3 GiB a worker: 3 of them do not fit in 8
+    (2, SMOLLM2_GGUF, 8 * GIB, "GiB available"),  # ~4.2 GiB a worker estimated: two do not fit in 8
     (2, 4 * GIB, 64 * GIB, "GiB available"),  # a model of 4 GB on disk: ~100 GB a worker
     (2, None, 20 * GIB, "unknown"),
     (2, SMOLLM2_GGUF, None, "unknown"),
