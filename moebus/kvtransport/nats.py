@@ -113,6 +113,7 @@ class NatsKVTransport(KVTransport):
             self._sub = await self.nc.subscribe(self.subject, cb=self._on_message,
                                                 pending_bytes_limit=self.config.pending_bytes_limit)
             await self.nc.flush()
+            await self.nc.flush()  # twice: the first PING can overtake the SUB (shared/bus.py, Bus.flush)
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
         return self
 

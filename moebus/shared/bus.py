@@ -193,7 +193,13 @@ class Bus:
         return (time.monotonic() if now is None else now) - self.disconnected_at
 
     async def flush(self, timeout: float = 5.0) -> None:
-        """Round trip to the server: every subscription made so far is live when this returns."""
+        """Round trip to the server: every subscription made so far is live when this returns.
+        Two round trips: nats-py (2.16) writes flush's PING to the socket at once, while a SUB
+        just made waits in its buffer for the flusher task, so one PONG can come back before the
+        server has the SUB (a request from another connection then got no-responders: a CI flake
+        in test_bus_auth). The flusher runs while the first PING is out; the second follows the
+        SUB on the wire."""
+        await self.nc.flush(timeout)
         await self.nc.flush(timeout)
 
     @property
