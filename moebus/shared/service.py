@@ -199,9 +199,10 @@ class Service:
             await self.bus.subscribe(subject, Empty, handler, concurrent=False, endpoint=subject.split(".")[-1])
 
     async def _until_routable(self, timeout: float = 2.0) -> None:
-        # A flush alone is not enough: nats-server can answer no-responders for a moment after a
-        # fresh SUB is acknowledged. SUBs are applied in order, so once a probe subscribed after
-        # all our endpoints routes back to us, every endpoint does.
+        # A probe request, not only a flush: with nats-py's flush alone the PONG could come back
+        # before the server had our SUBs (Bus.flush now waits for them; the probe stays as the end
+        # to end check). SUBs are applied in order, so once a probe subscribed after all our
+        # endpoints routes back to us, every endpoint does.
         subject = self.subjects.probe(self.name, self.instance_id)
 
         async def probe(_: Empty, __: Msg) -> Empty:
