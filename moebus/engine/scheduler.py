@@ -134,20 +134,21 @@ class Scheduler:
         if out.preempted:
             return out  # memory is tight: admit nothing new this step
         self.waiting.sort(key=lambda r: (r.priority, r.arrival_time))
+        prefilling = any(e.num_tokens - e.num_draft > 1 for e in out.scheduled)  # this step computes a prompt
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if req.wait_for is not None and req.wait_for.is_prefill and not req.wait_for.status.finished:
                 continue  # let the first of n siblings fill the shared prompt blocks
-            whole = burst and any(e.num_tokens - e.num_draft > 1 for e in out.scheduled)
             try:
-                n = self._admit(req, budget, out, whole)
+                n = self._admit(req, budget, out, whole=burst and prefilling)
             except Exception as e:
                 self._drop(req, e, out)
                 continue
             if n is None:
                 break
             budget -= n
+            prefilling = prefilling or n > 1
         return out
 
     def _step_budget(self) -> tuple[int, bool]:
