@@ -34,8 +34,8 @@ def _up(args: argparse.Namespace) -> int:
         engine.setdefault("dtype", args.dtype)
     shape = _shape(args, engine, worker)
     if shape.why:
-        say_to(sys.stderr)(f"workers: {shape.workers}{' sharing the cores' if shape.share_cores else ''} "
-                 f"(--workers auto: {shape.why})")
+        sharing = " sharing the cores" if shape.share_cores else ""
+        say_to(sys.stderr)(f"workers: {shape.workers}{sharing} (--workers auto: {shape.why})")
     made_dir = None
     if shape.share_cores and args.model != "toy":  # every worker may take every core, by turns (core_share.py)
         worker.setdefault("torch_threads", usable_cores())

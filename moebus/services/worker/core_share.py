@@ -10,10 +10,11 @@ them, and each worker's Python part of a step runs while the others compute.
 Each worker keeps "busy until" (monotonic seconds, CLOCK_MONOTONIC: the same clock in every
 process of the host), the threads its current step uses and its pid in its own small file in the
 directory, renewed before each step while it has work and zeroed when it has none. A worker whose
-process is gone counts as idle at once; one that lives but stops renewing, after `lease_s`. A worker that gets work while a busy peer
-still holds the cores (a step started alone, with all of them) waits for that peer's next step,
-where the peer takes its smaller share: two sets of spinning OpenMP threads on the same cores
-would stall each other at every barrier. More busy workers than cores run one thread each.
+process is gone counts as idle at once; one that lives but stops renewing, after `lease_s`. A
+worker that gets work while a busy peer still holds the cores (a step started alone, with all of
+them) waits for that peer's next step, where the peer takes its smaller share: two sets of
+spinning OpenMP threads on the same cores would stall each other at every barrier. More busy
+workers than cores run one thread each.
 """
 from __future__ import annotations
 
@@ -55,9 +56,9 @@ class CoreShare:
                  if until > now and _alive(pid)]
         share = max(1, self.cores // (len(peers) + 1))
         free = self.cores - int(sum(held for _, held in peers))
-        n = share if len(peers) >= self.cores else min(share, free)
-        self._write(now + self.lease_s, max(n, 0))
-        return max(n, 0)
+        n = share if len(peers) >= self.cores else max(0, min(share, free))
+        self._write(now + self.lease_s, n)
+        return n
 
     def _write(self, until: float, threads: int) -> None:
         os.pwrite(self._own, _STATE.pack(until, float(threads), os.getpid()), 0)
