@@ -220,8 +220,8 @@ class QuantLinear(nn.Module):
         return out if two_d else out.reshape(*x.shape[:-1], self.out_features)
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor:
-        """int64 [M]: row_argmax(self(x)) for x [M, in_features], the first maximum (or first NaN) of
-        each row. A float32 CPU call of at most QA_MAX_ROWS rows (a batch-1 decode step's LM head)
+        """int64 [M]: the first maximum (or first NaN) of each row of the float32 logits self(x.float())
+        for x [M, in_features]. A float32 CPU call of at most QA_MAX_ROWS rows (a batch-1 decode step's LM head)
         takes csrc/quant_argmax_cpu.c: the same logits, never written out."""
         if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= QA_MAX_ROWS and x.stride(1) == 1
                 and self._argmax_fn is not None and not x.is_cuda and not self.qweight.is_cuda):
@@ -230,7 +230,7 @@ class QuantLinear(nn.Module):
                 out = quant_argmax_cpu_unchecked(self._argmax_fn, x, self.qweight, self._qtype_id, bits)
                 if out is not None:
                     return out
-        return row_argmax(self(x).float())
+        return row_argmax(self(x.float()))  # float32 logits, whatever x's dtype
 
     def few_rows_activation_bits(self) -> int | None:
         """The integer activation width a float32 CPU call of at most QA_MAX_ROWS rows takes, or None

@@ -1,17 +1,16 @@
 """Turns a SchedulerOutput into one flattened forward pass and samples the positions that need it."""
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.batch_invariant import make_batch_invariant, tiled
-from moebus.engine.cpu_linear import PANEL_MAX_ROWS, QuantLinear, pack_linears, panels_wanted
+from moebus.engine.cpu_linear import pack_linears
 from moebus.engine.isolation import isolate
 from moebus.engine.kv_groups import KVLayout, allocate_caches
+from moebus.engine.lm_head import LMHead
 from moebus.engine.multimodal import ImageSpan, MMEmbeds, step_embeds
 from moebus.engine.request import Request
 from moebus.engine.sampling.batch import takes_raw_argmax
@@ -19,8 +18,6 @@ from moebus.engine.sampling.sampler import Sampler, SamplingBatch
 from moebus.engine.sampling.spec_decode import rejection_sample
 from moebus.engine.scheduler import SchedulerOutput
 from moebus.kernels.argmax import row_argmax
-from moebus.kernels.lm_head_argmax import lm_head_argmax, pack_panels
-from moebus.kernels.panel_linear import PanelLinear, panel_linear_applies
 
 PLACEHOLDER = -1  # an output token whose value the previous (still running) step will produce
 
@@ -83,7 +80,8 @@ class ModelRunner:
         # no [rows, vocab] logits. CPU only (measured there; GPUs keep the sampler path) and not in
         # deterministic mode (its logits are tiled).
         self.raw_argmax = device.type == "cpu" and not batch_invariant
-        self.greedy_head = _greedy_head(self.model) if self.raw_argmax else None
+        self.head = LMHead.of(self.model)  # float32 logits on every path (engine/lm_head.py)
+        self.greedy_head = self.head.greedy if self.raw_argmax else None
 
     def _token(self, req: Request, i: int) -> int:
         return req.draft_token_ids[i - req.num_tokens] if i >= req.num_tokens else req.token_at(i)
@@ -167,12 +165,11 @@ class ModelRunner:
             # without a greedy head: the sampler's own argmax of the logits, without building a
             # SamplingBatch (~0.2 ms of a batch-1 step's Python)
             tokens = (self.greedy_head(rows) if self.greedy_head is not None
-                      else row_argmax(self.model.compute_logits(rows))).tolist()
+                      else row_argmax(self.head.logits(rows))).tolist()
             for k, j in enumerate(entries):
                 result.tokens[j] = [tokens[k]]
         else:
-            logits = (tiled(self.model.compute_logits, rows) if self.batch_invariant
-                      else self.model.compute_logits(rows))
+            logits = tiled(self.head.logits, rows) if self.batch_invariant else self.head.logits(rows)
             ids = [sched.scheduled[j].request.request_id for j in entries]
             isolate("sampling", ids, lambda: self._sample(inp, logits, result),
                     lambda k: self._probe_sample(inp, logits, entries, k))
@@ -255,40 +252,3 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.last_sampled.pop(request_id, None)
-
-
-def _greedy_head(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """hidden rows -> argmax of their logits (int64), for a model whose compute_logits is its
-    bias-free LM head (`lm_head`, or `embed_tokens` when tied and unpacked): a GGUF QuantLinear head's
-    own `greedy` (it reads its activation width at each call), else lm_head_argmax on the weight
-    packed here once; None otherwise."""
-    head = getattr(model, "lm_head", None)
-    if type(head) is QuantLinear:
-        return head.greedy if head.qweight.device.type == "cpu" else None
-    if isinstance(head, torch.nn.Linear):
-        weight = head.weight if head.bias is None else None
-    else:
-        emb = getattr(model, "embed_tokens", None)
-        weight = emb.weight if head is None and isinstance(emb, torch.nn.Embedding) else None
-    if weight is None or weight.device.type != "cpu":
-        return None
-    panels = getattr(head, "panels", None)  # a PackedLinear's copy for the panel kernel: the same layout
-    panels = panels if panels is not None else pack_panels(weight)
-    fused = functools.partial(lm_head_argmax, w=weight, panels=panels)
-    n, k = weight.shape
-    if panels_wanted(weight.dtype) and panel_linear_applies(n, k, weight.dtype):
-        return functools.partial(_panel_greedy, panel=PanelLinear(panels, n, k), fallback=fused)
-    return fused
-
-
-def _panel_greedy(x: torch.Tensor, panel: PanelLinear, fallback: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Decode-sized rows: the logits by the panel kernel, then their argmax (the reference's
-    semantics exactly: logits in the storage dtype, first maximum). On a Zen 4 VM (2 threads, the
-    49152 x 576 head, cold) this beat the fused head+argmax kernel, whose tiles are 16 rows x 1
-    panel: bf16 1 / 16 / 64 rows 2.33 -> 1.79, 4.78 -> 2.50, 12.37 -> 9.16 ms; float32 4.81 -> 3.68,
-    8.79 -> 5.48, 20.85 -> 18.53 ms, writing and reading the logits included."""
-    if x.shape[0] <= PANEL_MAX_ROWS:
-        logits = panel(x)
-        if logits is not None:
-            return row_argmax(logits)
-    return fallback(x)

@@ -104,10 +104,14 @@ class CpuLibrary:
 
     def function(self, name: str, dtype: torch.dtype, argtypes: list) -> Callable[..., int] | None:
         """The entry point `<name>_<f32|bf16|f16>` for tensors of `dtype`, or None."""
+        return self.entry(f"{name}_{DTYPE_SUFFIX[dtype]}", argtypes) if dtype in DTYPE_SUFFIX else None
+
+    def entry(self, symbol: str, argtypes: list) -> Callable[..., int] | None:
+        """The entry point named `symbol` (returning int), or None without the library."""
         lib = self.get()
-        if lib is None or dtype not in DTYPE_SUFFIX:
+        if lib is None:
             return None
-        fn = getattr(lib, f"{name}_{DTYPE_SUFFIX[dtype]}")
+        fn = getattr(lib, symbol)
         if fn.argtypes is None:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         return fn

@@ -1,8 +1,11 @@
-"""Greedy tokens straight from the LM head: argmax_n (x @ w.T)[m, n] without the [M, N] logits.
+"""The LM head in float32: greedy tokens (argmax_n (x @ w.T)[m, n] without the [M, N] logits) and
+the float32 logits themselves (lm_head_logits), from weights in any storage dtype.
 
-Semantics are the reference's: the logits in the storage dtype (F.linear's output), then torch's
-`max(dim=1).indices`: the first maximum of each row, and a row holding a NaN gives its first NaN.
-Only the summation order may differ, so a near-tie can resolve the other way than the logits path.
+The logits are float32 sums that are never rounded to the storage dtype (bf16's 8-bit mantissa
+steps by 0.125 at a logit of 25: near-ties became exact ties, and the lower token id won). The
+tie rule is torch's `max(dim=1).indices` on those float32 logits: the first maximum of each row,
+and a row holding a NaN gives its first NaN. The kernels differ from the references only in
+summation order, so a near-tie (a few float32 ulps) can resolve the other way.
 
 Why: in greedy decoding the vocabulary GEMM is the largest op of a small model's step (SmolLM2's
 tiny-MoE bench: [64, 128] x [49152, 128], ~9 ms at 71 GFLOPS through oneDNN, plus 1.1 ms to
@@ -18,19 +21,24 @@ from ._compat import check_launchable, next_pow2, tl, triton, upcast_dots, use_t
 from .cpu_build import I32, I64, PTR, library, on_cpu
 
 _CPU_ARGTYPES = [PTR, I64, PTR, I64, I64, I32, I32, PTR]
+_CPU_LOGITS_ARGTYPES = [PTR, I64, PTR, I64, I64, I32, I32, PTR, I64]
+
+
+def lm_head_logits_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
+    return F.linear(x.float(), w.float())
 
 
 def lm_head_argmax_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1], (x.shape, w.shape)
-    return F.linear(x, w).float().max(dim=1).indices
+    return lm_head_logits_ref(x, w).max(dim=1).indices
 
 
 @triton.jit
 def _lm_head_argmax_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # BLOCK_M rows per program; the vocabulary in BLOCK_N tiles, each the dot over K in BLOCK_K
-    # steps, rounded to the storage type, folded into a running (max, first index, first NaN).
+    # BLOCK_M rows per program; the vocabulary in BLOCK_N tiles, each the float32 dot over K in
+    # BLOCK_K steps, folded into a running (max, first index, first NaN).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols0 = tl.arange(0, BLOCK_N)
@@ -53,7 +61,7 @@ def _lm_head_argmax_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride,
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        logits = acc
         is_nan = (logits != logits) & col_ok[None, :]
         first_nan = tl.minimum(first_nan, tl.min(tl.where(is_nan, cols[None, :].to(tl.int64), big), axis=1))
         logits = tl.where(col_ok[None, :] & ~is_nan, logits, float("-inf"))
@@ -117,22 +125,42 @@ def isas(dtype: torch.dtype) -> list[str]:
     return [name for name, i in ISAS.items() if i and bits >> i & 1]
 
 
-def lm_head_argmax_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None, *,
-                       isa: str = "auto") -> torch.Tensor | None:
-    """The C kernel in csrc/lm_head_argmax_cpu.c; None when it does not apply. `panels` is
-    pack_panels(w), packed here when not given; `isa`: the kernel's path (ISAS)."""
+def _cpu_call(entry: str, x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None, isa: str,
+              out: torch.Tensor, *out_stride: int) -> torch.Tensor | None:
+    """One of csrc/lm_head_argmax_cpu.c's entries into `out`; None when it does not apply."""
     if not (x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and w.shape[0] > 0 and on_cpu(x, w)):
         return None
-    fn = library("lm_head_argmax_cpu.c").function("lm_head_argmax", x.dtype, _CPU_ARGTYPES)
+    fn = library("lm_head_argmax_cpu.c").function(entry, x.dtype,
+                                                  _CPU_LOGITS_ARGTYPES if out_stride else _CPU_ARGTYPES)
     if fn is None:
         return None
     if panels is None:
         panels = pack_panels(w)
     n, k = w.shape
     assert panels.shape == panels_shape(n, k, x.dtype) and panels.dtype == x.dtype and panels.is_contiguous()
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    status = fn(x.data_ptr(), x.stride(0), panels.data_ptr(), x.shape[0], n, k, ISAS[isa], out.data_ptr())
+    status = fn(x.data_ptr(), x.stride(0), panels.data_ptr(), x.shape[0], n, k, ISAS[isa], out.data_ptr(),
+                *out_stride)
     return out if status == 0 else None
+
+
+def lm_head_argmax_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None, *,
+                       isa: str = "auto") -> torch.Tensor | None:
+    """The C kernel in csrc/lm_head_argmax_cpu.c; None when it does not apply. `panels` is
+    pack_panels(w), packed here when not given; `isa`: the kernel's path (ISAS)."""
+    return _cpu_call("lm_head_argmax", x, w, panels, isa, torch.empty(x.shape[0], dtype=torch.int64))
+
+
+def lm_head_logits_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None, *,
+                       isa: str = "auto") -> torch.Tensor | None:
+    """[M, N] float32 logits by the same kernel's tiles (AMX, vdpbf16ps or FMA); as lm_head_argmax_cpu."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    return _cpu_call("lm_head_logits", x, w, panels, isa, out, out.stride(0))
+
+
+def lm_head_logits(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K], w [N, K] in one dtype -> [M, N] float32 logits, never rounded to the storage dtype."""
+    out = lm_head_logits_cpu(x, w, panels) if x.dtype == w.dtype else None
+    return out if out is not None else lm_head_logits_ref(x, w)
 
 
 def lm_head_argmax(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:

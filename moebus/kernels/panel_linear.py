@@ -1,7 +1,9 @@
 """A linear for few rows (decode batches) on AVX-512 CPUs, bf16 (AVX512-BF16) and float32:
 csrc/panel_linear_cpu.c.
 
-The reference is F.linear: float32 sums (of bf16 products, rounded to bf16 once). The kernel reads
+The reference is F.linear: float32 sums (of bf16 products, rounded to bf16 once); with
+float_out=True (an LM head's logits) the float32 sums themselves, as F.linear in float32 on the
+same values gives them (panel_linear_float_ref). The kernel reads
 the weight in pack_panels' layout (kernels/lm_head_argmax.py; the LM head's kernel reads the same)
 and only differs from the reference in summation order. A row's result does not depend on the
 other rows of the call. GPUs keep F.linear (cuBLAS); there is no Triton version to beat it.
@@ -21,6 +23,10 @@ def panel_linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     return F.linear(x, w, bias)
 
 
+def panel_linear_float_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float())
+
+
 def panel_linear_applies(n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether the kernel takes a weight of n x k in `dtype` (it may still decline at the call: a
     build without AVX512-BF16 or AVX-512)."""
@@ -34,33 +40,44 @@ class PanelLinear:
     the layout check, the bias in float32) is done once, so a decode step's ~120 calls pay only
     for the input's checks and the call (8.7 -> 5.6 us a call of a tiny weight, warm)."""
 
-    def __init__(self, panels: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, panels: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None, *,
+                 float_out: bool = False) -> None:
+        """float_out: the output in float32 whatever the weight's dtype (bf16's sums not rounded)."""
         self.panels, self.n, self.k, self.dtype = panels, n, k, panels.dtype
+        self.out_dtype = torch.float32 if float_out else panels.dtype
         ok = panel_linear_applies(n, k, panels.dtype) and on_cpu(panels)
-        self.fn = library("panel_linear_cpu.c").function("panel_linear", panels.dtype, _CPU_ARGTYPES) if ok else None
+        self.fn = _entry(panels.dtype, float_out) if ok else None
         if self.fn is not None:
             assert panels.shape == panels_shape(n, k, panels.dtype) and panels.is_contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [M, k] in the weight's dtype, last dim contiguous -> [M, n]; None where the kernel
-        does not apply."""
+        """x [M, k] in the weight's dtype, last dim contiguous -> [M, n] (out_dtype); None where
+        the kernel does not apply."""
         fn = self.fn
         if (fn is None or x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.k or x.shape[0] == 0
                 or x.stride(1) != 1 or x.device.type != "cpu"):
             return None
         b = self.bias
-        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        out = torch.empty(x.shape[0], self.n, dtype=self.out_dtype)
         status = fn(x.data_ptr(), x.stride(0), self.panels.data_ptr(), None if b is None else b.data_ptr(),
                     x.shape[0], self.n, self.k, out.data_ptr(), out.stride(0))
         return out if status == 0 else None
 
 
+def _entry(dtype: torch.dtype, float_out: bool):
+    lib = library("panel_linear_cpu.c")
+    if float_out and dtype == torch.bfloat16:
+        return lib.entry("panel_linear_bf16f", _CPU_ARGTYPES)
+    return lib.function("panel_linear", dtype, _CPU_ARGTYPES)
+
+
 def panel_linear_cpu(x: torch.Tensor, panels: torch.Tensor, n: int, k: int,
-                     bias: torch.Tensor | None = None) -> torch.Tensor | None:
+                     bias: torch.Tensor | None = None, *, float_out: bool = False) -> torch.Tensor | None:
     """x [M, k] (bf16 or float32, last dim contiguous) . the weight packed by pack_panels -> [M, n]
-    in x's dtype; None where the kernel does not apply. bias: [n], any float dtype (added in float32).
+    in x's dtype (float32 with float_out); None where the kernel does not apply. bias: [n], any float
+    dtype (added in float32).
     For repeated calls on one weight, bind a PanelLinear once."""
     if x.dtype != panels.dtype:
         return None
-    return PanelLinear(panels, n, k, bias)(x)
+    return PanelLinear(panels, n, k, bias, float_out=float_out)(x)

@@ -105,7 +105,7 @@ def test_a_shape_the_panel_kernel_does_not_take_keeps_onednn():
 
 @PANELS
 def test_the_greedy_head_shares_the_tied_heads_panels():
-    from moebus.engine.model_runner import _greedy_head
+    from moebus.engine.lm_head import LMHead
 
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -114,11 +114,12 @@ def test_the_greedy_head_shares_the_tied_heads_panels():
     torch.manual_seed(0)
     model = Tied().to(torch.bfloat16)
     pack_linears(model)
-    head = _greedy_head(model)
-    shared = head.keywords["panel"].panels if "panel" in head.keywords else head.keywords["panels"]
-    assert shared is model.lm_head.panels  # the panel kernel's head (panels_wanted) or the fused one
+    head = LMHead.of(model)
+    assert head.panels is model.lm_head.panels  # the panel kernel's head (panels_wanted) and the fused one
+    assert head.panel is not None and head.panel.panels is model.lm_head.panels
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    assert torch.equal(head(x), torch.nn.functional.linear(x, model.embed_tokens.weight).argmax(-1))
+    w = model.embed_tokens.weight
+    assert torch.equal(head.greedy(x), torch.nn.functional.linear(x.float(), w.float()).argmax(-1))
 
 
 def test_only_packable_dtypes_are_packed():

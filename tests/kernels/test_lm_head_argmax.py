@@ -1,5 +1,5 @@
-"""LM head fused with greedy argmax (kernels/lm_head_argmax.py): reference, Triton and C against a
-float64 loop, on shapes that hit every edge of the C kernel's tiles (rows not a multiple of 6,
+"""LM head fused with greedy argmax, and its float32 logits (kernels/lm_head_argmax.py): reference,
+Triton and C against a float64 loop, on shapes that hit every edge of the C kernel's tiles (rows not a multiple of 6,
 vocab not a multiple of 16, K not a multiple of 8) and on the hard rows: ties, NaN, all -inf."""
 import ctypes
 
@@ -15,6 +15,8 @@ from moebus.kernels.lm_head_argmax import (
     lm_head_argmax_cpu,
     lm_head_argmax_ref,
     lm_head_argmax_triton,
+    lm_head_logits,
+    lm_head_logits_cpu,
     pack_panels,
 )
 from moebus.kernels.paged_attention import cpu_kernel_available
@@ -26,7 +28,7 @@ NEEDS_CC = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler 
 
 def _cases(m: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Integer-valued inputs: every product and partial sum is exact in float32 (|dot| <= 9K), so
-    whatever the summation order each logit rounds to the same storage-type value and every
+    whatever the summation order each float32 logit is the same exact value and every
     implementation must give exactly the naive index. The last column copies row 0's first
     maximum: a tie that the lower index wins (for every row holding it as its maximum)."""
     g = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
@@ -37,7 +39,7 @@ def _cases(m: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, to
 
 
 def naive(x: torch.Tensor, w: torch.Tensor, special: dict[int, str] | None = None) -> torch.Tensor:
-    logits = (x.double() @ w.double().t()).to(x.dtype).double()
+    logits = x.double() @ w.double().t()  # float32 logits, never rounded to the storage dtype
     out = []
     for row in logits.tolist():
         nans = [i for i, v in enumerate(row) if v != v]
@@ -164,8 +166,35 @@ def test_cpu_bf16_paths_are_batch_invariant_and_near_the_logits(isa):
     together = lm_head_argmax_cpu(x, w, panels, isa=isa)
     alone = torch.cat([lm_head_argmax_cpu(x[i:i + 1], w, panels, isa=isa) for i in range(x.shape[0])])
     assert torch.equal(together, alone)
-    logits = (x.double() @ w.double().t()).bfloat16().double()  # the chosen logit is a maximum up to rounding
-    assert (logits.max(dim=1).values - logits.gather(1, together[:, None])[:, 0]).abs().max() <= 0.07
+    logits = x.double() @ w.double().t()  # the chosen logit is a maximum up to float32 summation order
+    assert (logits.max(dim=1).values - logits.gather(1, together[:, None])[:, 0]).abs().max() <= 1e-4
+
+
+@NEEDS_CC
+@PATHS
+@pytest.mark.parametrize("shape", [(1, 576, 1000), (13, 64, 300), (45, 70, 33), (64, 128, 4099)])
+def test_cpu_bf16_paths_logits_are_float32_sums(shape, isa):
+    """lm_head_logits on each path: the float32 sums of the bf16 products (not rounded to bf16),
+    equal on integer inputs, within float32 rounding on random ones, and batch invariant."""
+    _needs(isa)
+    x, w = _cases(*shape, torch.bfloat16)
+    got = lm_head_logits_cpu(x, w, pack_panels(w), isa=isa)
+    assert got.dtype == torch.float32 and torch.equal(got.double(), x.double() @ w.double().t())
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(shape[0], shape[1], generator=g).bfloat16(), torch.randn(shape[2], shape[1], generator=g).bfloat16()
+    panels = pack_panels(w)
+    got = lm_head_logits_cpu(x, w, panels, isa=isa)
+    assert (got.double() - x.double() @ w.double().t()).abs().max() < 1e-4
+    alone = torch.cat([lm_head_logits_cpu(x[i:i + 1], w, panels, isa=isa) for i in range(x.shape[0])])
+    assert torch.equal(got, alone)
+
+
+@NEEDS_CC
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_cpu_logits_of_other_dtypes_are_float32(dtype):
+    x, w = _cases(7, 40, 1001, dtype)
+    got = lm_head_logits(x, w)
+    assert got.dtype == torch.float32 and torch.equal(got.double(), x.double() @ w.double().t())
 
 
 @NEEDS_CC

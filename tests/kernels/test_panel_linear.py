@@ -12,7 +12,12 @@ from moebus.engine.dtype_choice import cpu_flags
 from moebus.kernels import cpu_build
 from moebus.kernels.lm_head_argmax import pack_panels
 from moebus.kernels.paged_attention import cpu_kernel_available
-from moebus.kernels.panel_linear import _CPU_ARGTYPES, panel_linear_cpu, panel_linear_ref
+from moebus.kernels.panel_linear import (
+    _CPU_ARGTYPES,
+    panel_linear_cpu,
+    panel_linear_float_ref,
+    panel_linear_ref,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
 DTYPES = pytest.mark.parametrize("dtype", [
@@ -40,6 +45,22 @@ def test_matches_float64_and_f_linear(rows, n, k, dtype, close):
     assert out is not None and out.shape == (rows, n) and out.dtype == dtype
     close(out, x.double() @ w.double().T, *TOL[dtype])
     close(out, panel_linear_ref(x, w), *TOL[dtype])
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="bf16 needs AVX512-BF16")
+@pytest.mark.parametrize("rows", ROWS)
+def test_bf16_float_out_gives_the_float32_sums(rows, close):
+    """float_out (an LM head's logits): bf16 in, the float32 sums out, not rounded to bf16; a row's
+    result does not depend on the other rows."""
+    n, k = 144, 96
+    w, panels = _weights(n, k, torch.bfloat16)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    out = panel_linear_cpu(x, panels, n, k, float_out=True)
+    assert out is not None and out.dtype == torch.float32
+    close(out, x.double() @ w.double().T, 1e-5, 1e-5)  # far inside bf16's steps (TOL)
+    close(out, panel_linear_float_ref(x, w), 1e-5, 1e-5)
+    alone = torch.cat([panel_linear_cpu(x[i:i + 1], panels, n, k, float_out=True) for i in range(rows)])
+    assert torch.equal(out, alone)
 
 
 @DTYPES

@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, CachePlane, KVCacheSpec
+from moebus.engine.lm_head import float_logits
 from moebus.engine.models.deepseek_v4_attention import DeepseekV4Attention, RMSNorm
 from moebus.engine.models.deepseek_v4_compressor import Compressor, CompressPlan, Indexer, build_plan
 from moebus.engine.models.deepseek_v4_rope import RopeSpec
@@ -273,10 +273,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.norm(self.hc_head(streams))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Called as a module so a packed head (engine.cpu_linear, also for tied embeddings) is used.
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        """float32 logits, never rounded to the weights' dtype (engine/lm_head.py)."""
+        return float_logits(self.lm_head, self.embed_tokens, hidden)
 
     def enable_expert_load_counting(self) -> list[torch.Tensor]:
         """Start counting routed assignments; returns each layer's live `load_counter [E]`."""

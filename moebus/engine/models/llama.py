@@ -8,6 +8,7 @@ from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
 from moebus.engine.cpu_linear import QuantLinear
+from moebus.engine.lm_head import float_logits
 from moebus.engine.models.llama_decode import DecodeFastPath
 from moebus.engine.multimodal import MMEmbeds
 from moebus.kernels import fused_add_rms_norm, rms_norm, rotary_cos_sin, silu_and_mul
@@ -145,11 +146,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Called as a module so a packed or quantized head (engine.cpu_linear, also for tied
-        # embeddings) is used.
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        """float32 logits, never rounded to the weights' dtype (engine/lm_head.py)."""
+        return float_logits(self.lm_head, self.embed_tokens, hidden)
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor],

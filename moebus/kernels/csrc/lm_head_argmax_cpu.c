@@ -1,15 +1,16 @@
-/* Greedy sampling fused into the LM head: out[m] = argmax_n round(x_m . w_n), the semantics of
- * kernels/lm_head_argmax.py's reference (torch's max(dim=1).indices of the logits in the storage
- * type: the first maximum, or the first NaN). x [M, K] with row stride xs (elements, last dim
- * contiguous); the weight comes packed in panels of 16 vocabulary rows, wp [P][K][16] (P = N / 16
- * rounded up, zero rows past N), so that a panel's 16 columns at one k are one contiguous load;
- * out [M] int64.
+/* The LM head on packed panels, in float32 (the logits are never rounded to the storage type):
+ * lm_head_argmax: out[m] = argmax_n (x_m . w_n), the semantics of kernels/lm_head_argmax.py's
+ * reference (torch's max(dim=1).indices of the float32 logits: the first maximum, or the first
+ * NaN), without writing the [M, N] logits; lm_head_logits: those float32 logits, for sampling and
+ * logprobs. x [M, K] with row stride xs (elements, last dim contiguous); the weight comes packed in
+ * panels of 16 vocabulary rows, wp [P][K][16] (P = N / 16 rounded up, zero rows past N), so that a
+ * panel's 16 columns at one k are one contiguous load.
  *
- * The [M, N] logits are never written. Each thread takes a contiguous range of panels; per panel
- * it runs the x rows in 6 x 16 register tiles (12 accumulators: 2 weight loads and 6 broadcasts
- * per k) and folds each tile into lane-wise running bests (value, first index, first NaN) with
- * vector compares. Lanes and then thread ranges are merged so that ties go to the lowest index.
- * A row's result does not depend on the other rows in the call.
+ * Each thread takes a contiguous range of panels; per panel it runs the x rows in 6 x 16 register
+ * tiles (12 accumulators: 2 weight loads and 6 broadcasts per k) and either stores each tile's
+ * sums or folds them into lane-wise running bests (value, first index, first NaN) with vector
+ * compares. Lanes and then thread ranges are merged so that ties go to the lowest index. A row's
+ * result does not depend on the other rows in the call.
  *
  * bf16 weights come in k pairs instead, wp [P][Kp/2][16][2] (Kp = K rounded up to 32, zeros past
  * K): the layout of AMX's B tiles and of vdpbf16ps's pair products. Three paths read it: AMX tiles
@@ -31,11 +32,11 @@ typedef struct {
     int32_t idx[NR], nan_idx[NR]; /* nan_idx INT32_MAX: no NaN seen in this lane */
 } lanes_t;
 
-/* 16 logits of one tile row rounded to the storage type, folded into the row's lanes. */
-INLINE void fold16(enum dtype t, const float *v, int32_t c0, int32_t n_valid, lanes_t *b) {
+/* 16 float32 logits of one tile row, folded into the row's lanes. */
+INLINE void fold16(const float *v, int32_t c0, int32_t n_valid, lanes_t *b) {
 #pragma omp simd
     for (int l = 0; l < NR; l++) {
-        const float x = l < n_valid ? round_to(t, v[l]) : -INFINITY;
+        const float x = l < n_valid ? v[l] : -INFINITY;
         const int32_t i = c0 + l;
         const int nan = x != x;
         b->nan_idx[l] = nan && b->nan_idx[l] == INT32_MAX ? i : b->nan_idx[l];
@@ -43,6 +44,21 @@ INLINE void fold16(enum dtype t, const float *v, int32_t c0, int32_t n_valid, la
         b->val[l] = better ? x : b->val[l];
         b->idx[l] = better ? i : b->idx[l];
     }
+}
+
+/* Where a tile's sums go: stored as float32 logits (logits != NULL, ls floats a row), or folded
+ * into `best` (the thread's lanes, one per x row). */
+typedef struct {
+    lanes_t *best;
+    float *logits;
+    int64_t ls;
+} sink_t;
+
+INLINE void emit(sink_t s, const float *v, int32_t c0, int32_t n_valid, int64_t m) {
+    if (s.logits)
+        memcpy(s.logits + m * s.ls + c0, v, (size_t)n_valid * sizeof(float));
+    else
+        fold16(v, c0, n_valid, s.best + m);
 }
 
 #if MOEBUS_DOT_AVX2
@@ -96,7 +112,7 @@ INLINE void tile16(enum dtype t, int es, const float *const a[MRW], const char *
 /* Panels [p0, p1) against every x row (xf: M float32 rows of K); wide: AVX-512 tiles where built
  * (f32 and f16 only; bf16 has its own panels below). */
 INLINE void argmax_panels(enum dtype t, int es, int wide, const float *xf, int64_t M, int K, const char *wp,
-                          int64_t N, int64_t p0, int64_t p1, lanes_t *best) {
+                          int64_t N, int64_t p0, int64_t p1, sink_t s) {
 #if HAVE_FMA512
     if (wide && t != BF16) {
         float out[MRW][NR];
@@ -109,7 +125,7 @@ INLINE void argmax_panels(enum dtype t, int es, int wide, const float *xf, int64
                 const int rows = M - m0 < MRW ? (int)(M - m0) : MRW;
                 for (int r = 0; r < MRW; r++) a[r] = xf + (m0 + (r < rows ? r : rows - 1)) * K;
                 tile16(t, es, a, panel, K, out);
-                for (int r = 0; r < rows; r++) fold16(t, out[r], c0, n_valid, best + m0 + r);
+                for (int r = 0; r < rows; r++) emit(s, out[r], c0, n_valid, m0 + r);
             }
         }
         return;
@@ -126,7 +142,7 @@ INLINE void argmax_panels(enum dtype t, int es, int wide, const float *xf, int64
             const int rows = M - m0 < MR ? (int)(M - m0) : MR;
             for (int r = 0; r < MR; r++) a[r] = xf + (m0 + (r < rows ? r : rows - 1)) * K;
             tile(t, es, a, panel, K, out);
-            for (int r = 0; r < rows; r++) fold16(t, out[r], c0, n_valid, best + m0 + r);
+            for (int r = 0; r < rows; r++) emit(s, out[r], c0, n_valid, m0 + r);
         }
     }
 }
@@ -274,7 +290,7 @@ int lm_head_argmax_isas(int t) {
 /* Panels [p0, p1) of bf16 k-pair panels (Kx / 2 pairs each) against every x row: xf (float32, for
  * the FMA paths) or xb (bf16, Mx rows) as the path needs. */
 static void argmax_panels_bf16(int isa, const float *xf, const uint16_t *xb, int64_t M, int Kx, const char *wpc,
-                               int64_t N, int64_t p0, int64_t p1, lanes_t *best) {
+                               int64_t N, int64_t p0, int64_t p1, sink_t s) {
     (void)isa; /* read only where AMX / AVX-512 paths are built */
     const uint16_t *wp = (const uint16_t *)wpc;
     const int K2 = Kx / 2;
@@ -292,7 +308,7 @@ static void argmax_panels_bf16(int isa, const float *xf, const uint16_t *xb, int
                     if (b % 2 && q == p) continue;
                     const int32_t c0 = (int32_t)(pp * NR);
                     const int32_t n_valid = N - c0 < NR ? (int32_t)(N - c0) : NR;
-                    for (int r = 0; r < 16 && mb + r < M; r++) fold16(BF16, out[b][r], c0, n_valid, best + mb + r);
+                    for (int r = 0; r < 16 && mb + r < M; r++) emit(s, out[b][r], c0, n_valid, mb + r);
                 }
             }
         }
@@ -311,7 +327,7 @@ static void argmax_panels_bf16(int isa, const float *xf, const uint16_t *xb, int
                 const int rows = M - m0 < MRD ? (int)(M - m0) : MRD;
                 for (int r = 0; r < MRD; r++) a[r] = xb + (m0 + (r < rows ? r : rows - 1)) * Kx;
                 tile_dpbf16(a, wp + p * ps, K2, out);
-                for (int r = 0; r < rows; r++) fold16(BF16, out[r], c0, n_valid, best + m0 + r);
+                for (int r = 0; r < rows; r++) emit(s, out[r], c0, n_valid, m0 + r);
             }
         }
         return;
@@ -329,7 +345,7 @@ static void argmax_panels_bf16(int isa, const float *xf, const uint16_t *xb, int
                 const int rows = M - m0 < MRW ? (int)(M - m0) : MRW;
                 for (int r = 0; r < MRW; r++) a[r] = xf + (m0 + (r < rows ? r : rows - 1)) * Kx;
                 tile_pairs16(a, wp + p * ps, K2, out);
-                for (int r = 0; r < rows; r++) fold16(BF16, out[r], c0, n_valid, best + m0 + r);
+                for (int r = 0; r < rows; r++) emit(s, out[r], c0, n_valid, m0 + r);
             }
         }
         return;
@@ -344,13 +360,15 @@ static void argmax_panels_bf16(int isa, const float *xf, const uint16_t *xb, int
             const int rows = M - m0 < MR ? (int)(M - m0) : MR;
             for (int r = 0; r < MR; r++) a[r] = xf + (m0 + (r < rows ? r : rows - 1)) * Kx;
             tile_pairs(a, wp + p * ps, K2, out);
-            for (int r = 0; r < rows; r++) fold16(BF16, out[r], c0, n_valid, best + m0 + r);
+            for (int r = 0; r < rows; r++) emit(s, out[r], c0, n_valid, m0 + r);
         }
     }
 }
 
-INLINE int lm_head_argmax_impl(enum dtype t, int es, const char *x, int64_t xs, const char *wp, int64_t M, int64_t N,
-                               int K, int isa, int64_t *out) {
+/* The head's float32 sums of every x row against panels [0, P): into `logits` (ls floats a row)
+ * where it is given, else folded to out[m], the first maximum of row m (or its first NaN). */
+INLINE int lm_head_impl(enum dtype t, int es, const char *x, int64_t xs, const char *wp, int64_t M, int64_t N, int K,
+                        int isa, int64_t *out, float *logits, int64_t ls) {
     if (M <= 0) return 0;
     if (N <= 0 || N >= INT32_MAX - NR) return 1;
     isa = pick_isa(t, isa);
@@ -361,9 +379,9 @@ INLINE int lm_head_argmax_impl(enum dtype t, int es, const char *x, int64_t xs, 
     float *xf = calloc((size_t)M * Kx + 1, sizeof(float));
     const int wants_xb = isa == ISA_AMX || isa == ISA_AVX512BF16;
     uint16_t *xb = wants_xb ? calloc((size_t)Mx * Kx, sizeof(uint16_t)) : NULL;
-    lanes_t *best = malloc((size_t)nt_max * M * sizeof(lanes_t));
+    lanes_t *best = logits ? NULL : malloc((size_t)nt_max * M * sizeof(lanes_t));
     int *used = calloc((size_t)nt_max, sizeof(int));
-    if (!xf || !best || !used || (wants_xb && !xb)) {
+    if (!xf || (!logits && !best) || !used || (wants_xb && !xb)) {
         free(xf), free(best), free(used), free(xb);
         return 1;
     }
@@ -375,19 +393,19 @@ INLINE int lm_head_argmax_impl(enum dtype t, int es, const char *x, int64_t xs, 
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = P * tid / nt, p1 = P * (tid + 1) / nt;
-        lanes_t *mine = best + (int64_t)tid * M;
+        const sink_t sink = {logits ? NULL : best + (int64_t)tid * M, logits, ls};
         if (p0 < p1) {
             used[tid] = 1;
-            for (int64_t m = 0; m < M; m++)
-                for (int l = 0; l < NR; l++) mine[m].val[l] = -INFINITY, mine[m].idx[l] = INT32_MAX,
-                                             mine[m].nan_idx[l] = INT32_MAX;
+            for (int64_t m = 0; m < M && sink.best; m++)
+                for (int l = 0; l < NR; l++) sink.best[m].val[l] = -INFINITY, sink.best[m].idx[l] = INT32_MAX,
+                                             sink.best[m].nan_idx[l] = INT32_MAX;
             if (t == BF16)
-                argmax_panels_bf16(isa, xf, xb, M, Kx, wp, N, p0, p1, mine);
+                argmax_panels_bf16(isa, xf, xb, M, Kx, wp, N, p0, p1, sink);
             else
-                WITH_DTYPE(t, argmax_panels(t_, es_, isa == ISA_FMA, xf, M, K, wp, N, p0, p1, mine));
+                WITH_DTYPE(t, argmax_panels(t_, es_, isa == ISA_FMA, xf, M, K, wp, N, p0, p1, sink));
         }
     }
-    for (int64_t m = 0; m < M; m++) {
+    for (int64_t m = 0; m < M && best; m++) {
         /* Greatest value, lowest index among equals; a lane never improved (all -inf) still holds
          * INT32_MAX, so an all -inf row falls back to 0 as torch gives. */
         float bv = -INFINITY;
@@ -406,14 +424,18 @@ INLINE int lm_head_argmax_impl(enum dtype t, int es, const char *x, int64_t xs, 
     return 0;
 }
 
-/* Returns 0 on success, 1 when out of memory, N is out of range or the path `isa` cannot run here
- * for this dtype (the caller falls back). */
-#define DEFINE_LM_HEAD_ARGMAX(SUFFIX, DT, ES)                                                               \
+/* Return 0 on success, 1 when out of memory, N is out of range or the path `isa` cannot run here
+ * for this dtype (the caller falls back). lm_head_logits writes out [M, N] float32, row stride os. */
+#define DEFINE_LM_HEAD(SUFFIX, DT, ES)                                                                      \
     int lm_head_argmax_##SUFFIX(const void *x, int64_t xs, const void *wp, int64_t M, int64_t N, int K,     \
                                 int isa, int64_t *out) {                                                     \
-        return lm_head_argmax_impl(DT, ES, (const char *)x, xs, (const char *)wp, M, N, K, isa, out);       \
+        return lm_head_impl(DT, ES, (const char *)x, xs, (const char *)wp, M, N, K, isa, out, NULL, 0);     \
+    }                                                                                                        \
+    int lm_head_logits_##SUFFIX(const void *x, int64_t xs, const void *wp, int64_t M, int64_t N, int K,     \
+                                int isa, float *out, int64_t os) {                                           \
+        return lm_head_impl(DT, ES, (const char *)x, xs, (const char *)wp, M, N, K, isa, NULL, out, os);     \
     }
 
-DEFINE_LM_HEAD_ARGMAX(f32, F32, 4)
-DEFINE_LM_HEAD_ARGMAX(bf16, BF16, 2)
-DEFINE_LM_HEAD_ARGMAX(f16, F16, 2)
+DEFINE_LM_HEAD(f32, F32, 4)
+DEFINE_LM_HEAD(bf16, BF16, 2)
+DEFINE_LM_HEAD(f16, F16, 2)

@@ -1,5 +1,6 @@
 /* A linear for few rows: out[M, N] = x[M, K] . w[N, K]^T (+ bias), float32 sums (rounded to bf16
- * once for bf16), as kernels/panel_linear.py's reference (F.linear) does. bf16 on vdpbf16ps,
+ * once for bf16, or stored as float32 by the bf16f entry: an LM head's logits), as
+ * kernels/panel_linear.py's reference does. bf16 on vdpbf16ps,
  * float32 on AVX-512 FMAs.
  *
  * The weight comes as kernels/lm_head_argmax.py's pack_panels lays it out: panels of 16 output
@@ -43,6 +44,11 @@ static inline __m512bh a_pair(const char *p) {
 #define MAC_bf16(acc, a, w) _mm512_dpbf16_ps(acc, a, (__m512bh)(w))
 #define STORE_bf16(dst, v) _mm256_storeu_si256((__m256i *)(dst), (__m256i)_mm512_cvtneps_pbh(v))
 typedef __m512bh a_bf16;
+/* bf16 in, float32 sums out unrounded: an LM head's logits */
+#define A_bf16f(p) a_pair(p)
+#define MAC_bf16f(acc, a, w) _mm512_dpbf16_ps(acc, a, (__m512bh)(w))
+#define STORE_bf16f(dst, v) _mm512_storeu_ps((float *)(dst), v)
+typedef __m512bh a_bf16f;
 #endif
 
 /* out rows [0, rows) x C panels from R-row register tiles (rows past `rows` repeat the last row and
@@ -104,8 +110,9 @@ typedef __m512bh a_bf16;
     tile_##T##_##R##x##C(x, xs, wp + p * pstride, pstride, steps, bias ? bias + p * NR : 0, out + p * NR * ES, os, \
                          rows, pf ? pf + (p - p0) * pstride : 0, pf ? pf_bytes * C / (p1 - p0) : 0)
 
-/* The entry point: strides in elements, as the Python side passes them. */
-#define DEFINE_PANEL_LINEAR(T, ES, STEP_K)                                                                  \
+/* The entry point: strides in elements, as the Python side passes them; XES and ES are the input's
+ * and the output's element sizes. */
+#define DEFINE_PANEL_LINEAR(T, XES, ES, STEP_K)                                                                  \
     int panel_linear_##T(const void *x, int64_t xs, const void *wp, const float *bias, int64_t M, int64_t N, \
                          int64_t K, void *out, int64_t os) {                                                \
         if ((STEP_K == 2 && K % 32) || N % NR || K <= 0 || N <= 0 || M <= 0) return 1;                     \
@@ -118,7 +125,7 @@ typedef __m512bh a_bf16;
             for (int64_t m0 = 0; m0 < M; m0 += ROWS) {                                                      \
                 const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;                                      \
                 const char *pf = m0 == 0 && p1 < P ? (const char *)wp + p1 * pstride : 0;                   \
-                panels_rows_##T((const char *)x + m0 * xs * ES, xs * ES, (const char *)wp, pstride, steps,  \
+                panels_rows_##T((const char *)x + m0 * xs * XES, xs * XES, (const char *)wp, pstride, steps,  \
                                 bias, (char *)out + m0 * os * ES, os * ES, rows, p0, p1, pf,                \
                                 (q1 - p1) * pstride);                                                       \
             }                                                                                               \
@@ -132,10 +139,12 @@ typedef __m512bh a_bf16;
  * the rest to the others. */
 
 DEFINE_PANELS_ROWS(f32, 4)
-DEFINE_PANEL_LINEAR(f32, 4, 1)
+DEFINE_PANEL_LINEAR(f32, 4, 4, 1)
 #if defined(__AVX512BF16__)
 DEFINE_PANELS_ROWS(bf16, 2)
-DEFINE_PANEL_LINEAR(bf16, 2, 2)
+DEFINE_PANEL_LINEAR(bf16, 2, 2, 2)
+DEFINE_PANELS_ROWS(bf16f, 4)
+DEFINE_PANEL_LINEAR(bf16f, 2, 4, 2)
 #define HAVE_BF16_ENTRY 1
 #endif
 #endif
@@ -151,4 +160,5 @@ DECLINE(f32)
 #endif
 #if !defined(HAVE_BF16_ENTRY)
 DECLINE(bf16)
+DECLINE(bf16f)
 #endif

@@ -1,0 +1,95 @@
+"""A model's LM head as the engine reads it: hidden rows -> float32 logits, or greedy token ids.
+
+One rule on every path (the sampler, logprobs, speculative verification, the greedy head, the
+quantized head, deterministic mode): the logits are float32 sums of the storage-dtype products,
+never rounded to the storage dtype first, and greedy takes the first maximum of each row (the
+lowest token id among equal float32 logits; a row holding a NaN gives its first NaN), torch's
+`max(dim=1).indices`. Rounding bf16 logits broke near-ties: bf16 steps by 0.125 at a logit of 25,
+SmolLM2's first answer token to "What is the capital of France?" leads by 0.08 in float32, and
+the rounded tie went to the lower token id (the answer began "L'Étoile" instead of "The capital").
+
+Paths differ only in summation order. Each of them computes a row independently of the other
+rows of the call (the C kernels' tiles; oneDNN's packed GEMM for float32 above the panel sizes).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moebus.engine.cpu_linear import PANEL_MAX_ROWS, PackedLinear, QuantLinear, panels_wanted
+from moebus.kernels.argmax import row_argmax
+from moebus.kernels.lm_head_argmax import lm_head_argmax, lm_head_logits, pack_panels
+from moebus.kernels.panel_linear import PanelLinear, panel_linear_applies
+
+
+def float_logits(head: nn.Module | None, embed: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A model's compute_logits: hidden [M, H] -> float32 [M, V] by its head (None: tied to
+    `embed`'s weight). For callers outside the step (MTP drafts, tests); the runner binds an LMHead."""
+    if isinstance(head, QuantLinear):
+        return head(hidden.float())
+    if isinstance(head, PackedLinear) and head.weight.dtype == torch.float32:
+        return head(hidden)
+    weight = embed.weight if head is None else head.weight
+    out = lm_head_logits(hidden, weight, getattr(head, "panels", None))
+    return out if head is None or head.bias is None else out + head.bias.float()
+
+
+class LMHead:
+    """The head of one model bound once: what does not depend on the input (the packed panels,
+    the kernels) is prepared here. `logits` for the sampler, `greedy` for raw-argmax steps."""
+
+    def __init__(self, logits: Callable[[torch.Tensor], torch.Tensor],
+                 greedy: Callable[[torch.Tensor], torch.Tensor], panels: torch.Tensor | None = None,
+                 panel: PanelLinear | None = None) -> None:
+        self.logits = logits
+        self.greedy = greedy
+        self.panels = panels  # the weight in pack_panels' layout (shared with a PackedLinear head's)
+        self.panel = panel  # the panel kernel bound to it, for decode-sized calls, where it is taken
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LMHead:
+        """From `model.lm_head` (a QuantLinear, PackedLinear or nn.Linear) or, tied and unpacked,
+        `model.embed_tokens`; a head with a bias, or off the CPU, reads through float_logits."""
+        head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+        if isinstance(head, QuantLinear):
+            return cls(lambda x: head(x.float()), head.greedy)
+        weight = embed.weight if head is None else head.weight
+        if weight.device.type != "cpu" or (head is not None and head.bias is not None):
+            slow = lambda x: float_logits(head, embed, x)  # noqa: E731
+            return cls(slow, lambda x: row_argmax(slow(x)))
+        panels = getattr(head, "panels", None)  # a PackedLinear's copy for the panel kernel: the same layout
+        panels = panels if panels is not None else pack_panels(weight)
+        n, k = weight.shape
+        panel = (PanelLinear(panels, n, k, float_out=True)
+                 if panels_wanted(weight.dtype) and panel_linear_applies(n, k, weight.dtype) else None)
+        if weight.dtype == torch.float32:  # the head's own GEMM: oneDNN's packed one where it is packed
+            wide = head if head is not None else (lambda x: F.linear(x, weight))
+        else:
+            wide = lambda x: lm_head_logits(x, weight, panels)  # noqa: E731
+        return cls(lambda x: _few_rows(x, panel, wide),
+                   lambda x: _greedy(x, panel, lambda r: lm_head_argmax(r, weight, panels)), panels, panel)
+
+
+def _few_rows(x: torch.Tensor, panel: PanelLinear | None,
+              wide: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Decode-sized rows by the panel kernel (where it takes them), the rest by `wide`."""
+    if panel is not None and x.shape[0] <= PANEL_MAX_ROWS:
+        out = panel(x)
+        if out is not None:
+            return out
+    return wide(x)
+
+
+def _greedy(x: torch.Tensor, panel: PanelLinear | None,
+            fused: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Decode-sized rows: the panel kernel's float32 logits, then their argmax (on a Zen 4 VM, 2
+    threads, this beat the fused head+argmax kernel, whose tiles are 16 rows x 1 panel: BENCHMARKS.md,
+    "the greedy head on the panel kernel"); more rows: the fused kernel, no [rows, vocab] logits."""
+    if panel is not None and x.shape[0] <= PANEL_MAX_ROWS:
+        logits = panel(x)
+        if logits is not None:
+            return row_argmax(logits)
+    return fused(x)
