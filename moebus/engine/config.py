@@ -21,6 +21,10 @@ class EngineConfig:
     # weights dequantized to dtype at load (oneDNN's packed GEMMs: faster from ~16 rows a step on
     # AVX2, so the throughput default). See BENCHMARKS.md, "Single-stream decode on the GGUF's blocks".
     weight_format: str = "dense"
+    # weight_format "gguf": the width decode-sized calls (<= QA_MAX_ROWS rows) quantize activations
+    # to for integer dot products (16, or 8 as llama.cpp does), or None for float32 activations
+    # everywhere. `moebus eval --config gguf16/gguf8` measures what each costs in answers.
+    gguf_activation_bits: int | None = 16
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes
@@ -58,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}")
         if self.weight_format not in ("dense", "gguf"):
             raise ValueError("weight_format must be dense or gguf")
+        if self.gguf_activation_bits not in (None, 8, 16):
+            raise ValueError("gguf_activation_bits must be 8, 16 or null")
         if self.block_size < 1 or self.max_model_len < 1:
             raise ValueError("block_size and max_model_len must be >= 1")
         if self.async_scheduling and self.num_speculative_tokens:

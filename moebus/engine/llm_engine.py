@@ -72,7 +72,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         if config.tune_malloc and config.device == "cpu":
             tune_malloc()
-        loaded = load_model(config.model, config.torch_dtype, config.device, config.weight_format)
+        loaded = load_model(config.model, config.torch_dtype, config.device, config.weight_format,
+                            config.gguf_activation_bits)
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.tokenizer = tokenizer or load_tokenizer(config.tokenizer or config.model)

@@ -209,3 +209,15 @@ def test_bad_weight_format_is_refused(smol_dir):
         load_model("smollm2", weight_format="int3")
     with pytest.raises(ValueError, match="needs a .gguf model"):
         load_model(smol_dir, weight_format="gguf")
+
+
+@pytest.mark.parametrize("bits", [8, None])
+def test_activation_bits_come_from_the_engine_config(smol_dir, bits):
+    from moebus.engine.config import EngineConfig
+
+    loaded = load_model("smollm2", weight_format="gguf", activation_bits=bits)
+    quant = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
+    assert quant and {m.activation_bits for m in quant} == {bits}
+    assert EngineConfig(weight_format="gguf", gguf_activation_bits=bits).gguf_activation_bits == bits
+    with pytest.raises(ValueError, match="gguf_activation_bits"):
+        EngineConfig(weight_format="gguf", gguf_activation_bits=4)

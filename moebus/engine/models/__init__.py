@@ -64,9 +64,10 @@ WEIGHT_FORMATS = ("dense", "gguf")
 
 
 def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               weight_format: str = "dense") -> LoadedModel:
+               weight_format: str = "dense", activation_bits: int | None = 16) -> LoadedModel:
     """weight_format: "dense" dequantizes a GGUF's weights to `dtype`; "gguf" serves its Q4_0/Q4_1/
-    Q8_0 linear layers from the file's blocks (engine.cpu_linear.QuantLinear; Llama only)."""
+    Q8_0 linear layers from the file's blocks (engine.cpu_linear.QuantLinear, with activation_bits;
+    Llama only)."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, not {weight_format!r}")
     path = resolve(model)
@@ -91,7 +92,8 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: st
         net = _build(arch, cfg)
     net = net.to_empty(device=device).to(dtype)
     if quantized and arch == "LlamaForCausalLM":
-        net.load_weights({k: v.to(dtype) for k, v in state.items()}, quantized=quantized)
+        net.load_weights({k: v.to(dtype) for k, v in state.items()}, quantized=quantized,
+                         activation_bits=activation_bits)
     else:
         net.load_weights({k: v.to(dtype) for k, v in state.items()})
     for name, buf in net.named_buffers():

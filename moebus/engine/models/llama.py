@@ -151,14 +151,16 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor],
-                     quantized: dict[str, tuple[str, torch.Tensor]] | None = None) -> None:
+                     quantized: dict[str, tuple[str, torch.Tensor]] | None = None,
+                     activation_bits: int | None = 16) -> None:
         """Load HF-named weights; q/k/v and gate/up are fused here to cut kernel launches.
         `quantized` (HF name -> (GGUF type, blocks)): linear layers whose parts are all there in one
         type become QuantLinear on those blocks (their dense copies in state_dict are dropped), and
-        a tied LM head runs on the embedding's blocks (the dense embedding stays for lookups)."""
+        a tied LM head runs on the embedding's blocks (the dense embedding stays for lookups);
+        activation_bits: theirs (QuantLinear)."""
         sd = dict(state_dict)
         if quantized:
-            self._quantize_linears(sd, quantized)
+            self._quantize_linears(sd, quantized, activation_bits)
         own = dict(self.named_parameters())
         for i in range(self.args.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -183,14 +185,15 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise KeyError(f"missing weights: {sorted(missing)[:5]}")
 
-    def _quantize_linears(self, sd: dict[str, torch.Tensor], quantized: dict[str, tuple[str, torch.Tensor]]) -> None:
+    def _quantize_linears(self, sd: dict[str, torch.Tensor], quantized: dict[str, tuple[str, torch.Tensor]],
+                          activation_bits: int | None) -> None:
         def swap(parent: nn.Module, attr: str, names: list[str]) -> None:
             parts = [quantized.get(n) for n in names]
             if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
                 return  # not all quantized, or in mixed types: stays dense
             layer = getattr(parent, attr)
             blocks = torch.cat([p[1] for p in parts]).to(layer.weight.device)
-            setattr(parent, attr, QuantLinear(blocks, parts[0][0], layer.in_features))
+            setattr(parent, attr, QuantLinear(blocks, parts[0][0], layer.in_features, activation_bits=activation_bits))
             for n in names:
                 sd.pop(n, None)
 
@@ -204,4 +207,5 @@ class LlamaForCausalLM(nn.Module):
             swap(self, "lm_head", ["lm_head.weight"])
         elif "model.embed_tokens.weight" in quantized:
             qtype, blocks = quantized["model.embed_tokens.weight"]
-            self.lm_head = QuantLinear(blocks.to(self.embed_tokens.weight.device), qtype, self.args.hidden_size)
+            self.lm_head = QuantLinear(blocks.to(self.embed_tokens.weight.device), qtype, self.args.hidden_size,
+                                       activation_bits=activation_bits)
