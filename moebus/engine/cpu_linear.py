@@ -8,8 +8,8 @@ every row count on AVX2 (Zen 3: 1.1-1.2x on the layer shapes of SmolLM2, 1.3-2.2
 49152-row LM head, 1-4096 rows). A PackedLinear keeps both weights and picks by dtype and row
 count. Results are the same GEMM up to summation order (tested against F.linear). The packed copy
 is taken once: weights must not change after, and it doubles the memory of the packed weights. On
-AVX-512 CPUs without AMX, layers keep a third copy in pack_panels' layout for decode sizes
-(PANEL_MAX_ROWS), where kernels/panel_linear.py beats oneDNN.
+AVX-512 CPUs without AMX, layers keep a third copy in pack_panels' layout, and kernels/panel_linear.py
+takes every call there (a row's result independent of the batch; faster at decode sizes).
 """
 from __future__ import annotations
 
@@ -57,15 +57,17 @@ QA16_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 PACKED_MAX_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: 256, torch.float32: None}
 PACKED_MAX_ROWS_NATIVE_BF16: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float32: None}
 
-# Calls of at most this many rows take kernels/panel_linear.py (pack_panels' layout, the next
-# weights prefetched): bf16 on CPUs with AVX512-BF16 (vdpbf16ps), float32 on AVX-512, not where
-# there is AMX (oneDNN's AMX tiles; the panel kernel is unmeasured there). Zen 4 VM, 2 threads,
-# SmolLM2's four layer shapes x 30 layers of distinct weights (cold, as in a decode step) and its
-# head, loadtest/ab_panel_linear.py --head, oneDNN's packed GEMM -> the panel kernel, 7/7 rounds
-# each: bf16 1 row 13.7 -> 9.8 ms, 16 rows 18.9 -> 14.5, 64 49.8 -> 45.3, 128 89.6 -> 85.5;
-# float32 (layers only) 1 row 17.8 -> 11.9, 16 rows 24.5 -> 20.2, 64 77.3 -> 68.9, 128 148.0 ->
-# 141.3. At 256 rows bf16 oneDNN is ahead (168.4 vs 172.3 ms).
-PANEL_MAX_ROWS = 128
+# Where the CPU has AVX-512 but no AMX (panels_wanted), every call takes kernels/panel_linear.py
+# (pack_panels' layout, the next weights prefetched): bf16 on vdpbf16ps, float32 on AVX-512 FMAs.
+# Its rows are summed in one order whatever the call holds, so a row's result never depends on the
+# rest of the step: greedy tokens are the same alone or batched, by default (oneDNN picks its
+# blocking by row count). At decode sizes it is also the faster kernel. Zen 4 VM, 2 threads,
+# SmolLM2's four layer shapes x 30 layers of distinct weights (cold, as in a decode step),
+# loadtest/ab_panel_linear.py --head, oneDNN's packed GEMM -> the panel kernel, 7/7 rounds each:
+# bf16 1 row 13.7 -> 9.8 ms, 16 rows 18.9 -> 14.5, 64 49.8 -> 45.3, 128 89.6 -> 85.5; float32
+# (layers only) 1 row 17.8 -> 11.9, 16 rows 24.5 -> 20.2, 64 77.3 -> 68.9, 128 148.0 -> 141.3.
+# Above that it costs what batch invariance costs (bf16, the four shapes x 6 layers, medians of 7
+# alternating): 256 rows 27.4 -> 26.9 ms, 512 55.3 -> 55.5, 1024 108.9 -> 112.8, 1536 165.0 -> 183.9.
 
 # Calls of fewer multiply-adds (rows x in x out) take the plain GEMM: oneDNN's packed call costs
 # ~40 us more per call, which small GEMMs never win back. Measured on a Zen 3 VM in fp32 (packed vs
@@ -83,7 +85,7 @@ def packed_max_rows(dtype: torch.dtype) -> int | None:
 
 @functools.cache
 def panels_wanted(dtype: torch.dtype) -> bool:
-    """Whether PackedLinear keeps a pack_panels copy for the panel kernel (PANEL_MAX_ROWS)."""
+    """Whether PackedLinear keeps a pack_panels copy for the panel kernel (then it takes every call)."""
     flags = cpu_flags()
     needs = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}.get(dtype)
     return needs in flags and "amx_bf16" not in flags
@@ -106,7 +108,7 @@ def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 class PackedLinear(nn.Linear):
     packed: torch.Tensor
-    panels: torch.Tensor | None  # pack_panels(weight) where panels_wanted: calls up to PANEL_MAX_ROWS
+    panels: torch.Tensor | None  # pack_panels(weight) where panels_wanted: the panel kernel takes every call
     panel: PanelLinear | None  # the kernel bound to panels
     max_rows: int | None
     min_rows: int  # fewest rows worth the packed call (PACKED_MIN_MACS)
@@ -115,7 +117,7 @@ class PackedLinear(nn.Linear):
         flat = x.reshape(-1, x.shape[-1])
         rows = flat.shape[0]
         panel = self.__dict__["panel"]  # a plain attribute: not through nn.Module's __getattr__
-        if panel is not None and rows <= PANEL_MAX_ROWS:
+        if panel is not None:
             out = panel(flat)
             if out is not None:
                 return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -35,12 +35,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | None = None,
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False, images: list[list[ImageSpan]] | None = None) -> list[GenerationResult]:
-        """images: per prompt, encoder rows for its image placeholder tokens (engine/multimodal.py)."""
-        params = params or SamplingParams()
+        """params: one for every prompt, or a list of one per prompt (as vLLM's LLM takes them);
+        images: per prompt, encoder rows for its image placeholder tokens (engine/multimodal.py)."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
         results: list[GenerationResult] = []
         owners: dict[str, int] = {}  # engine request id -> prompt index
         for i, p in enumerate(prompts):
@@ -48,10 +52,10 @@ class LLM:
             results.append(GenerationResult(p if isinstance(p, str) else None, ids))
             rid = f"offline-{next(self._ids)}"
             # n > 1: the engine fans out n choices sharing the prompt's KV blocks
-            self.engine.add_request(rid, ids, params, images=images[i] if images else ())
+            self.engine.add_request(rid, ids, per_prompt[i], images=images[i] if images else ())
             owners[rid] = i
-            results[-1].outputs = [Completion(k, "", [], None) for k in range(params.n)]
-        bar = tqdm(total=len(owners) * params.n, desc="generate", unit="seq", disable=not use_tqdm)
+            results[-1].outputs = [Completion(k, "", [], None) for k in range(per_prompt[i].n)]
+        bar = tqdm(total=sum(p.n for p in per_prompt), desc="generate", unit="seq", disable=not use_tqdm)
         texts: dict[tuple[str, int], list[str]] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -70,7 +74,7 @@ class LLM:
         bar.close()
         return results
 
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | None = None,
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[GenerationResult]:
         prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm)

@@ -8,8 +8,8 @@ lowest token id among equal float32 logits; a row holding a NaN gives its first 
 SmolLM2's first answer token to "What is the capital of France?" leads by 0.08 in float32, and
 the rounded tie went to the lower token id (the answer began "L'Étoile" instead of "The capital").
 
-Paths differ only in summation order. Each of them computes a row independently of the other
-rows of the call (the C kernels' tiles; oneDNN's packed GEMM for float32 above the panel sizes).
+Paths differ only in summation order. Where the panel kernel is taken (AVX-512 without AMX) it
+serves every call, so a row's logits never depend on the rest of the batch.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebus.engine.cpu_linear import PANEL_MAX_ROWS, PackedLinear, QuantLinear, panels_wanted
+from moebus.engine.cpu_linear import PackedLinear, QuantLinear, panels_wanted
 from moebus.kernels.argmax import row_argmax
 from moebus.kernels.lm_head_argmax import lm_head_argmax, lm_head_logits, pack_panels
 from moebus.kernels.panel_linear import PanelLinear, panel_linear_applies
@@ -75,8 +75,8 @@ class LMHead:
 
 def _few_rows(x: torch.Tensor, panel: PanelLinear | None,
               wide: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Decode-sized rows by the panel kernel (where it takes them), the rest by `wide`."""
-    if panel is not None and x.shape[0] <= PANEL_MAX_ROWS:
+    """The panel kernel where it is taken (as PackedLinear: every row count), else `wide`."""
+    if panel is not None:
         out = panel(x)
         if out is not None:
             return out
@@ -85,10 +85,12 @@ def _few_rows(x: torch.Tensor, panel: PanelLinear | None,
 
 def _greedy(x: torch.Tensor, panel: PanelLinear | None,
             fused: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Decode-sized rows: the panel kernel's float32 logits, then their argmax (on a Zen 4 VM, 2
-    threads, this beat the fused head+argmax kernel, whose tiles are 16 rows x 1 panel: BENCHMARKS.md,
-    "the greedy head on the panel kernel"); more rows: the fused kernel, no [rows, vocab] logits."""
-    if panel is not None and x.shape[0] <= PANEL_MAX_ROWS:
+    """Where the panel kernel is taken: its float32 logits, then their argmax (the same logits as
+    the sampler's, so a greedy row's token is the same on both paths and in any batch; on a Zen 4
+    VM at decode sizes this also beat the fused head+argmax kernel, whose tiles are 16 rows x 1
+    panel: BENCHMARKS.md, "the greedy head on the panel kernel"); elsewhere the fused kernel, no
+    [rows, vocab] logits."""
+    if panel is not None:
         logits = panel(x)
         if logits is not None:
             return row_argmax(logits)

@@ -5,7 +5,6 @@ from torch import nn
 import moebus.engine.cpu_linear as cl
 from moebus.engine.cpu_linear import (
     PACKED_MIN_MACS,
-    PANEL_MAX_ROWS,
     PackedLinear,
     pack_linears,
     packed_max_rows,
@@ -36,7 +35,8 @@ def test_packed_linear_matches_plain_linear_for_every_row_count(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_small_calls_take_the_plain_gemm(dtype):
-    """Below PACKED_MIN_MACS the call is F.linear itself (bitwise); above it, the packed GEMM."""
+    """Below PACKED_MIN_MACS the call is F.linear itself (bitwise); above it, the packed GEMM; where
+    the panel kernel is taken, it takes both."""
     torch.manual_seed(0)
     layer = nn.Linear(64, 32, bias=False).to(dtype)
     model = nn.Sequential(layer)
@@ -57,11 +57,12 @@ def test_small_calls_take_the_plain_gemm(dtype):
         packed(x)
     finally:
         torch.ops.mkldnn._linear_pointwise = real
-    if packed.min_rows > 1:
+    if packed.panels is not None:  # every row count takes the panel kernel instead
+        assert calls == []
+        torch.testing.assert_close(small, torch.nn.functional.linear(x[:small.shape[0]], layer.weight), **TOL[dtype])
+    elif packed.min_rows > 1:
         assert torch.equal(small, torch.nn.functional.linear(x[:packed.min_rows - 1], layer.weight))
         assert calls == [x.shape[0]]  # only the large call was packed
-    elif packed.panels is not None:  # these row counts take the panel kernel instead
-        assert calls == []
     else:
         assert calls == [1, x.shape[0]]
 
@@ -72,26 +73,26 @@ PANELS = pytest.mark.skipif(not (packing_available(torch.bfloat16) and panels_wa
 
 @PANELS
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_decode_sizes_take_the_panel_kernel_and_larger_calls_onednn(bias):
+def test_bf16_calls_of_every_size_take_the_panel_kernel(bias):
     torch.manual_seed(0)
     layer = nn.Linear(96, 48, bias=bias).to(torch.bfloat16)
     model = nn.Sequential(layer)
     pack_linears(model)
     packed = model[0]
     assert packed.panels is not None
-    x = torch.randn(PANEL_MAX_ROWS + 1, 96, dtype=torch.bfloat16)
+    x = torch.randn(2049, 96, dtype=torch.bfloat16)
     calls = []
     real_panel, real_dnn = cl.PanelLinear.__call__, torch.ops.mkldnn._linear_pointwise
     cl.PanelLinear.__call__ = lambda self, x: calls.append(("panel", x.shape[0])) or real_panel(self, x)
     torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(("onednn", a[0].shape[0])) or real_dnn(*a)
     try:
-        for rows in (1, 5, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1):
+        for rows in (1, 5, 128, 2049):
             out = packed(x[:rows])
             ref = x[:rows].double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
             torch.testing.assert_close(out.double(), ref, **TOL[torch.bfloat16])
     finally:
         cl.PanelLinear.__call__, torch.ops.mkldnn._linear_pointwise = real_panel, real_dnn
-    assert calls == [("panel", 1), ("panel", 5), ("panel", PANEL_MAX_ROWS), ("onednn", PANEL_MAX_ROWS + 1)]
+    assert calls == [("panel", 1), ("panel", 5), ("panel", 128), ("panel", 2049)]  # batch invariance
 
 
 @PANELS

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebus.engine.cpu_linear import PANEL_MAX_ROWS, pack_linears, panels_wanted
+from moebus.engine.cpu_linear import pack_linears, panels_wanted
 from moebus.engine.lm_head import LMHead, float_logits
 from moebus.kernels.lm_head_argmax import lm_head_argmax_ref
 
-ROWS = (1, 3, 16, 64, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1)  # the last is past the panel kernel's sizes
+WIDE = 129  # rows past the old decode sizes: the fused kernel and the wide logits where there are no panels
+ROWS = (1, 3, 16, 64, 128, WIDE)
 
 
 class _Tied(torch.nn.Module):
@@ -77,7 +78,7 @@ def test_a_near_tie_is_decided_by_the_float32_logits(dtype):
     for name, head in _heads(w).items():
         assert head.greedy(x).tolist() == [201] * 5, name
         assert head.logits(x).argmax(-1).tolist() == [201] * 5, name
-        big = x.repeat(PANEL_MAX_ROWS, 1)  # past the panel kernel: the fused kernel and the wide logits
+        big = x.repeat(WIDE, 1)
         assert set(head.greedy(big).tolist()) == {201} == set(head.logits(big).argmax(-1).tolist()), name
     model = _Tied(w)
     assert float_logits(None, model.embed_tokens, x).argmax(-1).tolist() == [201] * 5
@@ -90,18 +91,20 @@ def test_exact_ties_go_to_the_lowest_token_id_on_every_path(dtype):
     w = w.to(dtype)
     x = w[7:8].float().repeat(5, 1).to(dtype) * 3  # rows aligned with w[7] (and w[200])
     for name, head in _heads(w).items():
-        for rows in (x, x.repeat(PANEL_MAX_ROWS, 1)):
+        for rows in (x, x.repeat(WIDE, 1)):
             assert set(head.greedy(rows).tolist()) == {7}, name
             assert set(head.logits(rows).argmax(-1).tolist()) == {7}, name
 
 
 @pytest.mark.skipif(not panels_wanted(torch.bfloat16), reason="the panel kernel is not taken on this CPU")
-def test_decode_sized_calls_take_the_panel_kernel():
+def test_every_call_takes_the_panel_kernel_and_a_row_ignores_its_batch():
     w = torch.randn(256, 64).to(torch.bfloat16)
     head = LMHead.of(_Tied(w))
     assert head.panel is not None and head.panel.out_dtype == torch.float32
-    x = torch.randn(3, 64).to(torch.bfloat16)
+    x = torch.randn(300, 64).to(torch.bfloat16)
     assert torch.equal(head.logits(x), head.panel(x))
+    alone = torch.cat([head.logits(x[i:i + 1]) for i in range(0, 300, 37)])
+    assert torch.equal(alone, head.logits(x)[::37])
 
 
 def test_a_quantized_head_gives_float32_logits_for_bf16_rows():
