@@ -1,4 +1,5 @@
-"""Batch invariance in the default configuration: a greedy request's tokens, and a seeded request's
+"""The default configuration (dtype auto, as `./run up` and `./run generate` run it) answers the
+README's question right, and is batch invariant: a greedy request's tokens, and a seeded request's
 samples, are the same alone and batched with others (engine/cpu_linear.py: where the panel kernel is
 taken it serves every row count; engine/lm_head.py: float32 logits). Run in the dtype `auto` picks,
 bf16 on AVX512-BF16 CPUs, where rounding made batched and lone greedy output differ (10 of 16 equal)."""
@@ -18,10 +19,18 @@ PROMPTS = [[{"role": "user", "content": q}] for q in (
 
 @pytest.fixture(scope="module")
 def auto_llm() -> LLM:
-    llm = LLM(dtype="auto")
+    return LLM(dtype="auto")
+
+
+def _needs_invariant_kernels(llm: LLM) -> None:
     if llm.engine.config.dtype == "bfloat16" and not panels_wanted(llm.engine.config.torch_dtype):
         pytest.skip("bf16 here runs on oneDNN's GEMMs, whose blocking follows the row count (AMX)")
-    return llm
+
+
+def test_the_readme_question_is_answered_right(auto_llm):
+    """bf16 logits rounded to bf16 answered "L'Étoile, la Marseillaise, la femme," here."""
+    out = auto_llm.chat([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=30))
+    assert "Paris" in out[0].outputs[0].text
 
 
 def _ids(llm: LLM) -> list[list[int]]:
@@ -29,6 +38,7 @@ def _ids(llm: LLM) -> list[list[int]]:
 
 
 def test_greedy_tokens_are_the_same_alone_and_batched(auto_llm):
+    _needs_invariant_kernels(auto_llm)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ids = _ids(auto_llm)
     together = [r.outputs[0].token_ids for r in auto_llm.generate(ids, greedy)]
@@ -38,6 +48,7 @@ def test_greedy_tokens_are_the_same_alone_and_batched(auto_llm):
 
 
 def test_a_seeded_request_samples_the_same_alone_and_beside_others(auto_llm):
+    _needs_invariant_kernels(auto_llm)
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
     others = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True)
     ids = _ids(auto_llm)
