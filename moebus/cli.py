@@ -1,4 +1,4 @@
-"""`moebus` command line: generate (offline engine), up / serve (services), loadtest, trace."""
+"""`moebus` command line: generate (offline engine), up / serve (services), loadtest, trace, eval."""
 from __future__ import annotations
 
 import argparse
@@ -64,11 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         from moebus.services.cli import add_cli_commands
 
         add_cli_commands(sub)
+    from moebus.eval.cli import add_cli_command as add_eval
     from moebus.loadtest.cli import add_cli_commands as add_loadtest
     from moebus.shared.trace_view import add_cli_command as add_trace
 
     add_loadtest(sub)
     add_trace(sub)
+    add_eval(sub)
     return parser
 
 

@@ -1,0 +1,46 @@
+"""The engine under test: teacher-forced decode-step logits, and greedy generation through `LLM`.
+
+Scoring runs on the engine's own model object (packed/quantized linears, decode fast path) with
+a private KV cache: writing into the engine's cache would clobber blocks its prefix cache still
+indexes. The scored tokens go in one at a time, so the logits are those of decode steps (1-row
+kernels, GGUF activation quantization), not of one long prefill.
+"""
+from __future__ import annotations
+
+import torch
+
+from moebus.engine.attention import AttentionMetadata
+from moebus.engine.llm import LLM
+from moebus.engine.model_runner import allocate_kv_caches
+from moebus.engine.sampling import SamplingParams
+from moebus.eval.text import Chunk
+
+
+@torch.inference_mode()
+def decode_logits(llm: LLM, chunk: Chunk) -> torch.Tensor:
+    """float32 [len(chunk.targets), V]: prefill the context, then one decode step per scored row."""
+    eng = llm.engine
+    model, cfg = eng.model, eng.config
+    bs, dev, n = cfg.block_size, torch.device(cfg.device), len(chunk.tokens)
+    num_blocks = -(-n // bs)
+    caches = allocate_kv_caches(model.kv_cache_specs(), num_blocks, bs, cfg.torch_dtype, dev)
+    table = torch.arange(num_blocks, dtype=torch.int32, device=dev).unsqueeze(0)  # block i holds positions i*bs..
+
+    def forward(start: int, end: int) -> torch.Tensor:
+        positions = torch.arange(start, end, device=dev)
+        meta = AttentionMetadata([0, end - start], [end], positions, table,
+                                 torch.tensor([end], dtype=torch.int32, device=dev), bs,
+                                 batch_invariant=eng.runner.batch_invariant)
+        ids = torch.tensor(chunk.tokens[start:end], device=dev)
+        return model(ids, positions, meta, caches)
+
+    forward(0, chunk.first)
+    rows = [model.compute_logits(forward(p, p + 1)[-1:]) for p in range(chunk.first, n - 1)]
+    return torch.cat(rows).float().cpu()
+
+
+def generate_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int, batched: bool) -> list[list[int]]:
+    """batched: every prompt in one generate call (continuous batching); else one call each."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    calls = [prompts] if batched else [[p] for p in prompts]
+    return [r.outputs[0].token_ids for call in calls for r in llm.generate(call, params)]
