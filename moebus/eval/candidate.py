@@ -1,8 +1,8 @@
 """The engine under test: teacher-forced decode-step logits, and greedy generation through `LLM`.
 
-Scoring runs on the engine's own model object (packed/quantized linears, decode fast path) with
-a private KV cache: writing into the engine's cache would clobber blocks its prefix cache still
-indexes. The scored tokens go in one at a time, so the logits are those of decode steps (1-row
+Scoring runs on the engine's own model object and LM head (packed/quantized linears, the decode
+fast path, the runner's float32 head) with a private KV cache: writing into the engine's cache
+would clobber blocks its prefix cache still indexes. The scored tokens go in one at a time, so the logits are those of decode steps (1-row
 kernels, GGUF activation quantization), not of one long prefill.
 """
 from __future__ import annotations
@@ -35,7 +35,8 @@ def decode_logits(llm: LLM, chunk: Chunk) -> torch.Tensor:
         return model(ids, positions, meta, caches)
 
     forward(0, chunk.first)
-    rows = [model.compute_logits(forward(p, p + 1)[-1:]) for p in range(chunk.first, n - 1)]
+    head = eng.runner.head.logits  # the LM head path the engine's sampler reads (engine/lm_head.py)
+    rows = [head(forward(p, p + 1)[-1:]) for p in range(chunk.first, n - 1)]
     return torch.cat(rows).float().cpu()
 
 
