@@ -5,8 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-ALONE, BATCHED = "alone", "batched"  # greedy generation: one generate call per prompt, or one for all
+# How a row generates its greedy tokens (run.py dispatches on it):
+ALONE, BATCHED = "alone", "batched"  # one LLM: one generate call per prompt, or one for all
+DISAGG = "disagg"  # a prefill LLM samples the first token, its KV moves to a decode LLM (disagg.py)
+EP2 = "ep2"  # an expert-parallel group of 2 gloo ranks, prompts split between them (ep.py)
+MODES = (ALONE, BATCHED, DISAGG, EP2)
+
 HF_BF16 = "hf-bf16"  # HF transformers in bf16: the yardstick every run reports beside the engine
+TINY_V4 = "tiny-v4"  # --model: a tiny random DeepSeek-V4 written for the run (tiny_v4.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,10 +21,16 @@ class EvalConfig:
     engine_kwargs: Mapping[str, object] = field(default_factory=dict)  # LLM(model, **engine_kwargs)
     mode: str = ALONE
     description: str = ""
+    model: str | None = None  # the --model the row needs (None: any)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
 
 
 _FP32, _BF16 = {"dtype": "float32"}, {"dtype": "bfloat16"}
 _GGUF = {"weight_format": "gguf", "dtype": "float32"}
+_MTP = {**_FP32, "speculative_method": "mtp", "num_speculative_tokens": 3}
 
 CONFIGS: dict[str, EvalConfig] = {c.name: c for c in (
     EvalConfig("fp32", _FP32, ALONE, "dense weights, float32"),
@@ -34,6 +46,11 @@ CONFIGS: dict[str, EvalConfig] = {c.name: c for c in (
     EvalConfig("batched-bf16", _BF16, BATCHED, "bfloat16, all prompts in one generate call"),
     EvalConfig("deterministic", {**_BF16, "deterministic": True}, BATCHED,
                "bfloat16, batch-invariant kernels, all prompts in one call"),
+    EvalConfig("disagg", _FP32, DISAGG, "float32, prefill engine -> KV transfer -> decode engine"),
+    EvalConfig("disagg-bf16", _BF16, DISAGG, "bfloat16, prefill engine -> KV transfer -> decode engine"),
+    EvalConfig("v4", _FP32, ALONE, "tiny DeepSeek-V4, float32, no speculation", TINY_V4),
+    EvalConfig("v4-mtp", _MTP, ALONE, "tiny DeepSeek-V4, float32, MTP drafts (3 a step; random nextn layer: few accepted)", TINY_V4),
+    EvalConfig("v4-ep2", _FP32, EP2, "tiny DeepSeek-V4, float32, expert parallel over 2 gloo ranks", TINY_V4),
 )}
 
 DEFAULT = ("fp32", "bf16")

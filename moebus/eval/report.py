@@ -28,19 +28,22 @@ def _ppl_row(name: str, stats: PerplexityStats, ref: Reference) -> list[str]:
 def config_table(r: Result, ref: Reference, s: Settings) -> str:
     c = ref.chunks
     g = r.greedy
+    inputs = " of synthetic token ids" if s.synthetic else ""
     lines = [f"== {r.name}: {r.description}; greedy {r.mode} ({r.seconds:.1f} s) ==",
-             f"perplexity: {len(c)} chunks x {len(c[0].targets)} scored tokens (ctx {s.ctx}, the first "
+             f"perplexity: {len(c)} chunks x {len(c[0].targets)} scored tokens{inputs} (ctx {s.ctx}, the first "
              f"half context), scored through {r.scored_by}",
              table([["", "NLL", "PPL", "vs HF fp32", "KL(ref||x)", "same top"],
                     ["HF fp32", f"{ref.stats.nll:.4f}", f"{ref.stats.ppl:.4f}", "-", "-", "-"],
                     _ppl_row(r.name, r.ppl, ref)]),
-             f"greedy: {g.prompts} prompts x {ref.max_tokens} tokens against HF fp32; "
+             f"greedy: {g.prompts} prompts{inputs} x {ref.max_tokens} tokens against HF fp32; "
              f"tie: HF fp32's logit margin < {g.tie_margin}",
              f"  matched {g.matched} / ties {len(g.ties)} / divergences {len(g.real)}"]
     if g.divergences:
         lines.append(table([["first divergence", "prompt (from 0)", "token", "margin"]] +
                            [["tie" if g.is_tie(d) else "DIVERGED", f"#{d.prompt}", str(d.position),
                              f"{d.margin:.4f}"] for d in g.divergences]))
+    if r.counters:
+        lines.append("  " + ", ".join(f"{k} {v}" for k, v in r.counters.items()))
     return "\n".join(lines)
 
 
@@ -63,7 +66,8 @@ def to_json(results: list[Result], ref: Reference, s: Settings) -> dict:
         "configs": [{
             "name": r.name, "description": r.description, "mode": r.mode, "seconds": r.seconds,
             "nll": r.ppl.nll, "ppl": r.ppl.ppl, "ppl_diff_pct": ppl_diff_pct(r.ppl, ref), "kl": r.ppl.kl,
-            "same_top_pct": r.ppl.same_top_pct, "scored_tokens": r.ppl.tokens,
+            "same_top_pct": r.ppl.same_top_pct, "scored_tokens": r.ppl.tokens, "scored_by": r.scored_by,
+            "counters": r.counters, "tokens": r.tokens,
             "greedy": {"prompts": r.greedy.prompts, "matched": r.greedy.matched, "ties": len(r.greedy.ties),
                        "diverged": len(r.greedy.real), "tie_margin": r.greedy.tie_margin,
                        "divergences": [{**asdict(d), "tie": r.greedy.is_tie(d)}

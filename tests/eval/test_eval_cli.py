@@ -36,3 +36,7 @@ def test_missing_text_and_prompts(capsys: pytest.CaptureFixture[str], tmp_path) 
 def test_text_shorter_than_ctx(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     (tmp_path / "short.txt").write_text("# a header line\nFour score and seven years ago.\n")
     assert "fewer than --ctx 512" in _fails(capsys, "--text", str(tmp_path / "short.txt"))
+
+
+def test_tiny_v4_rows_need_the_tiny_v4_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "needs --model tiny-v4" in _fails(capsys, "--config", "fp32", "--config", "v4-ep2")

@@ -44,3 +44,12 @@ def test_json_holds_every_number(run: tuple[Reference, Result]) -> None:
     assert d["reference"]["ppl"] == pytest.approx(10.0)
     assert c["ppl_diff_pct"] == pytest.approx(5.0) and c["kl"] == pytest.approx(0.002)
     assert c["greedy"]["divergences"] == [{"prompt": 1, "position": 2, "margin": 0.004, "tie": True}]
+
+
+def test_counters_and_tokens_are_reported(run: tuple[Reference, Result]) -> None:
+    ref, r = run
+    r.counters, r.tokens = {"drafted": 6, "accepted": 2}, [[1, 2, 3], [1, 2, 4]]
+    assert config_table(r, ref, Settings(ctx=4)).splitlines()[-1] == "  drafted 6, accepted 2"
+    assert "synthetic token ids" in config_table(r, ref, Settings(ctx=4, synthetic=True))
+    c = to_json([r], ref, Settings())["configs"][0]
+    assert c["counters"] == {"drafted": 6, "accepted": 2} and c["tokens"] == [[1, 2, 3], [1, 2, 4]]
