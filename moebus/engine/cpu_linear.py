@@ -66,8 +66,9 @@ PACKED_MAX_ROWS_NATIVE_BF16: dict[torch.dtype, int | None] = {torch.bfloat16: No
 # loadtest/ab_panel_linear.py --head, oneDNN's packed GEMM -> the panel kernel, 7/7 rounds each:
 # bf16 1 row 13.7 -> 9.8 ms, 16 rows 18.9 -> 14.5, 64 49.8 -> 45.3, 128 89.6 -> 85.5; float32
 # (layers only) 1 row 17.8 -> 11.9, 16 rows 24.5 -> 20.2, 64 77.3 -> 68.9, 128 148.0 -> 141.3.
-# Above that it costs what batch invariance costs (bf16, the four shapes x 6 layers, medians of 7
-# alternating): 256 rows 27.4 -> 26.9 ms, 512 55.3 -> 55.5, 1024 108.9 -> 112.8, 1536 165.0 -> 183.9.
+# Above that it is what batch invariance costs (bf16, ab_panel_linear.py --rows 256 512 1024 1536
+# --rounds 5): 0.98x-1.02x oneDNN's speed up to 512 rows, 0.94x at 1536; a burst of 128-token
+# prompts, in process (ab_batch_invariance.py): -1% to -3% tok/s (BENCHMARKS.md, issue 34).
 
 # Calls of fewer multiply-adds (rows x in x out) take the plain GEMM: oneDNN's packed call costs
 # ~40 us more per call, which small GEMMs never win back. Measured on a Zen 3 VM in fp32 (packed vs
