@@ -31,33 +31,34 @@ def _heads(w: torch.Tensor) -> dict[str, LMHead]:
     return {"tied": LMHead.of(_Tied(w)), "packed": LMHead.of(packed)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_logits_are_float32_sums_at_every_row_count(dtype):
-    g = torch.Generator().manual_seed(0)
+def _calls(dtype: torch.dtype, seed: int):
+    """(head form, head, x, w, x . w in float64) for each head form and row count of ROWS."""
+    g = torch.Generator().manual_seed(seed)
     w = (torch.randn(4096, 128, generator=g) * 0.1).to(dtype)
     for name, head in _heads(w).items():
         for rows in ROWS:
             x = torch.randn(rows, 128, generator=g).to(dtype)
-            got = head.logits(x)
-            exact = x.double() @ w.double().T
-            assert got.dtype == torch.float32 and got.shape == (rows, 4096)
-            # float32 sums of the products: within a few float32 ulps of float64, far below bf16's steps
-            assert (got.double() - exact).abs().max() < 1e-4, (name, rows)
+            yield name, head, x, w, x.double() @ w.double().T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_are_float32_sums_at_every_row_count(dtype):
+    for name, head, x, _w, exact in _calls(dtype, 0):
+        got = head.logits(x)
+        assert got.dtype == torch.float32 and got.shape == exact.shape
+        # float32 sums of the products: within a few float32 ulps of float64, far below bf16's steps
+        assert (got.double() - exact).abs().max() < 1e-4, (name, x.shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_is_the_first_maximum_of_the_float32_logits(dtype):
-    g = torch.Generator().manual_seed(1)
-    w = (torch.randn(4096, 128, generator=g) * 0.1).to(dtype)
-    for name, head in _heads(w).items():
-        for rows in ROWS:
-            x = torch.randn(rows, 128, generator=g).to(dtype)
-            got, exact = head.greedy(x), x.double() @ w.double().T
-            assert got.dtype == torch.int64 and got.shape == (rows,)
-            # only the summation order differs from the reference: a disagreement is a float32 near-tie
-            picked = exact.gather(1, got.view(-1, 1)).view(-1)
-            assert torch.all(picked >= exact.max(dim=1).values - 1e-4), (name, rows)
-            assert (got == lm_head_argmax_ref(x, w)).float().mean() > 0.95, (name, rows)
+    for name, head, x, w, exact in _calls(dtype, 1):
+        got = head.greedy(x)
+        assert got.dtype == torch.int64 and got.shape == (x.shape[0],)
+        # only the summation order differs from the reference: a disagreement is a float32 near-tie
+        picked = exact.gather(1, got.view(-1, 1)).view(-1)
+        assert torch.all(picked >= exact.max(dim=1).values - 1e-4), (name, x.shape)
+        assert (got == lm_head_argmax_ref(x, w)).float().mean() > 0.95, (name, x.shape)
 
 
 def _near_tie(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
