@@ -47,7 +47,7 @@ class LMHead:
         self.logits = logits
         self.greedy = greedy
         self.panels = panels  # the weight in pack_panels' layout (shared with a PackedLinear head's)
-        self.panel = panel  # the panel kernel bound to it, for decode-sized calls, where it is taken
+        self.panel = panel  # the panel kernel bound to it (float32 out), where it is taken: every call
 
     @classmethod
     def of(cls, model: nn.Module) -> LMHead:
@@ -69,11 +69,11 @@ class LMHead:
             wide = head if head is not None else (lambda x: F.linear(x, weight))
         else:
             wide = lambda x: lm_head_logits(x, weight, panels)  # noqa: E731
-        return cls(lambda x: _few_rows(x, panel, wide),
+        return cls(lambda x: _panel_or(x, panel, wide),
                    lambda x: _greedy(x, panel, lambda r: lm_head_argmax(r, weight, panels)), panels, panel)
 
 
-def _few_rows(x: torch.Tensor, panel: PanelLinear | None,
+def _panel_or(x: torch.Tensor, panel: PanelLinear | None,
               wide: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The panel kernel where it is taken (as PackedLinear: every row count), else `wide`."""
     if panel is not None:
