@@ -52,14 +52,17 @@ class LMHead:
     @classmethod
     def of(cls, model: nn.Module) -> LMHead:
         """From `model.lm_head` (a QuantLinear, PackedLinear or nn.Linear) or, tied and unpacked,
-        `model.embed_tokens`; a head with a bias, or off the CPU, reads through float_logits."""
+        `model.embed_tokens`; a head with a bias, or off the CPU, reads its logits through
+        float_logits."""
         head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
         if isinstance(head, QuantLinear):
             return cls(lambda x: head(x.float()), head.greedy)
         weight = embed.weight if head is None else head.weight
-        if weight.device.type != "cpu" or (head is not None and head.bias is not None):
+        if head is not None and head.bias is not None:
             slow = lambda x: float_logits(head, embed, x)  # noqa: E731
             return cls(slow, lambda x: row_argmax(slow(x)))
+        if weight.device.type != "cpu":  # the Triton head+argmax (float32 sums) where it launches
+            return cls(lambda x: float_logits(head, embed, x), lambda x: lm_head_argmax(x, weight))
         panels = getattr(head, "panels", None)  # a PackedLinear's copy for the panel kernel: the same layout
         panels = panels if panels is not None else pack_panels(weight)
         n, k = weight.shape

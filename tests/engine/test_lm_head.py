@@ -126,3 +126,18 @@ def test_a_quantized_head_gives_float32_logits_for_bf16_rows():
     assert lm.logits(x).dtype == torch.float32
     torch.testing.assert_close(lm.logits(x), want)
     assert torch.equal(lm.greedy(x), want.argmax(-1))
+
+
+def test_a_head_with_a_bias_adds_it_in_float32():
+    head = torch.nn.Linear(64, 256, bias=True).to(torch.bfloat16)
+
+    class Model(torch.nn.Module):
+        lm_head = head
+        embed_tokens = None
+
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    lm = LMHead.of(Model())
+    want = x.double() @ head.weight.double().T + head.bias.double()
+    got = lm.logits(x)
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 1e-4
+    assert torch.equal(lm.greedy(x), got.argmax(-1))
