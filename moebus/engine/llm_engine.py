@@ -98,7 +98,8 @@ class LLMEngine:
         if config.speculative_method == "mtp" and config.num_speculative_tokens and draft_proposer is None:
             from moebus.engine.mtp_proposer import build_mtp  # DeepSeek-V4 only: import on demand
 
-            draft_proposer, self.target_streams = build_mtp(self.model, self.hf_config, config.block_size)
+            draft_proposer, self.target_streams = build_mtp(self.model, self.hf_config, config.block_size,
+                                                            self.runner.head.greedy)
         self.ngram = NgramProposer(num_speculative_tokens=config.num_speculative_tokens) \
             if config.num_speculative_tokens and draft_proposer is None else None
         self.draft_proposer = draft_proposer

@@ -27,7 +27,8 @@ from moebus.kernels.panel_linear import PanelLinear, panel_linear_applies
 
 def float_logits(head: nn.Module | None, embed: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """A model's compute_logits: hidden [M, H] -> float32 [M, V] by its head (None: tied to
-    `embed`'s weight). For callers outside the step (MTP drafts, tests); the runner binds an LMHead."""
+    `embed`'s weight). For tests and tools: a bf16 head without a PackedLinear's panels is packed
+    again at each call; the engine (steps, MTP drafts) reads the LMHead its runner binds once."""
     if isinstance(head, QuantLinear):
         return head(hidden.float())
     if isinstance(head, PackedLinear) and head.weight.dtype == torch.float32:

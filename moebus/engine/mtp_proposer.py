@@ -15,7 +15,7 @@ rejection sampling stays exact at any temperature.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,8 +27,12 @@ from moebus.engine.target_streams import TargetStreams
 
 
 class MTPProposer:
-    def __init__(self, model: DeepseekV4ForCausalLM, layer: DeepseekV4MTPLayer, block_size: int = 16) -> None:
+    def __init__(self, model: DeepseekV4ForCausalLM, layer: DeepseekV4MTPLayer, block_size: int = 16,
+                 greedy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """greedy: hidden rows -> token ids by the target's LM head, bound once (the runner's
+        LMHead.greedy); default: the argmax of model.compute_logits."""
         self.model, self.layer, self.block_size = model, layer, block_size
+        self.greedy = greedy or (lambda h: model.compute_logits(h).argmax(dim=-1))
         c = layer.config
         self.window = c.sliding_window
         self._spec = KVCacheSpec(1, c.head_dim, c.head_dim, sliding_window=c.sliding_window)
@@ -65,7 +69,7 @@ class MTPProposer:
         return self.layer(streams, embeds, ids, step, cache)
 
     def _draft(self, out: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(self.layer.head(out)).argmax(dim=-1)
+        return self.greedy(self.layer.head(out))
 
     @torch.inference_mode()
     def propose(self, batch_token_ids: Sequence[Sequence[int]], hidden_states: torch.Tensor | None,
@@ -102,10 +106,11 @@ class MTPProposer:
         return drafts
 
 
-def build_mtp(model: torch.nn.Module, hf_config: dict, block_size: int) -> tuple[MTPProposer, TargetStreams]:
+def build_mtp(model: torch.nn.Module, hf_config: dict, block_size: int,
+              greedy: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[MTPProposer, TargetStreams]:
     """The proposer over a DeepSeek-V4 checkpoint's first nextn layer, and the tap feeding it the
-    target's mHC streams (the input of `hc_head`)."""
+    target's mHC streams (the input of `hc_head`); greedy: as MTPProposer's."""
     if not isinstance(model, DeepseekV4ForCausalLM):
         raise ValueError("speculative_method='mtp' needs a DeepSeek-V4 checkpoint with nextn layers")
     layer = load_mtp_layers(model, hf_config)[0]
-    return MTPProposer(model, layer, block_size), TargetStreams(model.hc_head, layer.config.sliding_window)
+    return MTPProposer(model, layer, block_size, greedy), TargetStreams(model.hc_head, layer.config.sliding_window)
