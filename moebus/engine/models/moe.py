@@ -7,6 +7,8 @@ which experts they pick.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,10 +29,46 @@ def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     raise ValueError(f"unknown scoring_func {scoring_func!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class GroupLimit:
+    """Group-limited routing (DeepSeek-V2 `group_limited_greedy`, V3 `noaux_tc`): the experts are
+    split into `num_groups` equal groups, each group scored (`max`: its best expert, V2;
+    `top2_sum`: its best two, V3), and a token picks its top-k among the experts of its
+    `topk_groups` best groups only."""
+
+    num_groups: int
+    topk_groups: int
+    group_score: str  # "max" | "top2_sum"
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        if self.group_score not in ("max", "top2_sum"):
+            raise ValueError(f"group_score must be 'max' or 'top2_sum', not {self.group_score!r}")
+        if self.num_groups < 1 or num_experts % self.num_groups:
+            raise ValueError(f"n_group {self.num_groups} must divide n_routed_experts {num_experts}")
+        per_group = num_experts // self.num_groups
+        if not 1 <= self.topk_groups <= self.num_groups or self.topk_groups * per_group < top_k:
+            raise ValueError(f"topk_group {self.topk_groups} of {self.num_groups} groups holds fewer than "
+                             f"num_experts_per_tok {top_k} experts")
+        if self.group_score == "top2_sum" and per_group < 2:
+            raise ValueError("top2_sum group scores need at least 2 experts per group")
+
+    def mask(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] with the experts outside each token's chosen groups set to -inf."""
+        grouped = choice.view(choice.shape[0], self.num_groups, -1)
+        if self.group_score == "max":
+            group_scores = grouped.amax(dim=-1)
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, torch.topk(group_scores, self.topk_groups, dim=-1).indices, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+
+
 class Router(nn.Module):
     """Learned top-k router, or (`hash_vocab_size` set) hash router: `tid2eid[input_ids]` picks experts.
 
-    Top-k selection uses `scores + e_score_correction_bias` (the bias only balances load); the
+    Top-k selection uses `scores + e_score_correction_bias` (the bias only balances load; a router
+    built with score_bias=False has none), limited to the best groups with `groups`; the
     combine weights use the unbiased scores, optionally renormalised over the chosen k, then
     scaled by `routed_scaling_factor`.
     """
@@ -38,8 +76,12 @@ class Router(nn.Module):
     batch_invariant: bool = False  # deterministic mode (engine.batch_invariant)
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring_func: str,
-                 norm_topk_prob: bool, routed_scaling_factor: float, hash_vocab_size: int | None):
+                 norm_topk_prob: bool, routed_scaling_factor: float, hash_vocab_size: int | None,
+                 score_bias: bool = True, groups: GroupLimit | None = None):
         super().__init__()
+        if groups is not None:
+            groups.check(num_experts, top_k)
+        self.groups = groups
         self.top_k = top_k
         self.scoring_func = scoring_func
         self.norm_topk_prob = norm_topk_prob
@@ -48,8 +90,10 @@ class Router(nn.Module):
         self.is_hash = hash_vocab_size is not None
         if self.is_hash:
             self.register_buffer("tid2eid", torch.zeros(hash_vocab_size, top_k, dtype=torch.int64))
-        else:
+        elif score_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
@@ -62,7 +106,10 @@ class Router(nn.Module):
         if self.is_hash:
             ids = self.tid2eid[input_ids].long()
         else:
-            ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1).indices
+            choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+            if self.groups is not None:
+                choice = self.groups.mask(choice)
+            ids = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -96,12 +143,13 @@ class MoE(nn.Module):
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  num_shared_experts: int, scoring_func: str, norm_topk_prob: bool,
-                 routed_scaling_factor: float, swiglu_limit: float | None, hash_vocab_size: int | None):
+                 routed_scaling_factor: float, swiglu_limit: float | None, hash_vocab_size: int | None,
+                 score_bias: bool = True, groups: GroupLimit | None = None):
         super().__init__()
         self.num_experts = num_experts
         self.swiglu_limit = swiglu_limit
         self.gate = Router(hidden_size, num_experts, top_k, scoring_func, norm_topk_prob,
-                           routed_scaling_factor, hash_vocab_size)
+                           routed_scaling_factor, hash_vocab_size, score_bias, groups)
         self.w13 = nn.Parameter(torch.zeros(num_experts, 2 * moe_intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.zeros(num_experts, hidden_size, moe_intermediate_size))
         self.shared_experts = (SharedExpert(hidden_size, num_shared_experts * moe_intermediate_size, swiglu_limit)

@@ -1,0 +1,65 @@
+"""Checkpoint tensors into a model's parameters: per-expert tensors stacked, every tensor checked.
+
+HF's `save_pretrained` writes MoE experts one tensor per expert (`mlp.experts.3.gate_proj.weight`,
+Mixtral's `block_sparse_moe.experts.3.w1.weight`); our MoE layers hold them stacked
+(`w13 [E, 2I, H]`, gate rows then up rows, and `w2 [E, H, I]`, see models/moe.py). `assign`
+copies a name -> tensor map into a module's parameters and buffers and fails on the first
+tensor that is unexpected, misshaped or missing, naming it, so a broken checkpoint never
+half-loads.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+
+def stack_experts(sd: dict[str, torch.Tensor], prefix: str, gate: str, up: str, down: str,
+                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pops `{prefix}.{e}.{gate|up|down}.weight` for e in 0..E-1 out of sd: (w13 [E, 2I, H], w2 [E, H, I])."""
+    pattern = re.compile(re.escape(prefix) + r"\.(\d+)\.(" + "|".join(map(re.escape, (gate, up, down))) + r")\.weight")
+    found: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    for name in [n for n in sd if n.startswith(prefix + ".")]:
+        if m := pattern.fullmatch(name):
+            found[m[2]][int(m[1])] = sd.pop(name)
+    for part in (gate, up, down):
+        have = found.get(part, {})
+        missing = [e for e in range(num_experts) if e not in have]
+        if missing:
+            raise KeyError(f"missing weight {prefix}.{missing[0]}.{part}.weight ({len(missing)} of {num_experts} "
+                           f"experts lack {part})")
+        extra = sorted(set(have) - set(range(num_experts)))
+        if extra:
+            raise KeyError(f"unexpected weight {prefix}.{extra[0]}.{part}.weight: the config has {num_experts} experts")
+    for part in (gate, up, down):
+        shapes = {tuple(t.shape) for t in found[part].values()}
+        if len(shapes) != 1:
+            e = next(e for e, t in found[part].items() if tuple(t.shape) != tuple(found[part][0].shape))
+            raise ValueError(f"{prefix}.{e}.{part}.weight: shape {tuple(found[part][e].shape)} != "
+                             f"{tuple(found[part][0].shape)} of expert 0")
+    stack = {p: torch.stack([found[p][e] for e in range(num_experts)]) for p in (gate, up, down)}
+    if stack[gate].shape != stack[up].shape:
+        raise ValueError(f"{prefix}: {gate} {tuple(stack[gate].shape[1:])} and {up} {tuple(stack[up].shape[1:])} differ")
+    return torch.cat([stack[gate], stack[up]], dim=1), stack[down]
+
+
+def assign(module: nn.Module, sd: dict[str, torch.Tensor], strip: str = "model.") -> None:
+    """Copies every tensor of sd (names relative to module after removing `strip`) into module's
+    parameters and persistent buffers; each of those must be loaded exactly once."""
+    own = module.state_dict(keep_vars=True)  # parameters and persistent buffers
+    loaded: set[str] = set()
+    for name, tensor in sd.items():
+        key = name.removeprefix(strip)
+        if key not in own:
+            raise KeyError(f"unexpected weight {name}")
+        if own[key].shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the config needs {tuple(own[key].shape)}")
+        with torch.no_grad():
+            own[key].copy_(tensor)
+        loaded.add(key)
+    missing = sorted(set(own) - loaded)
+    if missing:
+        raise KeyError(f"missing weight {strip}{missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
