@@ -6,18 +6,14 @@ The checkpoint (hf_checkpoint.write_tiny_deepseek_v4) has 4 sliding-window layer
 """
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from moebus.engine.attention import AttentionMetadata
-from moebus.engine.model_runner import allocate_kv_caches
 from moebus.engine.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
 from moebus.engine.models.hf_checkpoint import read_hf_checkpoint, write_tiny_deepseek_v4
 
-BLOCK = 16
-MAX_BLOCKS = 8  # per sequence: 128 tokens
+from .paged_steps import caches, prompt, run, step_meta
+
 TOL = 1e-4
 
 
@@ -41,34 +37,6 @@ def model(ckpt) -> DeepseekV4ForCausalLM:
     m = DeepseekV4ForCausalLM(DeepseekV4Args.from_hf_config(config)).eval()
     m.load_weights(state)
     return m
-
-
-def caches(model: DeepseekV4ForCausalLM, num_seqs: int) -> list[tuple[torch.Tensor, ...]]:
-    return allocate_kv_caches(model.kv_cache_specs(), num_seqs * MAX_BLOCKS, BLOCK, torch.float32,
-                              torch.device("cpu"))
-
-
-def step_meta(ctx_lens: list[int], new_lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Sequence b owns blocks [b*MAX_BLOCKS, (b+1)*MAX_BLOCKS), has ctx_lens[b] tokens cached and
-    writes new_lens[b] more this step. Returns (metadata, positions)."""
-    tables = torch.arange(len(ctx_lens) * MAX_BLOCKS, dtype=torch.int32).view(len(ctx_lens), MAX_BLOCKS)
-    pos = [torch.arange(c, c + n) for c, n in zip(ctx_lens, new_lens, strict=True)]
-    slots = torch.cat([tables[b, p // BLOCK].long() * BLOCK + p % BLOCK for b, p in enumerate(pos)])
-    seq_lens = [c + n for c, n in zip(ctx_lens, new_lens, strict=True)]
-    meta = AttentionMetadata(query_start_loc=[0, *itertools.accumulate(new_lens)], seq_lens=seq_lens,
-                             slot_mapping=slots, block_tables=tables,
-                             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32), block_size=BLOCK)
-    return meta, torch.cat(pos)
-
-
-@torch.no_grad()
-def run(model, ids: torch.Tensor, ctx_lens: list[int], new_lens: list[int], kv) -> torch.Tensor:
-    meta, positions = step_meta(ctx_lens, new_lens)
-    return model.compute_logits(model(ids, positions, meta, kv))
-
-
-def prompt(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_checkpoint_names_match_hf(ckpt, hf_model):

@@ -8,7 +8,7 @@ def test_mlp_in_row_chunks_matches_one_pass():
     torch.manual_seed(0)
     args = LlamaArgs(vocab_size=32, hidden_size=48, intermediate_size=80, num_hidden_layers=1,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=12)
-    mlp = LlamaMLP(args)
+    mlp = LlamaMLP(args.hidden_size, args.intermediate_size)
     x = torch.randn(11, 48)
     whole = mlp(x)
     mlp.chunk_rows = 4  # 11 rows: chunks of 4, 4, 3

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
-
 from moebus.engine.models.hf_checkpoint import tiny_deepseek_v4_config, write_tiny_deepseek_v4
+from moebus.engine.models.tiny_checkpoints import write_word_tokenizer
 
 
 def write_tiny_moe_checkpoint(out_dir: str | Path, seed: int = 0, **overrides: object) -> Path:
     path = write_tiny_deepseek_v4(out_dir, seed, **overrides)
-    vocab_size = int(tiny_deepseek_v4_config(**overrides)["vocab_size"])
-    tok = HFTokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins tokens with spaces
-    tok.save(str(path / "tokenizer.json"))
+    write_word_tokenizer(path, int(tiny_deepseek_v4_config(**overrides)["vocab_size"]))
     return path

@@ -29,7 +29,21 @@ def _build(arch: str, cfg: dict) -> nn.Module:
         from moebus.engine.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
 
         return DeepseekV4ForCausalLM(DeepseekV4Args.from_hf_config(cfg))
-    raise ValueError(f"unsupported architecture {arch!r}")
+    if arch in MOE_DECODERS:
+        from moebus.engine.models.moe_decoder import MoEDecoderArgs, MoEDecoderForCausalLM
+
+        return MoEDecoderForCausalLM(MoEDecoderArgs.from_hf_config(cfg))
+    if arch in MLA_DECODERS:
+        from moebus.engine.models.deepseek_v2 import DeepseekV2Args, DeepseekV2ForCausalLM
+
+        return DeepseekV2ForCausalLM(DeepseekV2Args.from_hf_config(cfg))
+    raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+
+
+# Kept here rather than imported so naming the supported set does not import every model.
+MOE_DECODERS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM")
+MLA_DECODERS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "DeepseekV4ForCausalLM", *MOE_DECODERS, *MLA_DECODERS)
 
 
 # Vision-language checkpoints whose text model is a Llama under this prefix (the vision side loads

@@ -83,10 +83,10 @@ class LlamaMLP(nn.Module):
     # whole, over three alternating runs; fp32 was even (1202-1216 vs 1211-1230 ms).
     chunk_rows: int = 2048
 
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
         if x.shape[0] <= self.chunk_rows:
@@ -100,7 +100,7 @@ class LlamaLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = LlamaAttention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = LlamaMLP(a)
+        self.mlp = LlamaMLP(a.hidden_size, a.intermediate_size)
 
     def forward(self, x, residual, cos, sin, meta, kv_cache):
         if residual is None:
