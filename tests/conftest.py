@@ -1,4 +1,4 @@
-"""Fixtures for test directories that are not packages (tests/engine, tests/models): a plain helper
+"""Fixtures for test directories that are not packages (tests/engine): a plain helper
 module there could not be imported from the other directory, a fixture can."""
 from __future__ import annotations
 

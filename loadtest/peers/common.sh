@@ -11,3 +11,5 @@ THREADS=${THREADS:-2}
 smollm2_gguf() {
   "$REPO/.venv/bin/python" -c 'from moebus.engine.loader.gguf_file import embedded_gguf_path; print(embedded_gguf_path())'
 }
+# llama.cpp's native server, built by setup_llama_server.sh from the llama-cpp-python sdist's tree.
+LLAMA_SERVER=${LLAMA_SERVER:-${LLAMA_SRC:-$PEERS/llama-cpp-src}/build/bin/llama-server}

@@ -1,4 +1,4 @@
-"""Read a llama-architecture GGUF: config, dequantized HF-named weights, tokenizer metadata."""
+"""Read a GGUF (the architectures of loader/gguf_archs.py): config, dequantized HF-named weights, tokenizer metadata."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
+
+from moebus.engine.loader.gguf_archs import GGUFArch, arch_of, hf_name, stack_experts
 
 EMBEDDED_MODEL = "smollm2"
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # GGUF types served as blocks (kernels/quant_matmul.py)
@@ -46,87 +48,72 @@ class GGUFCheckpoint:
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
     def hf_config(self) -> dict[str, object]:
-        """The HF LlamaConfig fields this file describes."""
-        if self.architecture != "llama":
-            raise ValueError(f"unsupported GGUF architecture {self.architecture!r} (only llama)")
+        """The HF config fields this file describes (loader/gguf_archs.py maps each architecture)."""
+        arch = arch_of(self.architecture)
         names = {t.name for t in self.reader.tensors}
         n_heads = int(self.arch("attention.head_count"))
         hidden = int(self.arch("embedding_length"))
+        head_dim = self.arch("attention.key_length") or self.arch("rope.dimension_count") or hidden // n_heads
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [arch.hf_architecture(self.arch)],
             "vocab_size": int(self.arch("vocab_size", len(self.metadata["tokenizer.ggml.tokens"]))),
             "hidden_size": hidden,
             "intermediate_size": int(self.arch("feed_forward_length")),
             "num_hidden_layers": int(self.arch("block_count")),
             "num_attention_heads": n_heads,
             "num_key_value_heads": int(self.arch("attention.head_count_kv", n_heads)),
-            "head_dim": int(self.arch("rope.dimension_count", hidden // n_heads)),
+            "head_dim": int(head_dim),
+            "hidden_act": "silu",
             "rms_norm_eps": float(self.arch("attention.layer_norm_rms_epsilon")),
             "rope_theta": float(self.arch("rope.freq_base", 10000.0)),
             "max_position_embeddings": int(self.arch("context_length")),
             "tie_word_embeddings": "output.weight" not in names,
             "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
+            **arch.config(self.arch),
         }
 
     def state_dict(self, dtype: torch.dtype = torch.float32,
                    progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
-        """Dequantized weights under HF Llama names, q/k rows un-permuted back to HF's rotary layout;
-        progress(tensors done, total) after each."""
-        cfg = self.hf_config()
+        """Dequantized weights under HF names, q/k rows un-permuted back to HF's rotary layout where
+        the converter permuted them, experts stacked; progress(tensors done, total) after each."""
+        cfg, arch = self.hf_config(), arch_of(self.architecture)
         out: dict[str, torch.Tensor] = {}
         for k, t in enumerate(self.reader.tensors):
             if progress is not None:
                 progress(k, len(self.reader.tensors))
             w = dequantize(t.data, t.tensor_type)
             w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
-            name = _hf_name(t.name)
-            if name.endswith("self_attn.q_proj.weight"):
-                w = _unpermute(w, int(cfg["num_attention_heads"]))
-            elif name.endswith("self_attn.k_proj.weight"):
-                w = _unpermute(w, int(cfg["num_key_value_heads"]))
+            name = hf_name(arch, t.name)
+            w = self._unpermuted(arch, name, w, cfg)
             out[name] = torch.from_numpy(np.array(w, copy=True)).to(dtype)
+        stack_experts(arch, out)
         if progress is not None:
             progress(len(self.reader.tensors), len(self.reader.tensors))
         return out
+
+    @staticmethod
+    def _unpermuted(arch: GGUFArch, name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
+        if arch.permuted_qk and name.endswith("self_attn.q_proj.weight"):
+            return _unpermute(w, int(cfg["num_attention_heads"]))
+        if arch.permuted_qk and name.endswith("self_attn.k_proj.weight"):
+            return _unpermute(w, int(cfg["num_key_value_heads"]))
+        return w
 
     def quantized_blocks(self) -> dict[str, tuple[str, torch.Tensor]]:
         """HF name -> (type, uint8 [rows, blocks bytes]) for the 2-D tensors stored in a type the
         quant_matmul kernels take (Q4_0, Q4_1, Q8_0): the file's own bytes, q/k rows un-permuted
         as in state_dict (a row's blocks move with it)."""
-        cfg = self.hf_config()
+        cfg, arch = self.hf_config(), arch_of(self.architecture)
         out: dict[str, tuple[str, torch.Tensor]] = {}
         for t in self.reader.tensors:
             qtype = t.tensor_type.name
             if qtype not in QUANT_TYPES or len(t.shape) != 2:
                 continue
-            w = np.asarray(t.data, dtype=np.uint8)
-            name = _hf_name(t.name)
-            if name.endswith("self_attn.q_proj.weight"):
-                w = _unpermute(w, int(cfg["num_attention_heads"]))
-            elif name.endswith("self_attn.k_proj.weight"):
-                w = _unpermute(w, int(cfg["num_key_value_heads"]))
+            name = hf_name(arch, t.name)
+            w = self._unpermuted(arch, name, np.asarray(t.data, dtype=np.uint8), cfg)
             out[name] = (qtype, torch.from_numpy(np.array(w, copy=True)))
         return out
-
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _hf_name(name: str) -> str:
-    base, suffix = name.rsplit(".", 1)
-    if base.startswith("blk."):
-        _, idx, part = base.split(".", 2)
-        return f"model.layers.{idx}.{_LAYER_NAMES[part]}.{suffix}"
-    return f"{_TOP_NAMES[base]}.{suffix}"
-
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp's converter interleaves each head's rotary halves; HF keeps them as two halves.

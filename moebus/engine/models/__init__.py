@@ -98,14 +98,19 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: st
     state: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         state.update(load_file(str(f)))
+    if not state:
+        raise FileNotFoundError(f"{model}: no *.safetensors weights in {path}")
     arch = (cfg.get("architectures") or ["?"])[0]
+    if quantized and arch != "LlamaForCausalLM":
+        raise ValueError(f"{model}: weight_format 'gguf' (quantized blocks) serves Llama only, not {arch}; "
+                         "use weight_format 'dense'")
     if arch in _VLM_TEXT_PREFIX:
         cfg, state = _text_model_of(cfg, state, _VLM_TEXT_PREFIX[arch])
         arch = "LlamaForCausalLM"
     with torch.device("meta"):  # weights come from the checkpoint: skip random init
         net = _build(arch, cfg)
     net = net.to_empty(device=device).to(dtype)
-    if quantized and arch == "LlamaForCausalLM":
+    if quantized:
         net.load_weights({k: v.to(dtype) for k, v in state.items()}, quantized=quantized,
                          activation_bits=activation_bits)
     else:
