@@ -479,7 +479,10 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
         try:
             say = say_to()
             preparing.set()
-            prepare(model, say)  # [1/4] model conversion, [2/4] kernel builds: once, here, not in every worker
+            # [1/4] model conversion, [2/4] kernel builds: once, here, not in every worker
+            summary = prepare(model, say, cfg.engine)
+            if summary is not None and "max_model_len" not in cfg.engine:
+                cfg.engine["max_model_len"] = summary.context  # the frontend checks what the engines allow
             preparing.clear()
             say(f"[3/4] starting {len(stack.service_configs())} processes")
             stack.on_wait = WaitReporter(say)  # [4/4] warm-up: who is still loading or warming up
@@ -493,7 +496,8 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
         if cfg.autoscale is not None:
             each = "" if cfg.mode == "aggregated" else " per pool (prefill, decode)"
             pools = f"{cfg.autoscale[0]}..{cfg.autoscale[1]} worker(s){each} scaled by planner-0"
-        print(f"moebus up: {stack.url}/v1 (model {cfg.served_model_name or model}, {pools}, "
+        served = cfg.served_model_name or model
+        print(f"moebus up: {stack.url}/v1 (model {served}{'' if summary is None else f': {summary}'}, {pools}, "
               f"{'KV broker, ' if stack.kvbroker_on else ''}NATS {stack.services_url}"
               f"{'' if stack.users is None else ', bus auth on'})", flush=True)
         if (targets := stack.write_metrics_targets()) is not None:

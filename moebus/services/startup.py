@@ -10,9 +10,11 @@ The toy model needs none of it. `./run` says when it installs (phase 0).
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -81,9 +83,47 @@ def build_kernels(model: str, say: Say) -> None:
         say(f"[2/4] kernels: ready in {took:.1f}s")
 
 
-def prepare(model: str, say: Say) -> None:
+@dataclass(frozen=True, slots=True)
+class ModelSummary:
+    """What a user needs to know about the served model, said at start."""
+
+    architecture: str
+    trained_context: int | None  # the checkpoint's max_position_embeddings
+    context: int  # the engines' max_model_len
+    dtype: str  # the compute dtype on this host ("auto" resolved)
+
+    def __str__(self) -> str:
+        trained = "" if self.trained_context in (None, self.context) else f" of {self.trained_context} trained"
+        return f"{self.architecture}, context {self.context} tokens{trained}, {self.dtype}"
+
+
+def summarize_model(model: str, engine: dict) -> ModelSummary:
+    """From the checkpoint's config.json (a GGUF's converted copy) and the workers' engine options.
+    Without an explicit max_model_len the engines serve the checkpoint's trained context, capped at
+    EngineConfig's default."""
+    from moebus.engine.config import EngineConfig
+    from moebus.engine.dtype_choice import resolve_dtype
+    from moebus.engine.loader.gguf_cache import converted_dir
+    from moebus.engine.models import resolve
+
+    path = resolve(model)
+    cfg = json.loads(((converted_dir(path) if path.suffix == ".gguf" else path) / "config.json").read_text())
+    trained = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+    default = EngineConfig.__dataclass_fields__["max_model_len"].default
+    context = engine.get("max_model_len") or min(default, trained or default)
+    return ModelSummary((cfg.get("architectures") or ["?"])[0], trained, int(context),
+                        resolve_dtype(str(engine.get("dtype", "auto"))))
+
+
+def prepare(model: str, say: Say, engine: dict) -> ModelSummary | None:
+    """Phases 1 and 2; the served model's summary (None for the toy model)."""
     prepare_model(model, say)
     build_kernels(model, say)
+    if model == TOY_MODEL:
+        return None
+    summary = summarize_model(model, engine)
+    say(f"model {model}: {summary}")
+    return summary
 
 
 def threads_per_worker(workers: int) -> int | None:

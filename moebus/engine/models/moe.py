@@ -54,7 +54,7 @@ class GroupLimit:
 
     def mask(self, choice: torch.Tensor) -> torch.Tensor:
         """choice [T, E] with the experts outside each token's chosen groups set to -inf."""
-        grouped = choice.view(choice.shape[0], self.num_groups, -1)
+        grouped = choice.view(choice.shape[0], self.num_groups, choice.shape[1] // self.num_groups)  # 0 rows too
         if self.group_score == "max":
             group_scores = grouped.amax(dim=-1)
         else:

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 
+_MLA = dict(intermediate_size=96, moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.5)
 # family -> (HF config class, HF model class, tiny config kwargs)
 _TINY: dict[str, tuple[str, str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
@@ -28,6 +31,12 @@ _TINY: dict[str, tuple[str, str, dict]] = {
     "granite_moe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
         intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=12.0,
         attention_multiplier=0.015625 * 4, residual_multiplier=0.22, logits_scaling=6.0, tie_word_embeddings=True)),
+    # MLA: 3 layers (first dense), group-limited routing; V2 with norm_topk_prob False, since HF's V2
+    # router ignores the flag while the original DeepSeek code (and ours) applies it.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        _MLA, q_lora_rank=None, norm_topk_prob=False, topk_method="group_limited_greedy", num_key_value_heads=4)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        _MLA, q_lora_rank=48, norm_topk_prob=True, num_nextn_predict_layers=0, num_key_value_heads=4)),
 }
 FAMILIES = tuple(_TINY)
 _SHAPE = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,

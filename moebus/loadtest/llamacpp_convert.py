@@ -1,5 +1,5 @@
 """llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py with its gguf-py), from the
-`llama-cpp-python` sdist on PyPI, so the GGUF tests read files written the way users' are.
+`llama-cpp-python` sdist on PyPI, so GGUF tests and benchmark checkpoints are files written the way users' are.
 
 Fetched once into the moebus cache (~77 MB download); its one extra import, sentencepiece, goes
 into a folder beside it, never into the project's venv."""
