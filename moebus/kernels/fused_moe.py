@@ -7,10 +7,13 @@ combine over the k slots is summed in float32.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._compat import check_launchable, tl, triton, upcast_dots, use_triton
 from .cpu_build import F32, I32, I64, PTR, library, on_cpu
+from .lm_head_argmax import pack_panels
 from .silu_mul import silu_and_mul_ref, silu_and_mul_triton
 
 # The C kernel takes batches up to CPU_MAX_TOKENS tokens, and any batch when an expert's weights
@@ -192,12 +195,85 @@ def fused_moe_cpu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return out if status == 0 else None
 
 
+def pack_expert_panels(w: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] -> each expert's pack_panels layout, experts back to back (a copy)."""
+    return torch.stack([pack_panels(w[e]) for e in range(w.shape[0])])
+
+
+@functools.cache
+def _panels_supported(dtype: torch.dtype) -> bool:
+    """Whether this build and CPU run csrc/fused_moe_panels_cpu.c for `dtype` (one tiny probe call)."""
+    x, w13, w2 = torch.ones(1, 32, dtype=dtype), torch.zeros(1, 64, 32, dtype=dtype), torch.zeros(1, 32, 32, dtype=dtype)
+    ids, weights = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    return fused_moe_panels_cpu(x, ExpertPanels.pack(w13, w2), weights, ids, 32) is not None
+
+
+class ExpertPanels:
+    """The packed copy of one MoE layer's expert weights that the panel kernel reads, made on first
+    use and again whenever the weights change (an EPLB move writes into them: their version moves).
+    It doubles the experts' memory; a layer whose dtype, shapes or CPU the kernel does not take
+    keeps none."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return pack_expert_panels(w13), pack_expert_panels(w2)
+
+    def get(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        d, i = w2.shape[1], w2.shape[2]
+        if not (on_cpu(w13, w2) and w13.dtype in PANEL_DTYPES and panel_shapes_ok(d, i, w13.dtype)
+                and _panels_supported(w13.dtype)):
+            return None
+        key = (w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, w13.dtype, w13.shape[0])
+        if key != self._key:
+            self._packed, self._key = self.pack(w13, w2), key
+        return self._packed
+
+
+PANEL_DTYPES = (torch.bfloat16, torch.float32)
+_PANEL_ARGTYPES = [PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I32, I32, F32]
+
+
+def panel_shapes_ok(d: int, i: int, dtype: torch.dtype) -> bool:
+    """The panel kernel's shapes: 16-column panels (bf16: k in 32s, unpadded)."""
+    return d % 16 == 0 and (2 * i) % 16 == 0 and (dtype != torch.bfloat16 or (d % 32 == 0 and i % 32 == 0))
+
+
+def fused_moe_panels_cpu(x: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor], topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor, intermediate: int,
+                         swiglu_limit: float | None = None) -> torch.Tensor | None:
+    """csrc/fused_moe_panels_cpu.c on ExpertPanels' packed weights; None when it does not apply."""
+    p13, p2 = panels
+    t, k = topk_ids.shape
+    if not (x.dim() == 2 and t > 0 and on_cpu(x, p13, p2) and topk_ids.device.type == "cpu"):
+        return None
+    fn = library("fused_moe_panels_cpu.c").function("fused_moe_panels", x.dtype, _PANEL_ARGTYPES)
+    if fn is None:
+        return None
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    status = fn(x.data_ptr(), x.stride(0), p13.data_ptr(), p2.data_ptr(), weights.data_ptr(), ids.data_ptr(),
+                out.data_ptr(), t, k, p13.shape[0], x.shape[1], intermediate, swiglu_limit is not None,
+                0.0 if swiglu_limit is None else float(swiglu_limit))
+    return out if status == 0 else None
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, swiglu_limit: float | None = None, *,
-              batch_invariant: bool = False) -> torch.Tensor:
-    """batch_invariant: on CPU, the per-token C kernel at every batch size (deterministic mode)."""
+              batch_invariant: bool = False, panels: ExpertPanels | None = None) -> torch.Tensor:
+    """batch_invariant: on CPU, a batch-invariant C kernel at every batch size (deterministic mode).
+    panels: the layer's ExpertPanels; on CPU where the panel kernel runs, it takes every call
+    (each expert's tokens in one GEMM; batch invariant too)."""
     if use_triton(x):
         return fused_moe_triton(x.contiguous(), w13, w2, topk_weights, topk_ids, swiglu_limit)
+    if panels is not None and (packed := panels.get(w13, w2)) is not None:
+        out = fused_moe_panels_cpu(x, packed, topk_weights, topk_ids, w2.shape[2], swiglu_limit)
+        if out is not None:
+            return out
     out = fused_moe_cpu(x, w13, w2, topk_weights, topk_ids, swiglu_limit,
                         max_tokens=None if batch_invariant else CPU_MAX_TOKENS)
     return out if out is not None else fused_moe_ref(x, w13, w2, topk_weights, topk_ids, swiglu_limit)

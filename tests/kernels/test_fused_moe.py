@@ -119,3 +119,58 @@ def test_dispatch_cpu():
     assert torch.equal(fused_moe(*big), fused_moe_ref(*big))  # prefill-sized, large experts: the reference
     empty = fused_moe(x[:0], w13, w2, tw[:0], ids[:0])
     assert empty.shape == (0, x.shape[1])
+
+
+# The panel kernel's shapes: D and I multiples of 32 (bf16 takes k in pairs of 16-column panels).
+PANEL_CASES = [(1, 64, 32, 4, 2), (13, 96, 64, 8, 3), (40, 128, 96, 16, 4), (64, 128, 64, 16, 2), (7, 64, 32, 3, 1)]
+
+
+def panels_or_skip(w13, w2):
+    from moebus.kernels.fused_moe import ExpertPanels
+
+    packed = ExpertPanels().get(w13, w2)
+    if packed is None:
+        pytest.skip("the panel kernel needs AVX-512 (float32) / AVX512-BF16 (bf16)")
+    return packed
+
+
+@DTYPES
+@pytest.mark.parametrize("case", PANEL_CASES)
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_panels_match_ref_and_fp64(case, dtype, limit, close):
+    from moebus.kernels.fused_moe import fused_moe_panels_cpu
+
+    x, w13, w2, tw, ids = make_inputs(case, dtype)
+    out = fused_moe_panels_cpu(x, panels_or_skip(w13, w2), tw, ids, case[2], swiglu_limit=limit)
+    assert out is not None and out.shape == x.shape and out.dtype == dtype
+    close(out, fused_moe_ref(x, w13, w2, tw, ids, swiglu_limit=limit), *TOL[dtype])
+    close(out, naive_moe(x, w13, w2, tw, ids, limit), *TOL[dtype])
+
+
+@DTYPES
+def test_panels_are_batch_invariant_and_follow_weight_changes(dtype):
+    """A token's output is bitwise the same alone or among others; writing the weights in place (as
+    an EPLB move does) repacks them."""
+    from moebus.kernels.fused_moe import ExpertPanels
+
+    x, w13, w2, tw, ids = make_inputs((40, 128, 96, 16, 4), dtype)
+    panels = ExpertPanels()
+    panels_or_skip(w13, w2)
+    crowd = fused_moe(x, w13, w2, tw, ids, panels=panels)
+    for t in (0, 17, 39):
+        alone = fused_moe(x[t:t + 1], w13, w2, tw[t:t + 1], ids[t:t + 1], panels=panels)
+        assert torch.equal(alone[0], crowd[t])
+    w2[3].mul_(2)  # in place: the packed copy is stale
+    ref = fused_moe_ref(x, w13, w2, tw, ids)
+    torch.testing.assert_close(fused_moe(x, w13, w2, tw, ids, panels=panels).float(), ref.float(),
+                               atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+def test_panels_decline_what_they_cannot_take():
+    from moebus.kernels.fused_moe import ExpertPanels, fused_moe_panels_cpu
+
+    x, w13, w2, tw, ids = make_inputs((5, 81, 48, 8, 2), torch.float32)  # D = 81: not in 16-column panels
+    assert ExpertPanels().get(w13, w2) is None
+    x, w13, w2, tw, ids = make_inputs((5, 64, 32, 4, 2), torch.float32)
+    packed = panels_or_skip(w13, w2)
+    assert fused_moe_panels_cpu(x, packed, tw, ids.long() + 4, 32) is None  # an expert id out of range

@@ -22,6 +22,7 @@ from moebus.engine.distributed.group import EPGroup
 from moebus.engine.distributed.placement import Placement
 from moebus.engine.models.moe import MoE
 from moebus.kernels import fused_moe
+from moebus.kernels.fused_moe import ExpertPanels
 
 
 class EPMoE(nn.Module):
@@ -42,6 +43,7 @@ class EPMoE(nn.Module):
         self.load_counter: torch.Tensor | None = None  # [E] assignments this rank routed
         self.slot_load: torch.Tensor | None = None  # [S] assignments this rank's slots computed
         self.num_calls = 0  # forwards run (real or dummy): the DP engine checks lockstep with it
+        self.panels = ExpertPanels()  # repacked by itself when an EPLB move rewrites w13 / w2
         self.set_placement(placement)
 
     @property
@@ -109,7 +111,8 @@ class EPMoE(nn.Module):
         dist.all_to_all_single(recv_x, x[order // k], recv_splits, send_splits, group=pg)
         slot_ids = torch.arange(width, device=x.device).repeat(world).repeat_interleave(recv_counts)
         ones = torch.ones(slot_ids.numel(), 1, dtype=torch.float32, device=x.device)
-        y = fused_moe(recv_x, self.w13, self.w2, ones, slot_ids[:, None], swiglu_limit=self.swiglu_limit)
+        y = fused_moe(recv_x, self.w13, self.w2, ones, slot_ids[:, None], swiglu_limit=self.swiglu_limit,
+                      panels=self.panels)
         if self.slot_load is not None:
             self.slot_load += recv_counts.view(world, width).sum(0)
         back = x.new_empty(t * k, h)

@@ -15,6 +15,7 @@ from torch import nn
 
 from moebus.engine.batch_invariant import invariant_linear, tiled
 from moebus.kernels import fused_moe, silu_and_mul
+from moebus.kernels.fused_moe import ExpertPanels
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
@@ -155,6 +156,7 @@ class MoE(nn.Module):
         self.shared_experts = (SharedExpert(hidden_size, num_shared_experts * moe_intermediate_size, swiglu_limit)
                                if num_shared_experts > 0 else None)
         self.load_counter: torch.Tensor | None = None
+        self.panels = ExpertPanels()  # the CPU panel kernel's packed copy of w13 / w2, made on first use
 
     def enable_load_counting(self) -> None:
         self.load_counter = torch.zeros(self.num_experts, dtype=torch.int64, device=self.w13.device)
@@ -164,7 +166,7 @@ class MoE(nn.Module):
         if self.load_counter is not None:
             self.load_counter += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
         out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, swiglu_limit=self.swiglu_limit,
-                        batch_invariant=self.batch_invariant)
+                        batch_invariant=self.batch_invariant, panels=self.panels)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
