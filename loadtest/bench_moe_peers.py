@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                 for c in levels:
                     load = os.getloadavg()[0]
                     res = bench(PORTS[server], args.model, c, max(8, int(args.prompts_per_stream * c)),
-                                args.out / stamp / f"{server}-c{c}-r{rnd}.json", seed=rnd)
+                                args.out / stamp / f"{server}-c{c}-r{rnd}.json", seed=1000 * rnd + c)
                     res["load_before"] = load
                     rows.setdefault((server, c), []).append(res)
                     print(f"round {rnd} {server:8s} c={c:3d}: {res['output_throughput']:7.1f} tok/s  "
