@@ -8,8 +8,8 @@ Preset `granite-1b-a400m`: IBM Granite-3.0-1B-A400M's shapes (24 layers, hidden 
 vocabulary 49152 (SmolLM2's tokenizer) instead of Granite's 49155.
 
 `--skew F`: routing of random weights is near-uniform, so a skewed variant biases the routers so
-that about F of the (token, slot) assignments go to a tenth of the experts (3 of 32, all on EP
-rank 0): every embedding row gets a shared direction c, and the hot experts' router rows get
+that each of a tenth of the experts (3 of 32, all on EP rank 0) receives about F of the tokens
+(uniform top-8 routing gives each expert 8/32 = 0.25; 0.5 makes them twice as loaded): every embedding row gets a shared direction c, and the hot experts' router rows get
 alpha * c; alpha is found by bisection on the model's own measured routing (engine, load counters).
 
     .venv/bin/python loadtest/moe_checkpoint.py --out /work/peers/granite-moe [--skew 0.5] [--no-gguf]
@@ -87,7 +87,8 @@ def write_hf(out: Path, preset: str, seed: int, shared: torch.Tensor | None = No
 
 
 def hot_share(path: Path, prompts: int = 8, length: int = 64) -> float:
-    """Share of (token, slot) assignments, over every layer, that go to the hot experts."""
+    """Share of the tokens that each hot expert receives, on average over them and every layer (with
+    top-k routing a uniform router gives each expert k / E of the tokens)."""
     from moebus.engine.llm import LLM
     from moebus.engine.models.moe import MoE
     from moebus.engine.sampling import SamplingParams
@@ -100,7 +101,8 @@ def hot_share(path: Path, prompts: int = 8, length: int = 64) -> float:
     ps = [torch.randint(100, 49000, (length,), generator=g).tolist() for _ in range(prompts)]
     llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=1))
     loads = torch.stack([m.load_counter for m in moes]).sum(0).float()
-    return float(loads[: len(loads) // HOT_FRACTION].sum() / loads.sum())
+    tokens = loads.sum() / moes[0].gate.top_k
+    return float(loads[: len(loads) // HOT_FRACTION].mean() / tokens)
 
 
 def write_skewed(out: Path, preset: str, seed: int, target: float) -> tuple[float, float]:
@@ -114,7 +116,7 @@ def write_skewed(out: Path, preset: str, seed: int, target: float) -> tuple[floa
     for _ in range(8):
         alpha = (lo + hi) / 2
         share = hot_share(write_hf(out, preset, seed, shared, alpha))
-        print(f"alpha {alpha:.3f}: hot experts take {share:.1%} of assignments")
+        print(f"alpha {alpha:.3f}: each hot expert receives {share:.1%} of the tokens")
         if abs(share - target) < 0.03:
             break
         lo, hi = (alpha, hi) if share < target else (lo, alpha)
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="granite-1b-a400m")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skew", type=float, default=None, help="share of assignments the hot tenth of experts take")
+    ap.add_argument("--skew", type=float, default=None, help="share of the tokens each of the hot tenth of experts receives")
     ap.add_argument("--no-gguf", action="store_true", help="skip the bf16 GGUF (llama.cpp's converter)")
     args = ap.parse_args(argv)
     if args.skew is None:
