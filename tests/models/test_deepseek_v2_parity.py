@@ -7,7 +7,6 @@ V2 (q_proj, group_limited_greedy), V2 with q LoRA and greedy routing, V3 with Ya
 """
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
 from pathlib import Path
@@ -16,15 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moebus.engine.attention import AttentionMetadata, KVCacheSpec
-from moebus.engine.model_runner import allocate_kv_caches, kv_bytes_per_block
+from moebus.engine.attention import KVCacheSpec
+from moebus.engine.model_runner import kv_bytes_per_block
 from moebus.engine.models import load_model
 from moebus.engine.models.deepseek_v2 import DeepseekV2Args, DeepseekV2ForCausalLM
 from moebus.engine.models.mla_attention import interleaved_to_neox
 from moebus.engine.models.tiny_checkpoints import write_tiny
 
-BLOCK = 16
-MAX_BLOCKS = 8  # per sequence: 128 tokens
+from .paged_steps import caches, prompt, run
+
 TOL = 1e-4
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
@@ -60,34 +59,6 @@ def hf_model(ckpt: Path):
 @pytest.fixture(scope="module")
 def model(ckpt: Path) -> DeepseekV2ForCausalLM:
     return load_engine_model(ckpt)
-
-
-def caches(model: DeepseekV2ForCausalLM, num_seqs: int) -> list[tuple[torch.Tensor, ...]]:
-    return allocate_kv_caches(model.kv_cache_specs(), num_seqs * MAX_BLOCKS, BLOCK, torch.float32,
-                              torch.device("cpu"))
-
-
-def step_meta(ctx_lens: list[int], new_lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Sequence b owns blocks [b*MAX_BLOCKS, (b+1)*MAX_BLOCKS), has ctx_lens[b] tokens cached and
-    writes new_lens[b] more this step. Returns (metadata, positions)."""
-    tables = torch.arange(len(ctx_lens) * MAX_BLOCKS, dtype=torch.int32).view(len(ctx_lens), MAX_BLOCKS)
-    pos = [torch.arange(c, c + n) for c, n in zip(ctx_lens, new_lens, strict=True)]
-    slots = torch.cat([tables[b, p // BLOCK].long() * BLOCK + p % BLOCK for b, p in enumerate(pos)])
-    seq_lens = [c + n for c, n in zip(ctx_lens, new_lens, strict=True)]
-    meta = AttentionMetadata(query_start_loc=[0, *itertools.accumulate(new_lens)], seq_lens=seq_lens,
-                             slot_mapping=slots, block_tables=tables,
-                             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32), block_size=BLOCK)
-    return meta, torch.cat(pos)
-
-
-@torch.no_grad()
-def run(model, ids: torch.Tensor, ctx_lens: list[int], new_lens: list[int], kv) -> torch.Tensor:
-    meta, positions = step_meta(ctx_lens, new_lens)
-    return model.compute_logits(model(ids, positions, meta, kv))
-
-
-def prompt(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_prefill_logits_match_hf(model, hf_model):
