@@ -21,12 +21,15 @@ from moebus.loadtest.llamacpp_convert import convert
 from .paged_steps import caches, prompt, run
 
 # llama.cpp's converters keep no dense layers in qwen3moe, drop OLMoE's clip_qkv and write OLMoE's
-# RMSNorm eps as 1e-5 whatever the config says: the tiny checkpoints here are built to match.
-_GGUF_SAFE = {"qwen3_moe": {"mlp_only_layers": []}, "olmoe": {"clip_qkv": None, "rms_norm_eps": 1e-5}}
+# RMSNorm eps as 1e-5 whatever the config says, and marks DeepSeek-V3's sigmoid gating only from a
+# `scoring_func` in config.json (as V3's release has; HF's config class does not save one): the tiny
+# checkpoints here are built to match.
+_GGUF_SAFE = {"qwen3_moe": {"mlp_only_layers": []}, "olmoe": {"clip_qkv": None, "rms_norm_eps": 1e-5},
+              "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
 
 
-# The families whose GGUF architecture loader/gguf_archs.py reads (not deepseek2 yet).
-GGUF_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "granite_moe")
+# Every family llama.cpp converts (loader/gguf_archs.py): not DeepSeek-V4.
+GGUF_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "granite_moe", "deepseek_v2", "deepseek_v3")
 
 
 @pytest.fixture(scope="module", params=GGUF_FAMILIES)
