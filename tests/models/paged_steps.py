@@ -40,3 +40,23 @@ def run(model, ids: torch.Tensor, ctx_lens: list[int], new_lens: list[int], kv) 
 
 def prompt(n: int, seed: int, vocab: int = 512) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits_diff_vs_hf(model, hf_model, ids: torch.Tensor) -> float:
+    """Max abs difference of one prefill's logits from HF's forward on the same ids."""
+    ours = run(model, ids, [0], [len(ids)], caches(model, 1))
+    diff = (ours - hf_model(ids[None]).logits[0].float()).abs().max().item()
+    print(f"max abs logit diff vs HF: {diff:.3e}")
+    return diff
+
+
+@torch.no_grad()
+def greedy_vs_hf(model, hf_model, ids: torch.Tensor, n_new: int) -> tuple[list[int], list[int]]:
+    """(our greedy tokens: one prefill, then decode-only steps; HF generate's) for n_new tokens."""
+    ref = hf_model.generate(ids[None], do_sample=False, max_new_tokens=n_new)[0, len(ids):].tolist()
+    kv, n = caches(model, 1), len(ids)
+    out = [run(model, ids, [0], [n], kv)[-1].argmax().item()]
+    for ctx in range(n, n + n_new - 1):
+        out.append(run(model, torch.tensor(out[-1:]), [ctx], [1], kv)[-1].argmax().item())
+    return out, ref

@@ -22,7 +22,7 @@ from moebus.engine.models.deepseek_v2 import DeepseekV2Args, DeepseekV2ForCausal
 from moebus.engine.models.mla_attention import interleaved_to_neox
 from moebus.engine.models.tiny_checkpoints import write_tiny
 
-from .paged_steps import caches, prompt, run
+from .paged_steps import caches, greedy_vs_hf, logits_diff_vs_hf, prompt, run
 
 TOL = 1e-4
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
@@ -62,24 +62,12 @@ def model(ckpt: Path) -> DeepseekV2ForCausalLM:
 
 
 def test_prefill_logits_match_hf(model, hf_model):
-    ids = prompt(40, seed=1)
-    ours = run(model, ids, [0], [40], caches(model, 1))
-    with torch.no_grad():
-        ref = hf_model(ids[None]).logits[0].float()
-    diff = (ours - ref).abs().max().item()
-    print(f"max abs logit diff vs HF: {diff:.3e}")
-    assert diff < TOL
+    assert logits_diff_vs_hf(model, hf_model, prompt(40, seed=1)) < TOL
 
 
 def test_greedy_decode_matches_hf_generate(model, hf_model):
-    ids, n_new = prompt(40, seed=2), 24
-    with torch.no_grad():
-        ref = hf_model.generate(ids[None], do_sample=False, max_new_tokens=n_new)[0, 40:].tolist()
-    kv = caches(model, 1)
-    out = [run(model, ids, [0], [40], kv)[-1].argmax().item()]
-    for ctx in range(40, 40 + n_new - 1):  # decode-only steps: the paged decode kernel
-        out.append(run(model, torch.tensor(out[-1:]), [ctx], [1], kv)[-1].argmax().item())
-    assert out == ref
+    ours, ref = greedy_vs_hf(model, hf_model, prompt(40, seed=2), 24)
+    assert ours == ref
 
 
 def test_chunked_prefill_matches_single_prefill(model):

@@ -12,7 +12,7 @@ import torch
 from moebus.engine.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
 from moebus.engine.models.hf_checkpoint import read_hf_checkpoint, write_tiny_deepseek_v4
 
-from .paged_steps import caches, prompt, run, step_meta
+from .paged_steps import caches, greedy_vs_hf, logits_diff_vs_hf, prompt, run
 
 TOL = 1e-4
 
@@ -47,28 +47,12 @@ def test_checkpoint_names_match_hf(ckpt, hf_model):
 
 
 def test_prefill_logits_match_hf(model, hf_model):
-    ids = prompt(40, seed=1)
-    ours = run(model, ids, [0], [40], caches(model, 1))
-    with torch.no_grad():
-        ref = hf_model(ids[None]).logits[0].float()
-    diff = (ours - ref).abs().max().item()
-    print(f"max abs logit diff vs HF: {diff:.3e}")
-    assert diff < TOL
+    assert logits_diff_vs_hf(model, hf_model, prompt(40, seed=1)) < TOL
 
 
 def test_greedy_decode_matches_hf_generate(model, hf_model):
-    ids, n_new = prompt(40, seed=2), 32
-    with torch.no_grad():
-        ref = hf_model.generate(ids[None], do_sample=False, max_new_tokens=n_new)[0, 40:].tolist()
-    kv = caches(model, 1)
-    tok = run(model, ids, [0], [40], kv)[-1].argmax().item()
-    out = [tok]
-    for step in range(n_new - 1):
-        meta_ctx = 40 + step
-        assert step_meta([meta_ctx], [1])[0].decode_only
-        tok = run(model, torch.tensor([tok]), [meta_ctx], [1], kv)[-1].argmax().item()
-        out.append(tok)
-    assert out == ref
+    ours, ref = greedy_vs_hf(model, hf_model, prompt(40, seed=2), 32)
+    assert ours == ref
 
 
 def test_chunked_prefill_matches_single_prefill(model):
