@@ -106,6 +106,12 @@ ARCHS["deepseek2"] = GGUFArch(
     _deepseek2, permuted_qk=False, stacked=None)
 
 
+# HF architecture -> config.json `model_type` (transformers' Auto classes need it)
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
+               "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+
+
 def arch_of(name: str) -> GGUFArch:
     if name not in ARCHS:
         raise ValueError(f"unsupported GGUF architecture {name!r}; supported: {', '.join(ARCHS)}")

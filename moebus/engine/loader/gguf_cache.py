@@ -24,7 +24,8 @@ def cache_root() -> Path:
 
 def _key(path: Path) -> str:
     st = path.stat()
-    return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:16]
+    # v2: config.json gained model_type and the MoE families' fields
+    return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v2".encode()).hexdigest()[:16]
 
 
 def converted_dir(gguf_path: str | Path, progress: Callable[[int, int], None] | None = None) -> Path:

@@ -11,7 +11,7 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from moebus.engine.loader.gguf_archs import GGUFArch, arch_of, hf_name, stack_experts
+from moebus.engine.loader.gguf_archs import MODEL_TYPES, GGUFArch, arch_of, hf_name, stack_experts
 
 EMBEDDED_MODEL = "smollm2"
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # GGUF types served as blocks (kernels/quant_matmul.py)
@@ -54,8 +54,10 @@ class GGUFCheckpoint:
         n_heads = int(self.arch("attention.head_count"))
         hidden = int(self.arch("embedding_length"))
         head_dim = self.arch("attention.key_length") or self.arch("rope.dimension_count") or hidden // n_heads
+        hf_arch = arch.hf_architecture(self.arch)
         return {
-            "architectures": [arch.hf_architecture(self.arch)],
+            "architectures": [hf_arch],
+            "model_type": MODEL_TYPES[hf_arch],  # what transformers' Auto classes read
             "vocab_size": int(self.arch("vocab_size", len(self.metadata["tokenizer.ggml.tokens"]))),
             "hidden_size": hidden,
             "intermediate_size": int(self.arch("feed_forward_length")),
