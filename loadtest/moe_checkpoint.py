@@ -90,18 +90,16 @@ def hot_share(path: Path, prompts: int = 8, length: int = 64) -> float:
     """Share of the tokens that each hot expert receives, on average over them and every layer (with
     top-k routing a uniform router gives each expert k / E of the tokens)."""
     from moebus.engine.llm import LLM
-    from moebus.engine.models.moe import MoE
+    from moebus.engine.models.moe import enable_expert_load_counting
     from moebus.engine.sampling import SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
-    moes = [m for m in llm.engine.model.modules() if isinstance(m, MoE)]
-    for m in moes:
-        m.enable_load_counting()
+    counters = enable_expert_load_counting(llm.engine.model)
     g = torch.Generator().manual_seed(7)
     ps = [torch.randint(100, 49000, (length,), generator=g).tolist() for _ in range(prompts)]
     llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=1))
-    loads = torch.stack([m.load_counter for m in moes]).sum(0).float()
-    tokens = loads.sum() / moes[0].gate.top_k
+    loads = torch.stack(counters).sum(0).float()
+    tokens = loads.sum() / llm.engine.model.args.num_experts_per_tok
     return float(loads[: len(loads) // HOT_FRACTION].mean() / tokens)
 
 

@@ -42,7 +42,7 @@ class GGUFArch:
     permuted_qk: bool  # q/k rows interleaved by the converter ("norm" RoPE)
     moe_prefix: str = "mlp"  # where the family's MoE tensors live
     router: str = "gate.weight"
-    stacked: tuple[str, str] | None = ("experts.gate_up_proj", "experts.down_proj")  # None: per-expert names
+    stacked: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def _experts(meta: Meta) -> dict:
@@ -103,7 +103,7 @@ def _deepseek2(m: Meta) -> dict:
 
 ARCHS["deepseek2"] = GGUFArch(
     lambda m: "DeepseekV3ForCausalLM" if m("expert_gating_func", None) == 2 else "DeepseekV2ForCausalLM",
-    _deepseek2, permuted_qk=False, stacked=None)
+    _deepseek2, permuted_qk=False)
 
 
 # HF architecture -> config.json `model_type` (transformers' Auto classes need it)
@@ -140,8 +140,8 @@ def hf_name(arch: GGUFArch, name: str) -> str:
 
 
 def stack_experts(arch: GGUFArch, state: dict[str, torch.Tensor]) -> None:
-    """Replaces each layer's ffn_{gate,up,down}_exps with the family's names: stacked gate_up
-    [E, 2I, H] (gate rows first) and down [E, H, I], or (stacked None) one tensor per expert; and
+    """Replaces each layer's ffn_{gate,up,down}_exps with the family's stacked names: gate_up
+    [E, 2I, H] (gate rows first) and down [E, H, I]; and
     deepseek2's per-head attn_k_b [H, r, nope] / attn_v_b [H, v, r] with HF's kv_b_proj [H(nope + v), r]."""
     for i in sorted({k.split(".")[2] for k in state if k.endswith("attn_k_b")}, key=int):
         p = f"model.layers.{i}."
@@ -157,12 +157,6 @@ def stack_experts(arch: GGUFArch, state: dict[str, torch.Tensor]) -> None:
         missing = [n for n, t in parts.items() if t is None]
         if missing:
             raise KeyError(f"GGUF layer {i} lacks blk.{i}.{missing[0]}.weight")
-        if arch.stacked is None:
-            for name, t in parts.items():
-                hf = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}[name]
-                for e in range(t.shape[0]):
-                    state[f"{p}{arch.moe_prefix}.experts.{e}.{hf}.weight"] = t[e].contiguous()
-            continue
         gate_up, down = arch.stacked
         state[f"{p}{arch.moe_prefix}.{gate_up}"] = torch.cat([parts["ffn_gate_exps"], parts["ffn_up_exps"]], dim=1)
         state[f"{p}{arch.moe_prefix}.{down}"] = parts["ffn_down_exps"]

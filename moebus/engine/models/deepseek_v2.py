@@ -30,11 +30,10 @@ from torch import nn
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.lm_head import float_logits
 from moebus.engine.models.deepseek_v4_rope import RopeSpec
-from moebus.engine.models.llama import RMSNorm
+from moebus.engine.models.llama import LlamaMLP, RMSNorm
 from moebus.engine.models.mla_attention import MLAttention
 from moebus.engine.models.moe import GroupLimit, MoE
-from moebus.engine.models.weights import assign, stack_experts
-from moebus.kernels import silu_and_mul
+from moebus.engine.models.weights import assign, fuse, stack_experts
 
 FAMILIES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _TOPK_METHODS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}
@@ -185,18 +184,6 @@ class DeepseekV2Args:
         return cls(**{**default, **kw})
 
 
-class DenseMLP(nn.Module):
-    """SwiGLU MLP of the dense layers, gate/up fused; called like the MoE (input_ids unused)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class DeepseekV2DecoderLayer(nn.Module):
     def __init__(self, a: DeepseekV2Args, i: int):
         super().__init__()
@@ -205,13 +192,14 @@ class DeepseekV2DecoderLayer(nn.Module):
                                      a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.rms_norm_eps,
                                      a.softmax_scale, interleaved=a.rope_interleave)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        if a.is_moe_layer(i):
+        self.is_moe = a.is_moe_layer(i)
+        if self.is_moe:
             v3 = a.model_type == "deepseek_v3"
             self.mlp = MoE(a.hidden_size, a.moe_intermediate_size, a.n_routed_experts, a.num_experts_per_tok,
                            a.n_shared_experts, a.scoring_func, a.norm_topk_prob, a.routed_scaling_factor,
                            swiglu_limit=None, hash_vocab_size=None, score_bias=v3, groups=a.groups())
         else:
-            self.mlp = DenseMLP(a.hidden_size, a.intermediate_size)
+            self.mlp = LlamaMLP(a.hidden_size, a.intermediate_size)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, input_ids: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
@@ -222,7 +210,7 @@ class DeepseekV2DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos, sin, meta, kv_cache)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, input_ids), residual
+        return (self.mlp(x, input_ids) if self.is_moe else self.mlp(x)), residual
 
 
 class DeepseekV2ForCausalLM(nn.Module):
@@ -253,16 +241,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         """float32 logits, never rounded to the weights' dtype (engine/lm_head.py)."""
         return float_logits(self.lm_head, self.embed_tokens, hidden)
 
-    def enable_expert_load_counting(self) -> list[torch.Tensor]:
-        """Start counting routed assignments; returns each MoE layer's live `load_counter [E]`."""
-        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
-        for moe in moes:
-            moe.enable_load_counting()
-        return [moe.load_counter for moe in moes]
-
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load the tensors as HF's save_pretrained writes them (per-expert `mlp.experts.E.*`); strict:
+        """Load the tensors as HF's save_pretrained writes them (per-expert `mlp.experts.E.*`, or
+        stacked as a GGUF's converted copy has them); strict:
         the first missing, unexpected or misshaped tensor fails the load, named."""
         a = self.args
         sd = dict(state_dict)
@@ -277,17 +259,17 @@ class DeepseekV2ForCausalLM(nn.Module):
                 if name in sd and sd[name].shape == own.shape:  # misshaped: left for assign to name
                     sd[name] = attn.hf_to_local(leaf, sd[name])
             mlp = layer.mlp
-            if isinstance(mlp, MoE):
+            if layer.is_moe:
                 sd[p + "mlp.w13"], sd[p + "mlp.w2"] = stack_experts(
                     sd, p + "mlp.experts", "gate_proj", "up_proj", "down_proj", a.n_routed_experts)
                 if mlp.shared_experts is not None:
                     q = p + "mlp.shared_experts."
-                    _fuse(sd, [q + "gate_proj.weight", q + "up_proj.weight"], q + "gate_up_proj",
-                          mlp.shared_experts.gate_up_proj.shape)
-                    _fuse(sd, [q + "down_proj.weight"], q + "down_proj", mlp.shared_experts.down_proj.shape)
+                    fuse(sd, [q + "gate_proj.weight", q + "up_proj.weight"], q + "gate_up_proj",
+                         mlp.shared_experts.gate_up_proj.shape)
+                    fuse(sd, [q + "down_proj.weight"], q + "down_proj", mlp.shared_experts.down_proj.shape)
             else:
-                _fuse(sd, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up_proj.weight",
-                      mlp.gate_up_proj.weight.shape)
+                fuse(sd, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up_proj.weight",
+                     mlp.gate_up_proj.weight.shape)
         assign(self, sd)
 
     def _is_mtp(self, key: str) -> bool:
@@ -295,13 +277,3 @@ class DeepseekV2ForCausalLM(nn.Module):
         n = self.args.num_hidden_layers
         return m is not None and n <= int(m[1]) < n + self.args.num_nextn_predict_layers
 
-
-def _fuse(sd: dict[str, torch.Tensor], parts: list[str], into: str, shape: torch.Size) -> None:
-    """Pop `parts` (equal row blocks of our `shape`) and store their row concatenation as `into`."""
-    need = (shape[0] // len(parts), *shape[1:])
-    for name in parts:
-        if name not in sd:
-            raise KeyError(f"missing weight {name}")
-        if tuple(sd[name].shape) != need:
-            raise ValueError(f"{name}: shape {tuple(sd[name].shape)}, the config needs {need}")
-    sd[into] = torch.cat([sd.pop(name) for name in parts])

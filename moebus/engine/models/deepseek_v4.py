@@ -30,7 +30,7 @@ from moebus.engine.models.deepseek_v4_rope import RopeSpec
 from moebus.engine.models.deepseek_v4_sparse_attention import window_slots
 from moebus.engine.models.hf_checkpoint import is_mtp_key, to_hf_names
 from moebus.engine.models.hyper_connections import HyperConnection, HyperHead
-from moebus.engine.models.moe import SCORING_FUNCS, MoE
+from moebus.engine.models.moe import SCORING_FUNCS, MoE, enable_expert_load_counting
 
 ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_KINDS = ("hash_moe", "moe")
@@ -278,9 +278,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def enable_expert_load_counting(self) -> list[torch.Tensor]:
         """Start counting routed assignments; returns each layer's live `load_counter [E]`."""
-        for layer in self.layers:
-            layer.mlp.enable_load_counting()
-        return [layer.mlp.load_counter for layer in self.layers]
+        return enable_expert_load_counting(self.layers)
 
     def _hf_layout(self) -> dict[str, tuple[str, int, int]]:
         """HF name -> (our name, first row, row count) of the slice of ours it fills."""

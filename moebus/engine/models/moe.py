@@ -185,3 +185,11 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def enable_expert_load_counting(model: nn.Module) -> list[torch.Tensor]:
+    """Start counting routed assignments in every MoE layer of `model`; their live `load_counter [E]`s."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        moe.enable_load_counting()
+    return [moe.load_counter for moe in moes]

@@ -24,7 +24,7 @@ from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
 from moebus.engine.lm_head import float_logits
 from moebus.engine.models.llama import LlamaMLP, RMSNorm
 from moebus.engine.models.moe import MoE
-from moebus.engine.models.weights import assign, stack_experts
+from moebus.engine.models.weights import assign, fuse, stack_experts, take
 from moebus.kernels import rms_norm, rotary_cos_sin
 from moebus.kernels.rotary import apply_rotary_
 
@@ -237,21 +237,16 @@ class MoEDecoderForCausalLM(nn.Module):
             sd.pop("lm_head.weight", None)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            qkv = [sd.pop(p + f"self_attn.{n}_proj.weight", None) for n in "qkv"]
-            if any(t is None for t in qkv):
-                missing = "qkv"[[t is None for t in qkv].index(True)]
-                raise KeyError(f"missing weight {p}self_attn.{missing}_proj.weight")
-            sd[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
+            fuse(sd, [p + f"self_attn.{n}_proj.weight" for n in "qkv"], p + "self_attn.qkv_proj.weight")
             if a.attention_bias:
-                sd[p + "self_attn.qkv_proj.bias"] = torch.cat([_need(sd, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                fuse(sd, [p + f"self_attn.{n}_proj.bias" for n in "qkv"], p + "self_attn.qkv_proj.bias")
             for n in ("q_norm", "k_norm"):
                 if p + f"self_attn.{n}.weight" in sd:
                     sd[p + f"self_attn.{n}"] = sd.pop(p + f"self_attn.{n}.weight")
             if layer.is_moe:
                 self._rename_moe(sd, p)
             else:
-                sd[p + "mlp.gate_up_proj.weight"] = torch.cat([_need(sd, p + "mlp.gate_proj.weight"),
-                                                               _need(sd, p + "mlp.up_proj.weight")])
+                fuse(sd, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up_proj.weight")
         assign(self, sd)
         if a.residual_multiplier != 1.0:  # residual + f(x) * m == residual + (m * f)(x): f's last linear
             for layer in self.layers:
@@ -268,23 +263,14 @@ class MoEDecoderForCausalLM(nn.Module):
         e = self.args.num_experts
         if self.args.family == "GraniteMoeForCausalLM":
             m = p + "block_sparse_moe."
-            sd[p + "mlp.gate.weight"] = _need(sd, m + "router.layer.weight")
-            sd[p + "mlp.w13"] = _need(sd, m + "input_linear.weight")  # [E, 2I, H], gate rows first
-            sd[p + "mlp.w2"] = _need(sd, m + "output_linear.weight")
+            sd[p + "mlp.gate.weight"] = take(sd, m + "router.layer.weight")
+            sd[p + "mlp.w13"] = take(sd, m + "input_linear.weight")  # [E, 2I, H], gate rows first
+            sd[p + "mlp.w2"] = take(sd, m + "output_linear.weight")
             return
         if self.args.family == "MixtralForCausalLM":
             m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
         else:
             m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
-        sd[p + "mlp.gate.weight"] = _need(sd, m + "gate.weight")
-        if m + "experts.gate_up_proj" in sd:  # already stacked (transformers 5's in-memory layout)
-            sd[p + "mlp.w13"] = sd.pop(m + "experts.gate_up_proj")
-            sd[p + "mlp.w2"] = _need(sd, m + "experts.down_proj")
-        else:
-            sd[p + "mlp.w13"], sd[p + "mlp.w2"] = stack_experts(sd, m + "experts", *names, num_experts=e)
+        sd[p + "mlp.gate.weight"] = take(sd, m + "gate.weight")
+        sd[p + "mlp.w13"], sd[p + "mlp.w2"] = stack_experts(sd, m + "experts", *names, num_experts=e)
 
-
-def _need(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    if name not in sd:
-        raise KeyError(f"missing weight {name}")
-    return sd.pop(name)

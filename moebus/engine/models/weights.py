@@ -1,8 +1,10 @@
 """Checkpoint tensors into a model's parameters: per-expert tensors stacked, every tensor checked.
 
 HF's `save_pretrained` writes MoE experts one tensor per expert (`mlp.experts.3.gate_proj.weight`,
-Mixtral's `block_sparse_moe.experts.3.w1.weight`); our MoE layers hold them stacked
-(`w13 [E, 2I, H]`, gate rows then up rows, and `w2 [E, H, I]`, see models/moe.py). `assign`
+Mixtral's `block_sparse_moe.experts.3.w1.weight`); transformers 5's modules and a GGUF's converted
+copy (loader/gguf_archs.py) hold them stacked (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`),
+as our MoE layers do (`w13 [E, 2I, H]`, gate rows then up rows, and `w2 [E, H, I]`, see
+models/moe.py); `stack_experts` takes either. `take` and `fuse` pop named tensors (missing: named). `assign`
 copies a name -> tensor map into a module's parameters and buffers and fails on the first
 tensor that is unexpected, misshaped or missing, naming it, so a broken checkpoint never
 half-loads.
@@ -16,9 +18,34 @@ import torch
 from torch import nn
 
 
+def take(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Pops `name` out of sd; a checkpoint without it fails naming it."""
+    if name not in sd:
+        raise KeyError(f"missing weight {name}")
+    return sd.pop(name)
+
+
+def fuse(sd: dict[str, torch.Tensor], parts: list[str], into: str, shape: torch.Size | None = None) -> None:
+    """Pops `parts` and stores their row concatenation as `into`; with `shape` (the fused parameter's)
+    each part must be an equal row block of it, else that part is named."""
+    if shape is not None:
+        need = (shape[0] // len(parts), *shape[1:])
+        for name in parts:
+            if name in sd and tuple(sd[name].shape) != need:
+                raise ValueError(f"{name}: shape {tuple(sd[name].shape)}, the config needs {need}")
+    sd[into] = torch.cat([take(sd, name) for name in parts])
+
+
 def stack_experts(sd: dict[str, torch.Tensor], prefix: str, gate: str, up: str, down: str,
                   num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pops `{prefix}.{e}.{gate|up|down}.weight` for e in 0..E-1 out of sd: (w13 [E, 2I, H], w2 [E, H, I])."""
+    """Pops `{prefix}.{e}.{gate|up|down}.weight` for e in 0..E-1, or the stacked
+    `{prefix}.gate_up_proj` and `{prefix}.down_proj`, out of sd: (w13 [E, 2I, H], w2 [E, H, I])."""
+    if prefix + ".gate_up_proj" in sd:
+        w13, w2 = take(sd, prefix + ".gate_up_proj"), take(sd, prefix + ".down_proj")
+        for name, t in ((prefix + ".gate_up_proj", w13), (prefix + ".down_proj", w2)):
+            if t.dim() != 3 or t.shape[0] != num_experts:
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, the config has {num_experts} experts")
+        return w13, w2
     pattern = re.compile(re.escape(prefix) + r"\.(\d+)\.(" + "|".join(map(re.escape, (gate, up, down))) + r")\.weight")
     found: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
     for name in [n for n in sd if n.startswith(prefix + ".")]:
