@@ -1,6 +1,7 @@
 """Fixtures: two real SmolLM2 engines (prefill A, decode B), a nats-server per module, prompts."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 from moebus.engine.config import EngineConfig
+from moebus.engine.kv_transfer import KVPayload
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.sampling import SamplingParams
+from moebus.kvtransport import ShmKVTransport, ShmTransportConfig
 from moebus.shared.nats_server import NatsServer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -98,3 +101,12 @@ def reference(engine_b: LLMEngine, prompt: list[int]) -> list[int]:
 def nats_server() -> Iterator[NatsServer]:
     with NatsServer(jetstream=False) as server:
         yield server
+
+
+def over_shm(payload: KVPayload, address: str, tag: str) -> KVPayload:
+    """`payload` sent through the shared-memory transport to a receiver at `address`, as received."""
+    async def go() -> KVPayload:
+        rx, tx = ShmKVTransport(ShmTransportConfig(address=address)), ShmKVTransport()
+        await tx.send(payload, rx.address, tag)
+        return await rx.receive(tag, 5)
+    return asyncio.run(go())

@@ -3,20 +3,17 @@ ship the payload over shared memory, decode on engine B == one aggregated engine
 to the CPU and disk tiers, evicted, restored == the cold run, with only the rest recomputed."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 from moebus.engine.config import EngineConfig
 from moebus.engine.kv_tiers import CpuTier, DiskTier, KVOffloader, TieredKVStore, load_prefix
-from moebus.engine.kv_transfer import KVPayload, inject_prefilled, prefill
+from moebus.engine.kv_transfer import inject_prefilled, prefill
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.models.tiny_checkpoints import FAMILIES, write_tiny
 from moebus.engine.sampling import SamplingParams
-from moebus.kvtransport import ShmKVTransport, ShmTransportConfig
 
-from .conftest import run
+from .conftest import over_shm, run
 
 BLOCK = 16
 N = 100  # 6 full blocks and a partial one
@@ -48,20 +45,12 @@ def reference(engines, prompt) -> list[int]:
     return out
 
 
-def _over_shm(payload: KVPayload, tag: str) -> KVPayload:
-    async def go() -> KVPayload:
-        rx, tx = ShmKVTransport(ShmTransportConfig(address=f"moebus-famkv-{tag}")), ShmKVTransport()
-        await tx.send(payload, rx.address, tag)
-        return await rx.receive(tag, 5)
-    return asyncio.run(go())
-
-
 def test_disaggregated_matches_aggregated(engines, prompt, reference):
     a, b = engines
     pre = prefill(a, "p", prompt, GREEDY16)
     assert pre.first_token == reference[0]
     assert [tuple(t.shape[2:]) for t in pre.payload.layers[0]] == [tuple(c.shape[2:]) for c in a.kv_caches[0]]
-    got = _over_shm(pre.payload, "agg")
+    got = over_shm(pre.payload, "moebus-famkv-agg", "agg")
     assert got.equal(pre.payload) and got.corrupt_blocks == 0
     res = inject_prefilled(b, "d", prompt, pre.first_token, GREEDY16, got)
     assert res.injected, res.reason

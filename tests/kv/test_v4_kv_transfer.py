@@ -18,7 +18,7 @@ from moebus.engine.kv_transfer.codec import VERSION, KVVersionError
 from moebus.engine.kv_transfer.engine_io import kv_block_ids
 from moebus.kvtransport import ShmKVTransport, ShmTransportConfig
 
-from .conftest import run
+from .conftest import over_shm, run
 from .v4_fixtures import BLOCK, GREEDY32, WINDOW, plane_layout, v4_engine, v4_prompts, write_v4
 
 LENGTHS = (140, 100)  # past several CSA (4) and HCA (32) windows and the 16-token sliding window
@@ -56,14 +56,6 @@ def reference(engines) -> dict[int, list[int]]:
     return out
 
 
-def _over_shm(payload: KVPayload, tag: str) -> KVPayload:
-    async def go() -> KVPayload:
-        rx, tx = ShmKVTransport(ShmTransportConfig(address=f"moebus-v4kv-{tag}")), ShmKVTransport()
-        await tx.send(payload, rx.address, tag)
-        return await rx.receive(tag, 5)
-    return asyncio.run(go())
-
-
 @pytest.mark.parametrize("n", LENGTHS)
 def test_v4_disaggregated_matches_aggregated(engines, reference, bounded, n):
     a, b = engines
@@ -83,7 +75,7 @@ def test_v4_disaggregated_matches_aggregated(engines, reference, bounded, n):
     groups = a.kv_layout.groups
     assert all(t.shape[0] == nb - (ws if groups[i][j] == WINDOW_GROUP else 0)
                for i, layer in enumerate(pre.payload.layers) for j, t in enumerate(layer))
-    got = _over_shm(pre.payload, f"v4-{n}")
+    got = over_shm(pre.payload, f"moebus-v4kv-v4-{n}", f"v4-{n}")
     assert got.equal(pre.payload) and got.corrupt_blocks == 0
     res = inject_prefilled(b, f"d{n}", prompt, pre.first_token, GREEDY32, got)
     assert res.injected, res.reason
