@@ -15,16 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_ttft_overhead import stop, wait_ready  # noqa: E402  (loadtest/, beside this script)
+
 PEERS = Path(os.environ.get("PEERS", "/work/peers"))
 VLLM_PY = PEERS / "vllm-venv" / "bin" / "python"
 LLAMA_SERVER = Path(os.environ.get("LLAMA_SERVER", PEERS / "llama-cpp-src" / "build" / "bin" / "llama-server"))
@@ -50,37 +51,6 @@ def server_cmd(server: str, model: Path, gguf: Path, threads: int, max_seqs: int
             "-tb", str(threads), "-np", str(max_seqs), "-c", str(320 * max_seqs), "--no-webui", *extra], env
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server on {port} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"server on {port} not ready")
-
-
-def warm_up(port: int, timeout: float = 600) -> None:
-    """One completion; a 503 (llama-server lists its model while still loading it) is retried."""
-    body = json.dumps({"model": NAME, "prompt": "warm up", "max_tokens": 8, "temperature": 0}).encode()
-    deadline = time.monotonic() + timeout
-    while True:
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(req, timeout=timeout).read()
-            return
-        except urllib.error.HTTPError as e:
-            if e.code != 503 or time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-
-
 def bench(port: int, model: Path, concurrency: int, prompts: int, out: Path, seed: int) -> dict:
     cmd = [str(VLLM_PY), str(REPO / "loadtest" / "peers" / "vllm_bench.py"), "--backend", "openai",
            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", NAME,
@@ -90,15 +60,6 @@ def bench(port: int, model: Path, concurrency: int, prompts: int, out: Path, see
            "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
     subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
-
-
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _spread(runs: list[dict], key: str) -> str:
@@ -132,8 +93,8 @@ def main(argv: list[str] | None = None) -> None:
             with open(log, "w") as logf:
                 proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                wait_ready(PORTS[server], proc)
-                warm_up(PORTS[server])
+                # until a completion answers (llama-server lists its model while still loading it)
+                wait_ready(proc, f"http://127.0.0.1:{PORTS[server]}", NAME, timeout_s=900)
                 for c in levels:
                     load = os.getloadavg()[0]
                     res = bench(PORTS[server], args.model, c, max(8, int(args.prompts_per_stream * c)),
