@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     ENGINE_FAILED = "engine_failed"  # a step failed with no single request to blame: another worker may succeed
     REQUEST_FAILED = "request_failed"  # the engine failed this request alone (its own state raised): never retried
     DRAINING = "draining"  # handed back unstarted by a stopping worker: rerun elsewhere, not a failure of the request
+    ABORTED = "aborted"  # someone (an operator, another frontend) told the worker to stop it: the stream ends
 
 
 class ServiceError(Exception):

@@ -22,6 +22,7 @@ _STATUS = {
     ErrorCode.ENGINE_FAILED: (503, "service_unavailable"),
     ErrorCode.REQUEST_FAILED: (500, "server_error"),
     ErrorCode.DRAINING: (503, "service_unavailable"),
+    ErrorCode.ABORTED: (503, "service_unavailable"),  # stopped on purpose by someone else: not moved
 }
 _CODE = {ErrorCode.PROMPT_TOO_LONG: "context_length_exceeded"}  # OpenAI's name for it
 

@@ -67,6 +67,8 @@ if TYPE_CHECKING:
     from .kv_link import WorkerKVLink
 
 log = logging.getLogger(__name__)
+# Aborts the stack sends itself (frontend.generation, the balancer): nobody asks to replay the stream after them.
+ROUTINE_ABORTS = frozenset({"client", "migrated", "orphan", "route timeout", "no prefill worker"})
 
 
 class WorkerService(Service):
@@ -296,15 +298,14 @@ class WorkerService(Service):
             self.quarantine.submit(a)
 
     async def abort(self, req: AbortRequest, _: Msg) -> None:
-        self.replay.drop(req.request_id)  # its frontend gave up on it or moved it
-        a = self._active.pop(req.request_id, None)
-        if a is None:
-            return
-        self.quarantine.done(req.request_id)
-        self._loop.abort(req.request_id)
-        self.request_counts.inc("aborted")
-        if a.spans is not None:
-            a.spans.end("aborted")
+        """Stop the request whatever it is doing (queued, fetching KV, prefilling, decoding) and end
+        its stream with a final error chunk: an abort its frontend did not send (an operator, a
+        second frontend) must not leave the client waiting. Its own frontend ignores that chunk
+        (it forgot the request, or moved it to a newer attempt)."""
+        self.fail(req.request_id, ErrorCode.ABORTED, f"the request was aborted ({req.reason})", retryable=False,
+                  counter="aborted")
+        if req.reason in ROUTINE_ABORTS:  # its frontend or the balancer gave up on it here: nobody replays it
+            self.replay.drop(req.request_id)
 
     # ---- engine side -----------------------------------------------------------------------
     def _on_outputs(self, outputs: Sequence[EngineOutput], failed: list[AddFailed],
