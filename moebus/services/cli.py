@@ -56,10 +56,15 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _run_up(args: argparse.Namespace, shape: FleetShape, engine: dict, worker: dict) -> int:
-    return up(port=args.port, model=args.model, host=args.host, workers=shape.workers,
+    if args.api_key:
+        print("moebus up: warning: --api-key puts the key on the command line, where `ps` shows it to every "
+              "user of this machine; use --api-key-file", file=sys.stderr, flush=True)
+    return up(port=args.port, model=args.model, host=args.host, metrics_host=args.metrics_host,
+              workers=shape.workers,
               served_model_name=args.served_model_name, nats_url=args.nats_url, nats_port=args.nats_port,
               nats_cluster=args.nats_cluster,
-              api_keys=args.api_key or [], heartbeat_interval_s=args.heartbeat_interval,
+              api_keys=args.api_key or [], api_keys_file=args.api_key_file,
+              heartbeat_interval_s=args.heartbeat_interval,
               max_queued=args.max_queued, engine=engine, log_dir=args.log_dir,
               metrics_targets_file=args.metrics_targets,
               trace_file=args.trace_file, otlp_endpoint=args.otlp_endpoint, trace_sample=args.trace_sample,
@@ -149,7 +154,10 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u = subparsers.add_parser("up", help="run nats-server and every service (one process each) on this machine",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     u.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
-    u.add_argument("--host", default="0.0.0.0", help="address the API listens on")
+    u.add_argument("--host", default="0.0.0.0", help="address the API listens on (its /metrics too)")
+    u.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address every other process's /metrics and probes listen on (a free port each, "
+                        "listed in --metrics-targets; nats-server listens on 127.0.0.1 only)")
     u.add_argument("--model", default="smollm2", help='engine model ("smollm2", a checkpoint dir, or "toy")')
     u.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     u.add_argument("--chat-template", default=None, metavar="FILE",
@@ -168,7 +176,12 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                    help="start N nats-server nodes with routes between them (as deploy/nats.yaml); "
                         "every process gets all their URLs and moves to another node when its own goes")
-    u.add_argument("--api-key", action="append", help="require this bearer key; repeat for several")
+    u.add_argument("--api-key", action="append",
+                   help="require this bearer key; repeat for several. `ps` shows it to every user of this "
+                        "machine: prefer --api-key-file")
+    u.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="require one of these bearer keys (one a line); the frontend gets them by a private "
+                        "0600 file, never on a command line or in the environment")
     u.add_argument("--keys-file", default=None, help="API keys -> tenants, with limits (docs/tenants.md)")
     u.add_argument("--frontend", default="{}",
                    help='extra FrontendConfig fields as JSON, e.g. \'{"admission": {"max_running": 32}}\'')

@@ -12,6 +12,9 @@ the subjects it needs, by a credentials file named in its environment; this proc
 process gets all their URLs and moves to another node when its own goes.
 Every child dies with the launcher, even when it is SIGKILLed (shared.lifeline): spawn from a
 thread that lives as long as the stack (up() uses its main thread).
+Listeners: the API binds `host`; every other process's /metrics and probes bind `metrics_host`
+(loopback unless asked), our nats-server loopback. API keys reach the frontend as a 0600 file in
+the launcher's private 0700 directory (beside the NATS credentials), never by argv or environment.
 """
 from __future__ import annotations
 
@@ -63,7 +66,8 @@ class StackConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     port: int = 8000
-    host: str = "0.0.0.0"
+    host: str = "0.0.0.0"  # the API's address (the frontend's /metrics is on its port)
+    metrics_host: str = "127.0.0.1"  # the /metrics + probes address of every other process
     model: str = "smollm2"
     served_model_name: str | None = None  # default: the model argument
     workers: int = Field(1, ge=1)
@@ -81,7 +85,10 @@ class StackConfig(BaseModel):
     nats_port: int = 0  # 0: a free port (node 0's, in a cluster)
     nats_cluster: int = Field(1, ge=1)  # nats-server nodes we start (routes between them when > 1)
     nats_monitor: bool = False  # their HTTP monitoring (/connz: who is connected where), on free ports
+    # Flat API keys (the `default` tenant), and a file of more, one a line. The frontend gets them
+    # all by a file of ours; $MOEBUS_API_KEYS (deprecated) is read here and kept from the children.
     api_keys: list[str] = []
+    api_keys_file: str | None = None
     heartbeat_interval_s: float = 1.0
     max_queued: int = 128
     engine: dict[str, Any] = {}  # extra EngineConfig fields for every worker
@@ -114,6 +121,11 @@ class StackConfig(BaseModel):
         if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
             raise ValueError("TLS needs both nats_tls_cert and nats_tls_key")
         return self
+
+
+def _reachable(host: str) -> str:
+    """An address to reach a listener bound to `host` from this machine."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 def _config_classes() -> dict[str, type[ServiceConfig]]:
@@ -149,7 +161,8 @@ class Stack:
         self.nats_url = cfg.nats_url or ""  # for clients in this process: the admin's credentials in it
         self.services_url = cfg.nats_url or ""  # what services are given (their credentials: by file)
         self.users: BusUsers | None = None  # our NATS's users when auth is on
-        self._creds: tempfile.TemporaryDirectory | None = None
+        self._private: tempfile.TemporaryDirectory | None = None  # 0700: NATS credentials, the API keys
+        self._api_keys_file: Path | None = None  # the frontend's keys, in _private
         self.metrics_ports: dict[str, tuple[str, int]] = {}  # instance id -> (service, its /metrics port)
 
     @property
@@ -164,8 +177,7 @@ class Stack:
 
     @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else self.cfg.host
-        return f"http://{host}:{self.cfg.port}"
+        return f"http://{_reachable(self.cfg.host)}:{self.cfg.port}"
 
     def service_configs(self) -> list[tuple[str, ServiceConfig]]:
         c, classes = self.cfg, _config_classes()
@@ -191,7 +203,8 @@ class Stack:
                 out.append(("worker", classes["worker"](instance_id=f"{prefix}-{i}", **wcfg, **common)))
         # the frontend renders prompts with its own copy of the tokenizer service's tokenizer (no bus round trip)
         local = {"model": c.model, "served_model_name": name, "chat_template": c.tokenizer.get("chat_template")}
-        fcfg = {"accept_images": self.num_encoders > 0, "local_render": local, **c.frontend}
+        keys = {"api_keys_file": str(self._api_keys_file)} if self._api_keys_file else {}
+        fcfg = {"accept_images": self.num_encoders > 0, "local_render": local, **keys, **c.frontend}
         from .frontend.tool_parser_deepseek import parser_for  # no deepseek_recipe import: config.json only
 
         if (parser := parser_for(c.model)) is not None:  # DeepSeek-V4: its own reasoning and call format
@@ -213,13 +226,12 @@ class Stack:
     def start(self) -> Self:
         if self.cfg.log_dir:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        self._write_api_keys()  # first: it takes $MOEBUS_API_KEYS out of what every child inherits
         if not self.cfg.nats_url:
             self._start_nats()
         env = dict(os.environ)
         if self.cfg.trace_file or self.cfg.otlp_endpoint:  # every process exports its spans (trace_export.py)
             env.update(TraceConfig(self.cfg.trace_file, self.cfg.otlp_endpoint, self.cfg.trace_sample).to_env())
-        if self.cfg.api_keys:  # through the environment: keys stay out of `ps`
-            env["MOEBUS_API_KEYS"] = ",".join(self.cfg.api_keys)
         if self.kvbroker_on:
             self._check_stopping()
             self.spawn_kvbroker(env)
@@ -229,13 +241,32 @@ class Stack:
         self.write_metrics_targets()
         return self
 
+    def _private_dir(self) -> Path:
+        """This stack's own directory (0700, removed on stop): secrets its children read by path."""
+        if self._private is None:
+            self._private = tempfile.TemporaryDirectory(prefix="moebus-")
+        return Path(self._private.name)
+
+    def _write_api_keys(self) -> None:
+        """Every flat key (config, its file, the deprecated environment) into one 0600 file for the
+        frontend. $MOEBUS_API_KEYS leaves this process's environment, so no child inherits it."""
+        from .frontend.tenants import API_KEYS_ENV, env_api_keys, read_api_keys, write_api_keys
+
+        c = self.cfg
+        keys = [*c.api_keys, *(read_api_keys(c.api_keys_file) if c.api_keys_file else []), *env_api_keys()]
+        os.environ.pop(API_KEYS_ENV, None)
+        if (keys or c.api_keys_file) and self._api_keys_file is None:  # a keys file with no keys: nobody gets in
+            self._api_keys_file = write_api_keys(self._private_dir() / "api_keys", keys)
+
     def _check_stopping(self) -> None:
         if self.stopping.is_set():
             raise StartupInterrupted("stopped during start-up")
 
     def metrics_targets(self) -> list[dict[str, Any]]:
         """Prometheus file_sd entries, one per process serving /metrics."""
-        return [{"targets": [f"127.0.0.1:{port}"], "labels": {"service": service, "instance_id": i}}
+        hosts = {"frontend": _reachable(self.cfg.host)}
+        return [{"targets": [f"{hosts.get(service, _reachable(self.cfg.metrics_host))}:{port}"],
+                 "labels": {"service": service, "instance_id": i}}
                 for i, (service, port) in sorted(self.metrics_ports.items())]
 
     def write_metrics_targets(self) -> str | None:
@@ -253,7 +284,7 @@ class Stack:
         c = self.cfg
         admin = None
         if c.nats_auth:
-            self.users, self._creds = BusUsers(), tempfile.TemporaryDirectory(prefix="moebus-bus-")  # 0700
+            self.users = BusUsers()
             admin = self.users.add(ADMIN)
             for service, scfg in self.service_configs():  # users of every process up front: no reload races
                 self._credentials_file(service, scfg.instance_id)
@@ -271,8 +302,8 @@ class Stack:
     def _credentials_file(self, service: str, instance_id: str) -> Path:
         """The credentials file of one process (made with its user on first use); a planner's also
         holds the user of the workers it starts (any id: they take its "*" entry)."""
-        assert self.users is not None and self._creds is not None
-        path = Path(self._creds.name) / f"{instance_id}.json"
+        assert self.users is not None
+        path = self._private_dir() / f"{instance_id}.json"
         if not path.exists():
             entries = {instance_id: self.users.add(service, instance_id)}
             if service == "planner":
@@ -303,7 +334,7 @@ class Stack:
               extra_args: Sequence[str] = ()) -> subprocess.Popen:
         """extra_args: flags after the config's own (the last of a repeated flag wins)."""
         if self.cfg.metrics and service != "frontend" and scfg.http_port is None:
-            scfg = scfg.model_copy(update={"http_port": free_port()})
+            scfg = scfg.model_copy(update={"http_port": free_port(), "http_host": self.cfg.metrics_host})
         port = scfg.port if service == "frontend" else scfg.http_port
         if port is not None:
             self.metrics_ports[scfg.instance_id] = (service, port)
@@ -443,9 +474,9 @@ class Stack:
                 proc.wait()
         if self.bus_nodes is not None:
             self.bus_nodes.stop()
-        if self._creds is not None:
-            self._creds.cleanup()
-            self._creds = None
+        if self._private is not None:
+            self._private.cleanup()
+            self._private, self._api_keys_file = None, None
 
     def __enter__(self) -> Self:
         try:

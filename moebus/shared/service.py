@@ -39,7 +39,9 @@ class ServiceConfig(BaseModel):
     subject_prefix: str = "moebus.v1"  # every subject starts with it (isolates stacks on one NATS)
     heartbeat_interval_s: float = 1.0  # seconds between heartbeats (watchers drop it after ~3 missed)
     http_port: int | None = None  # probes + /metrics; None: off
-    http_host: str = "0.0.0.0"  # address of the probes / metrics server
+    # Address of the probes / metrics server: this machine only, unless asked (a pod's kubelet
+    # probes its IP: deploy/ sets 0.0.0.0).
+    http_host: str = "127.0.0.1"
     drain_timeout_s: float = 10.0  # on shutdown, how long the bus connection may take to drain
 
 

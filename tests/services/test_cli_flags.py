@@ -1,6 +1,6 @@
 """The operator's CLI (#19 item 6): every flag of `up` and `serve` has help text and its default,
-`--version`, first-class --max-model-len / --enable-prefix-caching / --log-format, and --workers
-splitting the cores between the workers' torch threads."""
+`--version`, first-class --max-model-len / --enable-prefix-caching / --log-format, --workers
+splitting the cores between the workers' torch threads, --api-key-file and --metrics-host."""
 from __future__ import annotations
 
 import argparse
@@ -84,3 +84,13 @@ def test_workers_split_the_cores(monkeypatch) -> None:
     disagg = _up_kwargs(monkeypatch, ["--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "3"])
     assert disagg["worker"] == {"torch_threads": 2}
     assert _up_kwargs(monkeypatch, ["--workers", "2", "--model", "toy"])["worker"] == {}  # no torch there
+
+
+def test_api_key_flags_and_listener_hosts(monkeypatch, capsys) -> None:
+    kw = _up_kwargs(monkeypatch, ["--api-key-file", "keys.txt"])
+    assert (kw["api_keys"], kw["api_keys_file"], kw["metrics_host"]) == ([], "keys.txt", "127.0.0.1")
+    assert "warning" not in capsys.readouterr().err
+    kw = _up_kwargs(monkeypatch, ["--api-key", "sk-1", "--metrics-host", "0.0.0.0"])
+    assert (kw["api_keys"], kw["metrics_host"]) == (["sk-1"], "0.0.0.0")
+    err = capsys.readouterr().err
+    assert "`ps` shows it" in err and "sk-1" not in err

@@ -1,5 +1,6 @@
 """The Kubernetes manifests agree with the code: every service's args parse into its config, probes
-hit the endpoints it serves, the worker pods outlive their drain (the planner's manifest and RBAC:
+hit the endpoints it serves (on the pod's address), API keys come as a file, the worker pods
+outlive their drain (the planner's manifest and RBAC:
 test_planner_kube.py)."""
 from __future__ import annotations
 
@@ -47,8 +48,22 @@ def test_args_parse_and_probes_match(service: str) -> None:
     paths = {p: container[p]["httpGet"]["path"] for p in ("readinessProbe", "livenessProbe")}
     if service == "frontend":  # liveness stays cheap; readiness waits for a warmed-up worker per model
         assert cfg.port == port and paths == {"readinessProbe": "/ready", "livenessProbe": "/health"}
-    else:
+    else:  # the probe server binds loopback unless told: the kubelet probes the pod's IP
         assert cfg.http_port == port and set(paths.values()) == {"/healthz", "/readyz"}
+        assert cfg.http_host == "0.0.0.0"
+
+
+def test_api_keys_reach_the_frontend_as_a_file() -> None:
+    """Never in the environment (readable in /proc): the Secret mounted, its path in the args."""
+    spec = deployments()["frontend"]["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    assert not [e for e in container.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+    path = container["args"][container["args"].index("--api-keys-file") + 1]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    secret = next(v["secret"]["secretName"] for v in spec["volumes"] if v["name"] == "api-keys")
+    assert path.startswith(mounts["api-keys"] + "/")
+    keys = next(d for d in docs() if d["kind"] == "Secret" and d["metadata"]["name"] == secret)
+    assert path.rsplit("/", 1)[1] in keys["stringData"]
 
 
 def test_worker_grace_period() -> None:

@@ -61,6 +61,21 @@ SAMPLING: list[tuple[str, Any, str]] = [
     ("model", 5, "model"),
     ("model", "m" * 1000, "model"),
     ("user", 5, "user"),
+    # Text UTF-8 cannot carry (issue 36 item 6): lone surrogates escaped, and bytes that are not UTF-8
+    # (a surrogate here is sent as the byte it escapes: "\udcff" as 0xff).
+    *[("stop", Raw(f'["ok", "{v}"]'), "stop.1") for v in ("\\ud800", "\\udfff", "a\\ud800b", "\\ude00\\ud83d",
+                                                         "\udcff", "\udced\udca0\udc80")],
+    *[("user", Raw(v), "user") for v in ('"\\udc00"', '"\\uD800"', '"\udcc3"')],
+    ("metadata", Raw('{"ok": "x", "tag": "\\ud800"}'), "metadata.tag"),
+    ("metadata", Raw('{"\\ud800": "x"}'), "metadata.\\ud800"),  # a key, named escaped
+    ("response_format", Raw('{"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", '
+                            '"properties": {"\\ud800": {"type": "string"}}}}}'),
+     "response_format.json_schema.schema.properties.\\ud800"),
+    ("response_format", Raw('{"type": "json_schema", "json_schema": {"name": "a", "schema": '
+                            '{"enum": ["\\ud800"]}}}'), "response_format.json_schema.schema.enum.0"),
+    ("guided_json", Raw('"{\\"enum\\": [\\"\\\\ud800\\"]}"'), "guided_json"),  # JSON text holding the escape
+    ("tools", Raw('[{"type": "function", "function": {"name": "f", "description": "\\ud800", '
+                  '"parameters": {"type": "object"}}}]'), "tools.0.function.description"),
 ]
 
 
@@ -89,6 +104,10 @@ CHAT_ONLY: list[tuple[str, Any, str]] = [
     ("messages", [{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages.0.content.0.text"),
     ("messages", [{"role": "user", "content": "x", "name": "n" * 300}], "messages.0.name"),
     ("messages", [5], "messages.0"),
+    ("messages", Raw('[{"role": "user", "content": "hi \\ud800"}]'), "messages.0.content"),
+    ("messages", Raw('[{"role": "user", "content": "hi \udcff"}]'), "messages.0.content"),
+    ("messages", Raw('[{"role": "user", "content": [{"type": "text", "text": "\\udbff"}]}]'),
+     "messages.0.content.0.text"),
 ]
 
 COMPLETIONS_ONLY: list[tuple[str, Any, str]] = [
@@ -99,6 +118,8 @@ COMPLETIONS_ONLY: list[tuple[str, Any, str]] = [
     *[("echo", v, "echo") for v in ("x", [1])],
     ("suffix", "x", "suffix"),
     ("min_tokens", 17, "min_tokens"),  # over the default max_tokens, 16
+    *[("prompt", Raw(v), p) for v, p in (('"\\ud800"', "prompt"), ('["a", "\\ud800"]', "prompt.1"),
+                                         ('"\udcfe"', "prompt"))],
 ]
 
 
@@ -117,7 +138,7 @@ async def _send(client: openai.AsyncOpenAI, http: aiohttp.ClientSession, url: st
     base = _body(path, field, value)
     if isinstance(value, Raw) or value is None:  # raw HTTP: literals no encoder writes, and explicit nulls
         text = json.dumps(base)[:-1] + f', "{field}": {"null" if value is None else value}}}'
-        async with http.post(url + path, data=text) as r:
+        async with http.post(url + path, data=text.encode("utf-8", "surrogateescape")) as r:  # "\udcff": 0xff
             return r.status, (await r.json())["error"]
     create = client.chat.completions.create if path.endswith("chat/completions") else client.completions.create
     try:

@@ -1,5 +1,6 @@
 """Schemathesis against the toy stack's own /openapi.json (#20 item 5): no 5xx, every 4xx an
-OpenAI-style JSON error, no request lost; faults from clients injected meanwhile (streams cut
+OpenAI-style JSON error, no request lost; each body answered 200 sent again with a lone
+surrogate in its deepest string (a 400 naming it); faults from clients injected meanwhile (streams cut
 after their first chunk, connections trickling their headers); afterwards the stack still
 serves and every KV block is free.
 
@@ -10,6 +11,8 @@ It prints the figures (README, "Bad input and limits").
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import re
 import time
 from collections import Counter
@@ -101,6 +104,39 @@ def _check(case: Any, resp: requests.Response, figures: Figures) -> None:
             figures.failures.append(f"{where}\n  a stream without [DONE]: {resp.text[-300:]!r}")
 
 
+def _deepest_string(body: Any, path: str = "") -> str | None:
+    """The path (`messages.0.content`) of the most deeply nested string value in a JSON body."""
+    found: list[str] = []
+    if isinstance(body, str):
+        found.append(path)
+    elif isinstance(body, dict | list):
+        for k, v in body.items() if isinstance(body, dict) else enumerate(body):
+            if (p := _deepest_string(v, f"{path}.{k}" if path else str(k))) is not None:
+                found.append(p)
+    return max(found, key=lambda p: p.count("."), default=None)
+
+
+def _lone_surrogate(case: Any, base_url: str, session: requests.Session, figures: Figures) -> None:
+    """The case's body again with its deepest string made a lone surrogate ("\\ud800", issue 36
+    item 6): whatever the body, a 400 naming that string."""
+    if not isinstance(case.body, dict) or (where := _deepest_string(case.body)) is None:
+        return
+    body = copy.deepcopy(case.body)
+    *parents, last = where.split(".")
+    node = body
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[int(last) if isinstance(node, list) else last] = "x\ud800"
+    resp = session.post(base_url + case.formatted_path, data=json.dumps(body), headers=AUTH, timeout=60)
+    figures.faults["lone_surrogate"] += 1
+    err = resp.json().get("error", {}) if resp.headers.get("Content-Type", "").startswith("application/json") else {}
+    named = err.get("param") == where or (case.formatted_path.startswith("/v1/messages")  # Anthropic's: no param
+                                          and str(err.get("message")).startswith(where + ":"))
+    if resp.status_code != 400 or not named:
+        figures.failures.append(f"{case.operation.label} with {where} a lone surrogate -> {resp.status_code}: "
+                                f"{resp.text[:300]}")
+
+
 def _fuzz(base_url: str, doc: dict, examples: int, seed: int | None, figures: Figures) -> None:
     """Every operation in positive and negative mode, `examples` cases each (blocking: a thread)."""
     schema = _schema(doc)
@@ -121,6 +157,8 @@ def _fuzz(base_url: str, doc: dict, examples: int, seed: int | None, figures: Fi
                     figures.lost.append(f"{case.operation.label}: {type(e).__name__}: {e}"[:300])
                     return
                 _check(case, resp, figures)
+                if resp.status_code == 200:
+                    _lone_surrogate(case, base_url, session, figures)
 
             if seed is not None:
                 run = hypothesis.seed(seed)(run)

@@ -45,6 +45,9 @@ async def test_up_serves_and_stops_everything_on_sigint() -> None:
         assert "moebus up" in proc.stdout.readline()
         procs = children(proc.pid)
         assert len(procs) == 6  # nats-server, tokenizer, balancer, 2 workers, frontend
+        for pid in procs:  # --api-key is on the launcher's command line (it warns), never on a child's
+            for what in ("cmdline", "environ"):
+                assert b"sk-1" not in open(f"/proc/{pid}/{what}", "rb").read(), (pid, what)
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-1", max_retries=0)
         r = await client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4)

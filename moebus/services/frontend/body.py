@@ -3,12 +3,15 @@
 The body must arrive within `body_timeout_s` (408, connection closed: a slow-loris body),
 be at most `max_body_bytes` (413) and nest at most `max_json_depth` levels (400).
 JSON that orjson refuses only for its numbers (1e400, NaN, integers past 64 bits) is read again
-with the standard library, so the value reaches validation and the 400 names its field.
+with the standard library, so the value reaches validation and the 400 names its field. So is text
+orjson refuses for not being UTF-8 (a lone surrogate "\ud800", bytes that are not UTF-8): the 400
+names the string that holds it, which would otherwise fail deep in rendering or on the bus.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any, TypeVar
 
 import orjson
@@ -21,6 +24,8 @@ from .protocol import ParamError
 
 B = TypeVar("B", bound=BaseModel)
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none"})
+# A surrogate, or the escape of one (pairs too): only then is the whole body walked for a lone one.
+_MAYBE_SURROGATE = re.compile(r"[\ud800-\udfff]|\\u[dD][89a-fA-F]")
 
 
 async def parse_body(request: web.Request, model: type[B], limits: RequestLimits) -> B:
@@ -53,13 +58,54 @@ async def parse_body(request: web.Request, model: type[B], limits: RequestLimits
 
 def _loads(raw: bytes) -> Any:
     try:
-        return orjson.loads(raw)
+        return orjson.loads(raw)  # refuses lone surrogates, escaped or not, and bytes that are not UTF-8
     except orjson.JSONDecodeError as e:
         first = e
-    try:  # NaN, Infinity, 1e400, huge integers: let validation name the field
-        return json.loads(raw, parse_int=_int)
+    # NaN, Infinity, 1e400, huge integers: let validation name the field. Bytes that are not UTF-8
+    # become lone surrogates here (surrogateescape), as "\ud800" escapes do: _unencodable names them.
+    text = raw.decode("utf-8", "surrogateescape").removeprefix("\ufeff")
+    try:
+        data = json.loads(text, parse_int=_int)
     except (ValueError, RecursionError):
-        raise bad_request(f"We could not parse the JSON body of your request: {first}", code="invalid_json") from None
+        raise bad_request(f"We could not parse the JSON body of your request: {first}",
+                          code="invalid_json") from None
+    if _MAYBE_SURROGATE.search(text) and (where := _unencodable(data)) is not None:
+        msg = "text that is not valid Unicode (a lone UTF-16 surrogate, \\ud800-\\udfff, or bytes not UTF-8)"
+        raise bad_request(f"{where or 'the body'}: {msg}", param=where or None, code="invalid_value")
+    return data
+
+
+def _unencodable(data: Any) -> str | None:
+    """The path (`messages.0.content`; "" for the body itself) of a string or key that UTF-8 cannot
+    encode, or None. A loop, not recursion: the body may nest as deep as json.loads allowed."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        path, node = todo.pop()
+        if isinstance(node, str):
+            if not _utf8(node):
+                return path
+        elif isinstance(node, dict):
+            for key in node:
+                if not _utf8(key):  # the key itself, shown escaped: the error must be valid UTF-8 too
+                    shown = key.encode("utf-8", "backslashreplace").decode()
+                    return f"{path}.{shown}" if path else shown
+            todo.extend((f"{path}.{k}" if path else k, v) for k, v in reversed(node.items()) if _holds_text(v))
+        elif isinstance(node, list):
+            todo.extend((f"{path}.{i}" if path else str(i), node[i])
+                        for i in reversed(range(len(node))) if _holds_text(node[i]))
+    return None
+
+
+def _holds_text(value: Any) -> bool:
+    return isinstance(value, str | dict | list)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _deeper(data: Any, most: int) -> bool:

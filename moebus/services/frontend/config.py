@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import os
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moebus.shared.service import ServiceConfig
 
@@ -87,7 +85,10 @@ class FrontendConfig(ServiceConfig):
     host: str = "0.0.0.0"
     port: int = 8000
     models: list[str] = ["smollm2"]  # model names served (what the workers advertise)
-    api_keys: list[str] = Field(default_factory=list, validate_default=True)  # empty: no auth; also $MOEBUS_API_KEYS
+    # Flat keys of the `default` tenant (tenants.py); none here, in api_keys_file or keys_file: no auth.
+    # On the command line `ps` shows them to every user: prefer api_keys_file.
+    api_keys: list[str] = []
+    api_keys_file: str | None = None  # flat keys, one a line, read at start (`moebus up` writes one, 0600)
     max_inflight: int = Field(1024, ge=1)  # concurrent generations; beyond: 503 + Retry-After
     # Generation requests (streamed or not, body still arriving included) open at once from one
     # client address; beyond: 429 + Retry-After. 0: no limit (behind a proxy every client shares
@@ -131,10 +132,3 @@ class FrontendConfig(ServiceConfig):
     def tool_parser(self, model: str) -> str:
         """The parser of `model`'s function calls (tool_call_parsers, else hermes)."""
         return self.tool_call_parsers.get(model, "hermes")
-
-    @field_validator("api_keys", mode="after")
-    @classmethod
-    def _env_keys(cls, keys: list[str]) -> list[str]:
-        # Keys from the environment stay out of process listings.
-        env = [k.strip() for k in os.environ.get("MOEBUS_API_KEYS", "").split(",") if k.strip()]
-        return keys + env

@@ -5,7 +5,6 @@ naming it. Schemas, regexes and grammars are bounded here; the worker's engine c
 invalid one is a 400 from there)."""
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 import orjson
@@ -136,7 +135,7 @@ def check_schema(v: dict[str, Any] | str, info: ValidationInfo) -> dict[str, Any
     """A JSON schema (an object, or its JSON text) within the deployment's size and depth."""
     if isinstance(v, str):
         try:
-            v = json.loads(v)
+            v = orjson.loads(v)  # as the body's text: a lone surrogate ("\\ud800") is refused, not carried on
         except ValueError as e:
             raise ValueError(f"the schema is not valid JSON ({e})") from None
         if not isinstance(v, dict):

@@ -7,10 +7,10 @@ bounds that depend on the deployment come from `RequestLimits`, passed as the va
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from moebus.shared.messages import ChatMessage, SamplingOptions
@@ -113,8 +113,8 @@ class ToolCallTurn(_Req):
         args: Any = self.function.arguments
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
+                args = orjson.loads(args) if args.strip() else {}
+            except ValueError:  # lone surrogates ("\\ud800") included: they would break the tokenizer
                 pass  # not JSON: the template gets the text as it came
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
 

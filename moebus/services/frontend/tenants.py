@@ -8,14 +8,16 @@ The file is JSON (docs/tenants.md)::
 Keys are random (`moebus keys add` makes 256-bit ones), so a plain SHA-256 is enough: a slow
 password hash only protects guessable secrets, and would cost every request. A lookup hashes the
 presented key and compares it with every stored hash in constant time, without stopping at a
-match. The flat `api_keys` (and $MOEBUS_API_KEYS) are hashed the same way into the `default`
-tenant, whose limits are the file's `default` entry if it has one, else the admission config's.
+match. The flat keys (`api_keys`, the `api_keys_file`: one a line; $MOEBUS_API_KEYS, deprecated:
+the environment is readable in /proc) are hashed the same way into the `default` tenant, whose
+limits are the file's `default` entry if it has one, else the admission config's.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import tempfile
@@ -29,6 +31,8 @@ from .config import FrontendConfig, TenantLimits
 
 DEFAULT = "default"  # the tenant of flat api_keys, and of every request when auth is off
 KEY_PREFIX = "mb-"
+API_KEYS_ENV = "MOEBUS_API_KEYS"  # comma-separated flat keys; deprecated for api_keys_file
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,27 @@ class KeysFile(BaseModel):
             raise
 
 
+def read_api_keys(path: str | Path) -> list[str]:
+    """A flat keys file: one key a line, blank lines skipped."""
+    return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_api_keys(path: str | Path, keys: list[str]) -> Path:
+    """A new flat keys file, owner-only (0600) from its creation on: no moment where others may read it."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write("".join(f"{k}\n" for k in keys))
+    return Path(path)
+
+
+def env_api_keys() -> list[str]:
+    """Flat keys from $MOEBUS_API_KEYS (deprecated: any process of this user can read the environment)."""
+    keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    if keys:
+        log.warning("API keys from $%s: the environment of a process is readable in /proc/<pid>/environ; "
+                    "use a keys file (api_keys_file, `moebus up --api-key-file`)", API_KEYS_ENV)
+    return keys
+
+
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -103,13 +128,14 @@ class KeyRing:
 
     @classmethod
     def from_config(cls, cfg: FrontendConfig) -> KeyRing:
-        """Auth is on with a keys file (even one with no keys: nobody gets in) or flat api_keys."""
+        """Auth is on with a keys file of either kind (even one with no keys: nobody gets in) or flat keys."""
         file = KeysFile.load(cfg.keys_file) if cfg.keys_file else KeysFile()
         tenants = {name: Tenant(name, limits) for name, limits in file.tenants.items()}
         default = tenants.setdefault(DEFAULT, Tenant(DEFAULT, cfg.admission.default_tenant))
         entries = [(bytes.fromhex(k.sha256), tenants[k.tenant]) for k in file.keys]
-        entries += [(hashlib.sha256(k.encode()).digest(), default) for k in cfg.api_keys]
-        return cls(entries, default, required=bool(cfg.keys_file or cfg.api_keys))
+        flat = [*cfg.api_keys, *(read_api_keys(cfg.api_keys_file) if cfg.api_keys_file else []), *env_api_keys()]
+        entries += [(hashlib.sha256(k.encode()).digest(), default) for k in flat]
+        return cls(entries, default, required=bool(cfg.keys_file or cfg.api_keys_file or flat))
 
     def tenant(self, key: str) -> Tenant | None:
         """The key's tenant; None: no such key (auth on)."""
