@@ -44,7 +44,8 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
         case "encoder":
             return [], [s.encoder_encode, s.encoder_encode_on(i)]
         case "balancer":  # routes to workers by their heartbeats; never streams or moves KV
-            return ([s.worker_generate(ANY), s.worker_abort(ANY), s.balancer_worker_lost, s.kvbroker_query],
+            return ([s.worker_generate(ANY), s.worker_abort(ANY), s.balancer_worker_lost, s.kvbroker_query,
+                     s.health("worker", ANY)],  # is a silent worker gone or paused (service._probe)
                     [s.balancer_route, s.heartbeat_all("worker")])
         case "worker":  # receives only its own work; sends streams, handoffs and KV, never generate
             return ([s.frontend_stream(ANY, ANY), s.frontend_chunks(ANY), s.worker_handoff(ANY), s.worker_handoff_beat(ANY),
@@ -57,7 +58,7 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
                     [s.kvbroker_events, s.kvbroker_query, s.kvbroker_get, s.kvbroker_put, s.kvbroker_stats,
                      s.balancer_worker_lost])
         case "planner":  # the only service that sends control messages: drain, to workers
-            return [s.planner_decision, s.drain("worker", ANY)], [s.heartbeat_all("worker")]
+            return [s.planner_decision, s.drain("worker", ANY), s.health("worker", ANY)], [s.heartbeat_all("worker")]
     raise ValueError(f"unknown role {role!r}; one of {SERVICE_ROLES}")
 
 

@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from moebus.devmodel.toy import ToyEngine, ToyEngineConfig, ToyTokenizer
+from moebus.devmodel.toy import TOY_REPLY, ToyEngine, ToyEngineConfig, ToyTokenizer
 
 from .conftest import toy_stack, wait_for
 
@@ -96,3 +96,53 @@ async def test_restart_budget_counts_failures_in_a_row(nats_server) -> None:
         assert w._loop.restarts == 1 and not w.exit_requested.is_set()
         r = await c.chat.completions.create(model="toy", messages=[{"role": "user", "content": "hi"}])
         assert "toy model" in r.choices[0].message.content
+
+
+class LateBreakingToyEngine(ToyEngine):
+    """Breaks on the third step it runs the poison: requests beside it have streamed from this
+    engine by then, so a batch split and rerun on the same worker must go on from those tokens."""
+
+    steps_with_poison = 0
+
+    def step(self):
+        out = super().step()
+        if any(_contains(r.prompt, _MARK_IDS) for r in self._running.values()):
+            self.steps_with_poison += 1
+            if self.steps_with_poison >= 3:
+                raise RuntimeError("engine broken by a poison request")
+        return out
+
+
+async def test_a_batch_of_suspects_with_a_poison_is_split_on_its_worker() -> None:
+    """P and two innocents break worker A; on B they run as one batch of suspects, break it, and
+    B splits the batch until P breaks it alone: P fails ("failed on 2 workers", B counts as one),
+    the innocents end with the whole reply (resumed twice, nothing repeated or missing), and no
+    third engine breaks."""
+    from moebus.shared.nats_server import NatsServer
+
+    server = NatsServer().start()
+    try:
+        async with toy_stack(server.url, workers=2, worker=FAST_RESTART, balancer={"policy": "round_robin"},
+                             engine_factory=lambda: LateBreakingToyEngine(ToyEngineConfig(step_delay_s=0.01))) as stack:
+            c = stack.client()
+
+            async def ask(text: str) -> str | openai.APIStatusError:
+                try:
+                    r = await c.chat.completions.create(model="toy", messages=[{"role": "user", "content": text}],
+                                                        stream=False)
+                    return r.choices[0].message.content
+                except openai.APIStatusError as e:
+                    return e
+
+            tasks = []
+            for text in ["hi 0", "hi 1", "hi 2", "hi 3", MARK, "hi 4"]:  # round robin: P beside 0 and 2
+                tasks.append(asyncio.create_task(ask(text)))
+                await asyncio.sleep(0.05)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            err = results.pop(4)
+            assert isinstance(err, openai.APIStatusError) and "failed on 2 workers" in err.body["message"], err
+            assert results == [TOY_REPLY] * 5
+            restarts = sorted(w._loop.restarts for w in stack.workers)
+            assert restarts[0] == 1 and restarts[1] >= 2, restarts  # A once; B once per split of P's batch
+    finally:
+        server.stop()

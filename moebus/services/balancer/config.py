@@ -9,6 +9,9 @@ from moebus.shared.service import ServiceConfig
 
 class BalancerConfig(ServiceConfig):
     missed_heartbeats: int = Field(3, ge=1)  # a worker silent this many intervals is dead
+    # A worker that missed its beats is asked for its health this long (at least one interval): no
+    # responders means it is gone; a timeout, that it is paused (kept, not routed to).
+    probe_timeout_s: float = Field(0.5, gt=0)
     worker_timeout_s: float = 5.0  # how long a worker may take to accept (not to finish) a request
     # A route asked again (same request id and attempt: the frontend heard nothing in time) gets the
     # answer already given for this long, instead of a second worker (route_memo.py).

@@ -6,7 +6,9 @@ GenerateAccepted. "Best" is the cheapest estimated prefill given the prompt pref
 caches (KV broker index, kv_rank.py), then the least loaded. Overloaded or vanished workers are
 skipped for the next candidate. A worker that misses heartbeats, or whose heartbeat comes from a new
 process under the same id (restarted), is announced on `balancer.worker_lost`; frontends move its
-requests to other workers. Only beats missed while the balancer itself could hear them count: after
+requests to other workers. Missed beats alone only stop routing to it: it is lost when its health
+subject has no responders (the server closed its connection: it died), not while it is merely
+paused or starved (the subscription stays; the probe times out) and its requests wait for it. Only beats missed while the balancer itself could hear them count: after
 its own reconnect, a worker has the bus's settle time plus its full allowance to beat again.
 
 Disaggregated mode: the decode worker is asked first (it starts waiting for the KV), then the
@@ -25,6 +27,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from moebus.shared.errors import ErrorCode, NoResponders, RequestTimeout, ServiceError
+from moebus.shared.liveness import Verdict, probe
 from moebus.shared.messages import (
     AbortRequest,
     GenerateAccepted,
@@ -110,9 +113,24 @@ class BalancerService(Service):
             self.stalls.record(due, time.monotonic())
             if self.table.silent(time.monotonic(), self.bus.evidence_since, self.stalls.since) \
                     and await self._hearing():
-                for worker_id in self.table.expire(time.monotonic(), self.bus.evidence_since, self.stalls.since):
-                    await self._announce_lost(worker_id, "missed heartbeats")
+                silent = self.table.silent(time.monotonic(), self.bus.evidence_since, self.stalls.since)
+                for worker_id, verdict in zip(silent, await asyncio.gather(*map(self._probe, silent)), strict=True):
+                    await self._judge(worker_id, verdict)
             self._m_workers.set(len(self.table))
+
+    async def _probe(self, worker_id: str) -> Verdict:
+        return await probe(self.bus, self.subjects, "worker", worker_id,
+                           max(self.cfg.heartbeat_interval_s, self.cfg.probe_timeout_s))
+
+    async def _judge(self, worker_id: str, verdict: Verdict) -> None:
+        now = time.monotonic()
+        if verdict == "gone":
+            if self.table.remove(worker_id):
+                await self._announce_lost(worker_id, "missed heartbeats, connection closed")
+        elif verdict == "alive":  # it answers: its beats are late, not stopped
+            self.table.heard(worker_id, now)
+        else:  # paused: no new work until it beats again, but its requests wait for it rather than move
+            self.table.skip(worker_id, now)
 
     async def _hearing(self) -> bool:
         """Whether the bus carries our traffic right now (a round trip to the server): silence is

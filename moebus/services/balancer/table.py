@@ -93,6 +93,12 @@ class WorkerTable:
             del self._workers[w]
         return dead
 
+    def heard(self, worker_id: str, now: float) -> None:
+        """It answered a probe: alive, whatever its late beats said."""
+        entry = self._workers.get(worker_id)
+        if entry is not None:
+            entry.last_seen = now
+
     def remove(self, worker_id: str) -> bool:
         return self._workers.pop(worker_id, None) is not None
 

@@ -8,8 +8,11 @@ response, streamed or not: no token repeated or missing, greedy output identical
 undisturbed run. A request moves at most `max_migrations` times. A request the engine failed by
 itself (invalid, or its own state raised) never moves, and one that broke `max_worker_failures`
 workers (they died or their engine failed while holding it) is not sent to another: a poison
-request cannot walk the fleet. A draining worker handing a request over does not count as a
-failure. Chunks of an older attempt are ignored, so a late worker cannot interleave with its
+request cannot walk the fleet. A moved request is a suspect: workers run suspects in batches
+apart from the rest and split a batch that breaks their engine again (worker/quarantine.py); one
+whose batch died with its worker goes on alone (`isolate`), so a poison that kills processes
+breaks at most one worker more than `max_worker_failures`. A draining worker handing a request
+over does not count as a failure. Chunks of an older attempt are ignored, so a late worker cannot interleave with its
 replacement. A split request (prefill worker, then decode worker) takes chunks from both, in
 sequence-number order (they come from two publishers); the prefill worker matters until the
 decode worker has streamed, since the KV hand-off between them may still be under way.
@@ -79,6 +82,7 @@ class Generation:
         self.order = ChunkOrder(req.params.n)  # this attempt's chunks, passed on in order
         self._cut = False  # the consumer ended a choice early: the worker must be told
         self.worker_failures = 0  # workers that died or whose engine failed while holding this request
+        self._isolate = False  # its next attempts run alone (its batch of suspects died: worker quarantine)
         self.migrations = 0
         self._heard = time.monotonic()  # when something last came for this request
         self._resync_at: float | None = None  # when to ask the worker for chunks after ours (reconnect)
@@ -152,7 +156,11 @@ class Generation:
                     failed = item.failed_worker or item.worker_id
                 if retryable and err.code is not ErrorCode.DRAINING:
                     self.worker_failures += 1
-                    if self.worker_failures >= self.router.cfg.max_worker_failures:  # poison: fail it for good
+                    if self.req.suspect and not self.req.isolate and not isinstance(item, TokenChunk):
+                        # its batch of suspects died with the worker (one that breaks its engine splits
+                        # the batch itself, quarantine.py): who killed it is unknown, so it goes on alone
+                        self._isolate = True
+                    elif self.worker_failures >= self.router.cfg.max_worker_failures:  # poison: fail it for good
                         err, retryable = ServiceError(ErrorCode.REQUEST_FAILED, f"{err.message} (the request failed "
                                                       f"on {self.worker_failures} workers; it is not sent to "
                                                       "another)"), False
@@ -251,7 +259,8 @@ class Generation:
         resume = [] if fresh else [ResumedChoice(index=k, token_ids=self.sent.get(k, [])) for k in sorted(self.open)]
         excluded = [*self.req.exclude_workers, *([failed] if failed else [])]
         self.req = self.req.model_copy(update={"attempt": self.req.attempt + 1, "exclude_workers": excluded,
-                                               "suspect": self.worker_failures > 0, "resume": resume})
+                                               "suspect": self.worker_failures > 0, "isolate": self._isolate,
+                                               "resume": resume})
         self.worker_id = self.decode_worker_id = None
         self._decoding = False
         self.order, self._resync_at = ChunkOrder(self.req.params.n), None

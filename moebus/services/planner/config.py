@@ -83,7 +83,8 @@ class KubernetesActuatorConfig(BaseModel):
 class PlannerConfig(ServiceConfig):
     interval_s: float = Field(5.0, gt=0)  # one decision per pool this often
     warmup_s: float = Field(3.0, ge=0)  # watch heartbeats this long before the first decision
-    missed_heartbeats: int = Field(3, ge=1)  # a worker silent this many intervals is gone
+    missed_heartbeats: int = Field(3, ge=1)  # a worker silent this many intervals is asked if it is gone
+    probe_timeout_s: float = Field(0.5, gt=0)  # no answer by then: paused, kept (shared/liveness.py)
     rate_window_s: float = Field(10.0, gt=0)  # request/token rates over the beats of this window
     actuator: Literal["none", "local", "kubernetes"] = "none"
     policy: PolicyConfig = PolicyConfig()

@@ -65,13 +65,20 @@ class Fleet:
         while len(w.counters) > 2 and sample[0] - w.counters[1][0] >= self.rate_window_s:
             w.counters.popleft()
 
-    def expire(self, now: float, since: float = -math.inf) -> list[str]:
-        """Forget workers that missed their heartbeats; returns their ids. since: silence before this
-        does not count (the planner could not hear them: Bus.evidence_since; +inf forgets nobody)."""
-        gone = [i for i, w in self._workers.items()
+    def silent(self, now: float, since: float = -math.inf) -> list[str]:
+        """Workers that missed their heartbeats. since: silence before this does not count (the
+        planner could not hear them: Bus.evidence_since; +inf: nobody is silent)."""
+        return [i for i, w in self._workers.items()
                 if now - max(w.seen, since) > self.missed_heartbeats * max(w.beat.interval_s, 1e-3)]
-        for i in gone:
-            del self._workers[i]
+
+    def forget(self, worker_ids: list[str]) -> None:
+        for i in worker_ids:
+            self._workers.pop(i, None)
+
+    def expire(self, now: float, since: float = -math.inf) -> list[str]:
+        """Forget the silent workers; returns their ids."""
+        gone = self.silent(now, since)
+        self.forget(gone)
         return gone
 
     def workers(self) -> list[WorkerView]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from moebus.shared.liveness import probe
 from moebus.shared.messages import Heartbeat
 from moebus.shared.messages.planner import PlannerDecision, PoolDecision
 from moebus.shared.service import Service
@@ -111,7 +112,12 @@ class PlannerService(Service):
 
     async def tick(self) -> PlannerDecision:
         now = time.monotonic()
-        self.fleet.expire(now, self.bus.evidence_since)  # a planner cut off itself forgets nobody
+        # a planner cut off itself forgets nobody; a paused worker is kept (no replacement for it)
+        silent = self.fleet.silent(now, self.bus.evidence_since)
+        verdicts = await asyncio.gather(*(probe(self.bus, self.subjects, "worker", w, self.cfg.probe_timeout_s)
+                                          for w in silent))
+        self.fleet.forget([w for w, v in zip(silent, verdicts, strict=True) if v == "gone"])
+        now = time.monotonic()
         pools = self.policy.decide(self.fleet.observations(), now)
         decision = PlannerDecision(planner_id=self.instance_id, ts=time.time(),
                                    ttft_target_s=self.cfg.policy.ttft_target_s,

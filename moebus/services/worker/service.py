@@ -333,6 +333,8 @@ class WorkerService(Service):
                 if chunk.finished:
                     self.split.finished_at_first_token(a)
             a.seq[i] += 1
+            if a.req.suspect:
+                a.sent.setdefault(i, []).extend(chunk.token_ids)
             if a.spans is not None:
                 a.spans.chunk(chunk, step)
             now = time.monotonic()
@@ -381,9 +383,19 @@ class WorkerService(Service):
         one request may break). A loop that rebuilds its engine comes back ready; one that gave
         up makes this process exit, so its supervisor restarts it."""
         rebuilt = self._loop is not None and self._loop.failed is None
-        # Held requests never reached the broken engine: they run on the rebuilt one. Decided up
-        # front: failing a request releases the next held one into the engine.
-        lost = [rid for rid in self._active if not (rebuilt and self.quarantine.holds(rid))]
+        # Held requests never reached the broken engine: they run on the rebuilt one. A batch of
+        # suspects is split and rerun here (quarantine.py); one that broke it alone fails. Decided
+        # up front: failing a request releases the next held one into the engine.
+        batch = [self._active[r] for r in self.quarantine.batch if r in self._active]
+        rerun = [a for a in batch if a.req.stage == "aggregated"] if rebuilt and len(batch) > 1 else []
+        for a in rerun:
+            a.req = a.resumed_here()
+            a.sent.clear()
+        kept = {a.req.request_id for a in rerun}
+        lost = [rid for rid in self._active if rid not in kept and not (rebuilt and self.quarantine.holds(rid))]
+        if rerun:
+            log.warning("engine broke with %d suspects: rerunning them here in two halves", len(rerun))
+            self.quarantine.bisect(rerun)
         for rid in lost:
             self.fail(rid, ErrorCode.ENGINE_FAILED, f"engine failed: {type(exc).__name__}: {exc}",
                        retryable=True, counter="failed")

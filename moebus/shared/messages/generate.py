@@ -73,7 +73,10 @@ class GenerateRequest(Message):
     stage: Literal["aggregated", "prefill", "decode"] = "aggregated"
     kv_transfer: KVTransferSpec | None = None  # stage prefill / decode
     exclude_workers: list[str] = []  # balancer skips these (e.g. the worker that just died)
-    suspect: bool = False  # an earlier attempt was on an engine that broke: run it alone (worker quarantine)
+    # An earlier attempt was on an engine that broke (or a worker that died): it runs in a batch of
+    # suspects only, split when it breaks the engine again (worker quarantine); isolate: alone.
+    suspect: bool = False
+    isolate: bool = False
     # A migrated request: the choices still open, each going on from the tokens already streamed
     # (empty: every choice from the start). Chunk numbers (seq) restart at 0 with each attempt.
     resume: list[ResumedChoice] = []
