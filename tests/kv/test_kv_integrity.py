@@ -142,7 +142,8 @@ def test_payload_header_and_generator_damage_raise():
 def test_blocks_keep_the_checksum_they_were_made_with():
     b = block(3)
     q = KVPayload.from_blocks([block(2), b], [7, 8], 4)
-    assert q.block(1).checksum == b.checksum and KVBlock.decode(q.block(1).encode()).checksum == b.checksum
+    keyed = b.keyed(8).checksum  # its data checksum with the identity it travels under (hash 8)
+    assert q.block(1).checksum == keyed and KVBlock.decode(q.block(1).encode()).checksum == keyed
     b.layers[0][0][0, 0, 0] += 1  # changed after it was made: every later check sees it
     with pytest.raises(KVChecksumError):
         KVBlock.decode(b.encode())

@@ -142,11 +142,12 @@ def test_v4_shaped_blocks_regroup_into_a_payload_and_survive_the_disk(tmp_path):
     again = KVPayload.from_bytes(payload.to_bytes())
     assert again.equal(payload) and again.corrupt_blocks == 0
     assert [len(layer) for layer in again.layers] == [2, 6, 4]
-    assert [again.block(i).checksum for i in range(3)] == [b.checksum for b in blocks]
+    # each block's checksum now also covers the hash it travels under (its identity)
+    assert [again.block(i).checksum for i in range(3)] == [b.keyed(11 + i).checksum for i, b in enumerate(blocks)]
     disk = DiskTier(tmp_path, 1 << 20)
     disk.put(7, blocks[1])
     got = DiskTier(tmp_path, 1 << 20).get(7)  # reopened: read back from the file
-    assert got is not None and got.checksum == blocks[1].checksum and got.intact()
+    assert got is not None and got.checksum == blocks[1].keyed(7).checksum and got.intact() and got.block_hash == 7
     assert [tuple(t.shape) for layer in got.layers for t in layer] == [
         tuple(t.shape) for layer in blocks[1].layers for t in layer]
     assert got.layers[2][3].dtype == torch.bfloat16
@@ -166,6 +167,6 @@ def test_v4_shaped_blocks_regroup_into_a_payload_and_survive_the_disk(tmp_path):
     assert again.equal(payload) and again.corrupt_blocks == 0
     for i, b in enumerate(mixed):
         got = again.block(i)
-        assert got.checksum == b.checksum and got.intact() and got.has_window(groups) == (i == 2)
+        assert got.checksum == b.keyed(11 + i).checksum and got.intact() and got.has_window(groups) == (i == 2)
         assert [tuple(t.shape) for layer in got.layers for t in layer] == [
             tuple(t.shape) for layer in b.layers for t in layer]

@@ -2,7 +2,10 @@
 
 A block is checked against the checksum it carries on every get: one that fails (or cannot be
 read back whole) is dropped, counted in `corrupt` (and `on_corrupt(tier name)`, e.g. a metric),
-and reported as a miss, so the engine recomputes it; it is never served.
+and reported as a miss, so the engine recomputes it; it is never served. So is an intact block
+that is not the one asked for: a put stamps a block with the key it is stored under (one that
+already names a key keeps it), and a get compares that with the key asked for (and the reader's
+KV fingerprint, when it gives one): a file renamed or swapped to another key is never served.
 """
 from __future__ import annotations
 
@@ -47,14 +50,17 @@ class Tier(abc.ABC):
         with self._lock:
             return list(self._lru)
 
-    def get(self, block_hash: int) -> KVBlock | None:
+    def get(self, block_hash: int, fingerprint: int = 0) -> KVBlock | None:
+        """The block stored under block_hash; fingerprint: the reader's kv_fingerprint (0: any)."""
         with self._lock:
             if block_hash not in self._lru:
                 self.misses += 1
                 return None
             try:
                 block = self._read(block_hash)
-            except ValueError as e:  # fails its checksum, truncated, undecodable
+                if block is not None:
+                    block.check_identity(block_hash, fingerprint)
+            except ValueError as e:  # fails its checksum, names another key, truncated, undecodable
                 self._drop(block_hash)
                 self.misses += 1
                 self._count_corrupt(block_hash, e)
@@ -69,6 +75,7 @@ class Tier(abc.ABC):
 
     def put(self, block_hash: int, block: KVBlock) -> list[Evicted]:
         """Store (or refresh) a block; returns what the size limit pushed out, oldest first."""
+        block = block.keyed(block_hash)
         with self._lock:
             if block_hash in self._lru:
                 self._lru.move_to_end(block_hash)

@@ -1,4 +1,5 @@
-"""CpuTier: KV blocks in host memory, LRU by bytes; each checked against its checksum when read."""
+"""CpuTier: KV blocks in host memory, LRU by bytes; each checked against its checksum (which
+covers its identity) when read."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -31,7 +32,8 @@ class CpuTier(Tier):
     def _write(self, block_hash: int, block: KVBlock) -> None:
         # The checksum is the one the block came with, not recomputed from what is stored, so a
         # block damaged before it got here is still caught on the way out.
-        self._blocks[block_hash] = KVBlock([tuple(_own(t) for t in kv) for kv in block.layers], block.checksum)
+        self._blocks[block_hash] = KVBlock([tuple(_own(t) for t in kv) for kv in block.layers], block.checksum,
+                                           block.block_hash, block.fingerprint)
 
     def _remove(self, block_hash: int) -> None:
         self._blocks.pop(block_hash, None)

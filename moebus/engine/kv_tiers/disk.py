@@ -10,6 +10,9 @@ checksum, its length and the block's data checksum, so a file that a power loss 
 zeroed reads as corrupt, is deleted and recomputed, never served. fsync=True syncs the file before
 the rename and the directory after it: a block that exists after a crash is then whole, at the
 cost of two syncs per block written.
+
+A file names the block hash it was written under (its header, covered by the block's checksum),
+so one renamed, copied or swapped to another block's name reads as corrupt too (Tier.get).
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ class DiskTier(Tier):
             return None
         except OSError as e:  # an I/O error: the block is there but cannot be trusted
             raise ValueError(f"unreadable {path.name}: {e}") from e
-        block = KVBlock.decode(data)  # ValueError: torn, truncated or fails a checksum
+        block = KVBlock.decode(data)  # ValueError: torn, truncated, fails a checksum, another version
         try:
             os.utime(path)
         except OSError:

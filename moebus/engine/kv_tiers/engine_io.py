@@ -11,6 +11,9 @@ With bounded sliding windows (engine.kv_groups) a block's windowed parts are off
 request still holds them (else the block goes with its full parts only, the window part as 0
 rows), and a prefix is restored only as far as its window tail is there (in the tier or the
 engine's window pool); a shorter one otherwise, whose tokens after it are recomputed.
+
+Blocks are made under their stable hash and the engine's KV fingerprint (payload.KVBlock), and
+read back asking for both: a tier block of another key, model or cache layout is dropped there.
 """
 from __future__ import annotations
 
@@ -31,7 +34,15 @@ from moebus.engine.kv_transfer.engine_io import (
     scatter_grouped,
 )
 from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
-from moebus.engine.kv_transfer.payload import WINDOWED, Groups, KVBlock, LayerKV, missing_part, stack_blocks
+from moebus.engine.kv_transfer.payload import (
+    WINDOWED,
+    Groups,
+    KVBlock,
+    LayerKV,
+    kv_fingerprint,
+    missing_part,
+    stack_blocks,
+)
 from moebus.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -52,11 +63,12 @@ def load_prefix(engine: LLMEngine, request: str | Request, store: TieredKVStore,
     max_blocks = (req.num_tokens - 1) // bs  # the last token always runs, as in match_prefix
     if n_local >= max_blocks:
         return n_local * bs
-    stable = stable_block_hashes(req.hash_token_ids[: max_blocks * bs], bs, namespace or kv_namespace(engine))
+    ns = namespace or kv_namespace(engine)
+    stable = stable_block_hashes(req.hash_token_ids[: max_blocks * bs], bs, ns)
     want = stable[n_local:max_blocks]
     want = want[: store.longest_prefix(want)]
     want = want[: max(0, bm.num_free_blocks - bm.num_free_of(hits))]  # never evict the hit we extend
-    blocks = store.get_prefix(want)
+    blocks = store.get_prefix(want, kv_fingerprint(ns))
     groups = kv_groups(engine)
     if groups is not None:
         blocks = _with_window_tail(engine, req, n_local, blocks, groups)
@@ -129,6 +141,7 @@ class KVOffloader:
     def offload(self, engine: LLMEngine) -> list[int]:
         bs = engine.block_manager.block_size
         ns = self.namespace or kv_namespace(engine)
+        fp = kv_fingerprint(ns)
         live = engine.scheduler.holding_kv()
         todo: dict[int, tuple[int, int]] = {}  # stable hash -> (block id, window block id or -1)
         for req in live:
@@ -151,7 +164,8 @@ class KVOffloader:
         if groups is None:
             layers = gather_blocks(engine.kv_caches, [b for b, _ in todo.values()])  # one copy per cache tensor
             for j, h in enumerate(todo):
-                self.store.put(h, KVBlock([tuple(t[j] for t in kv) for kv in layers]))
+                self.store.put(h, KVBlock([tuple(t[j] for t in kv) for kv in layers],
+                                          block_hash=h, fingerprint=fp))
             return list(todo)
         # windowed parts: the window blocks still held; a passed one goes as a 0-row part
         ids = list(todo.values())
@@ -159,7 +173,8 @@ class KVOffloader:
         for j, (h, (_, w)) in enumerate(zip(todo, ids, strict=True)):
             self.store.put(h, KVBlock([tuple(t[j] if g != WINDOWED or w >= 0 else missing_part(t[j])
                                              for t, g in zip(kv, gs, strict=True))
-                                       for kv, gs in zip(layers, groups, strict=True)]))
+                                       for kv, gs in zip(layers, groups, strict=True)],
+                                      block_hash=h, fingerprint=fp))
         return list(todo)
 
 

@@ -32,21 +32,22 @@ class TieredKVStore:
             n += 1
         return n
 
-    def get(self, block_hash: int) -> KVBlock | None:
-        """The first intact copy, fastest tier first (a tier drops a copy that fails its check)."""
+    def get(self, block_hash: int, fingerprint: int = 0) -> KVBlock | None:
+        """The first intact copy, fastest tier first (a tier drops a copy that fails its check or
+        is not this block; fingerprint: the reader's kv_fingerprint, 0 for any)."""
         for i, tier in enumerate(self.tiers):
-            block = tier.get(block_hash)
+            block = tier.get(block_hash, fingerprint)
             if block is not None:
                 if i and self.promote:
                     self._put_from(0, block_hash, block)  # its CPU evictions spill down as usual
                 return block
         return None
 
-    def get_prefix(self, hashes: list[int]) -> list[KVBlock]:
+    def get_prefix(self, hashes: list[int], fingerprint: int = 0) -> list[KVBlock]:
         """Blocks of the leading run of hashes (stops at the first block no tier returns)."""
         out: list[KVBlock] = []
         for h in hashes:
-            block = self.get(h)
+            block = self.get(h, fingerprint)
             if block is None:
                 break
             out.append(block)

@@ -21,9 +21,10 @@ MAGIC = b"MBKV"
 # 2: the header CRC-32. 3: KV headers list each layer's cache tuple length ("layout": (k, v,
 # *planes)). 4: payloads name each tensor's KV group and carry windowed tensors only from
 # "window_start" on (bounded sliding windows); a tier block may hold a window part as 0 rows.
-# Another version is refused (KVVersionError); in a disk tier such files read as corrupt and are
-# recomputed.
-VERSION = 4
+# 5: blocks and payloads name their identity (block hash, KV fingerprint), XORed into each block's
+# checksum. Another version is refused (KVVersionError); in a disk tier such files read as corrupt
+# and are recomputed.
+VERSION = 5
 ALIGN = 64
 _PREFIX = struct.Struct("<4sHHII")
 

@@ -18,7 +18,7 @@ import torch
 
 from moebus.engine.kv_groups import FULL, WINDOW, group_block_ids
 from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
-from moebus.engine.kv_transfer.payload import Groups, KVPayload, LayerKV
+from moebus.engine.kv_transfer.payload import Groups, KVPayload, LayerKV, kv_fingerprint
 from moebus.engine.model_runner import PLACEHOLDER
 from moebus.engine.multimodal import ImageSpan
 from moebus.engine.outputs import RequestOutput
@@ -147,26 +147,38 @@ class InjectResult:
     num_copied_blocks: int = 0
     num_local_hit_blocks: int = 0  # blocks the decode engine's own prefix cache already had
     reason: str = ""
+    corrupt_blocks: int = 0  # payload blocks dropped for naming another identity (model, layout, hashes)
 
 
-def _payload_problem(engine: LLMEngine, prompt: list[int], payload: KVPayload | None) -> str:
+def _payload_problem(engine: LLMEngine, req: Request, prompt: list[int],
+                     payload: KVPayload | None) -> tuple[str, bool]:
+    """Why the payload cannot be adopted ("" when it can), and whether that is its identity: its
+    blocks are not this prompt's blocks on this engine (another namespace or KV fingerprint, i.e.
+    model, dtype or cache layout; or block hashes other than the prompt's here, e.g. the same
+    placeholder tokens for another image), which is counted like damaged blocks."""
     if payload is None:
-        return "no payload"
-    if payload.namespace and payload.namespace != kv_namespace(engine):
-        return f"namespace {payload.namespace!r} differs"
-    if payload.block_size != engine.block_manager.block_size:
-        return "block size differs"
+        return "no payload", False
+    ns, bs = kv_namespace(engine), engine.block_manager.block_size
+    if payload.namespace and payload.namespace != ns:
+        return f"namespace {payload.namespace!r} differs", True
+    if payload.fingerprint and payload.fingerprint != kv_fingerprint(ns):
+        return "KV fingerprint differs (another model or cache layout)", True
+    if payload.block_size != bs:
+        return "block size differs", False
     n = min(payload.num_tokens, len(prompt))
     if n <= 0 or (payload.token_ids and payload.token_ids[:n] != prompt[:n]):
-        return "payload tokens are not a prefix of the prompt"
+        return "payload tokens are not a prefix of the prompt", False
+    k = min(len(payload.block_hashes), n // bs)  # token ids only: no pass over the KV
+    if payload.block_hashes[:k] != stable_block_hashes(req.hash_token_ids[: k * bs], bs, ns):
+        return "block hashes differ from the prompt's", True
     if problem := layout_problem(payload.layers, engine.kv_caches):
-        return problem
+        return problem, False
     groups = kv_groups(engine)
     if payload.window_start and groups is None:
-        return "payload holds only its window's last blocks; this engine keeps whole windows"
+        return "payload holds only its window's last blocks; this engine keeps whole windows", False
     if payload.groups is not None and groups is not None and payload.groups != groups:
-        return "KV groups differ"
-    return ""
+        return "KV groups differ", False
+    return "", False
 
 
 def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
@@ -176,12 +188,13 @@ def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[
     first output token is `first_token` (already streamed by the prefill worker, so not emitted
     again). The next step() decodes the second token. Any problem with the payload (missing,
     mismatched, no free blocks) queues the request to recompute prompt + first token instead,
-    which gives the same result, only slower."""
+    which gives the same result, only slower; a payload of another identity is counted in
+    corrupt_blocks."""
     state = payload.generator_state if payload is not None else None
     req = engine.add_prefilled(request_id, prompt_token_ids, first_token, params, priority, state, images)
-    problem = _payload_problem(engine, prompt_token_ids, payload)
+    problem, identity = _payload_problem(engine, req, prompt_token_ids, payload)
     if problem:
-        return InjectResult(False, reason=problem)
+        return InjectResult(False, reason=problem, corrupt_blocks=payload.num_blocks if identity else 0)
     bm, bs = engine.block_manager, engine.block_manager.block_size
     hits = bm.match_prefix(req)
     n = max(min(payload.num_tokens, len(prompt_token_ids)), len(hits) * bs)

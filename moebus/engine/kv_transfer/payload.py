@@ -13,9 +13,19 @@ part had already been freed holds it as a tensor of 0 rows (KVBlock.has_window).
 Every block carries a CRC-32 of its tensor bytes, taken where the block is made (the engine's
 gather) and kept with it through tiers, the broker and transfers; whoever consumes a block checks
 it (tier get, decode), so a flipped bit is dropped and recomputed instead of served.
+
+A block also carries its identity: the stable block hash it was made (or first stored) under and
+the KV fingerprint of its engine (kv_fingerprint of the namespace: model, dtype, block size and
+every layer's cache shapes). A CRC-32 of the identity is XORed into the checksum (16 bytes, no
+extra pass over the tensors), so a block read back under another key, or listed under another hash
+in a payload, fails like a flipped bit: a tier get compares the block's hash with the key asked
+for, and a payload checks each block against its own block_hashes[i].
 """
 from __future__ import annotations
 
+import hashlib
+import struct
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -26,17 +36,38 @@ from moebus.engine.kv_transfer.codec import PackedTensors, crc32_of, unpack
 LayerKV = list[tuple[torch.Tensor, ...]]  # per layer: (k, v, *planes)
 Groups = list[tuple[int, ...]]  # per layer, per tensor: 0 full history, 1 windowed (engine.kv_groups)
 WINDOWED = 1
+_U64 = (1 << 64) - 1
+_IDENTITY = struct.Struct("<QQ")  # (block hash, fingerprint) as an identity tag hashes them
 
 
 class KVChecksumError(ValueError):
     """Block data (or a payload's generator state) does not match the checksum it carries."""
 
 
-def block_checksum(layers: LayerKV) -> int:
+class KVIdentityError(KVChecksumError):
+    """An intact block that names another block hash or KV fingerprint than the one asked for."""
+
+
+def kv_fingerprint(namespace: str) -> int:
+    """The model and cache layout a block was made for (hashing.kv_namespace), as 63 bits; 0 for
+    no namespace (unknown: not checked)."""
+    if not namespace:
+        return 0
+    return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little") >> 1 or 1
+
+
+def identity_tag(block_hash: int | None, fingerprint: int) -> int:
+    """What a block's identity adds (XOR) to its data checksum: 0 for a block with none yet."""
+    if block_hash is None and not fingerprint:
+        return 0
+    return zlib.crc32(_IDENTITY.pack(_U64 if block_hash is None else block_hash & _U64, fingerprint & _U64))
+
+
+def block_checksum(layers: LayerKV, block_hash: int | None = None, fingerprint: int = 0) -> int:
     """CRC-32 of every tensor of every layer, in order (the layout and shapes are the header's,
-    which has its own CRC-32). A missing window part (0 rows) adds no bytes: a block without its
-    window part has the checksum of the parts it holds."""
-    return crc32_of(t for kv in layers for t in kv)
+    which has its own CRC-32), XOR the identity's tag. A missing window part (0 rows) adds no
+    bytes: a block without its window part has the checksum of the parts it holds."""
+    return crc32_of(t for kv in layers for t in kv) ^ identity_tag(block_hash, fingerprint)
 
 
 def _flat(layers: LayerKV) -> list[torch.Tensor]:
@@ -89,17 +120,39 @@ def _window_groups(blocks: list[KVBlock]) -> Groups | None:
 @dataclass(slots=True)
 class KVBlock:
     """One block: per layer (k [block_size, Hkv, Dk], v [block_size, Hkv, Dv], *planes [rows, dim]).
-    checksum: given when the block comes from somewhere that carried one, else computed now."""
+    checksum: given when the block comes from somewhere that carried one, else computed now.
+    block_hash, fingerprint: its identity (None / 0 until it is made or first stored under one)."""
 
     layers: LayerKV
     checksum: int | None = None
+    block_hash: int | None = None
+    fingerprint: int = 0
 
     def __post_init__(self) -> None:
         if self.checksum is None:
-            self.checksum = block_checksum(self.layers)
+            self.checksum = block_checksum(self.layers, self.block_hash, self.fingerprint)
 
     def intact(self) -> bool:
-        return block_checksum(self.layers) == self.checksum
+        return block_checksum(self.layers, self.block_hash, self.fingerprint) == self.checksum
+
+    def keyed(self, block_hash: int | None, fingerprint: int = 0) -> KVBlock:
+        """The block with the parts of its identity it lacks filled in (those it has are kept, so
+        a block of another key stays one and fails check_identity); the checksum follows in O(1)."""
+        h = self.block_hash if self.block_hash is not None else block_hash
+        fp = self.fingerprint or fingerprint
+        if (h, fp) == (self.block_hash, self.fingerprint):
+            return self
+        tag = identity_tag(self.block_hash, self.fingerprint) ^ identity_tag(h, fp)
+        return KVBlock(self.layers, self.checksum ^ tag, h, fp)
+
+    def check_identity(self, block_hash: int, fingerprint: int = 0) -> None:
+        """KVIdentityError unless the block is the one stored under block_hash (and, when both
+        are known, made for the engine of `fingerprint`)."""
+        if self.block_hash != block_hash:
+            name = "no hash" if self.block_hash is None else f"hash {self.block_hash:016x}"
+            raise KVIdentityError(f"a KV block of {name} was stored under {block_hash:016x}")
+        if fingerprint and self.fingerprint and self.fingerprint != fingerprint:
+            raise KVIdentityError(f"KV block {block_hash:016x} is of another model or cache layout")
 
     def has_window(self, groups: Groups) -> bool:
         """Whether the block holds its windowed parts (a tier block may hold only the full ones)."""
@@ -111,8 +164,8 @@ class KVBlock:
         return _nbytes(self.layers)
 
     def packed(self) -> PackedTensors:
-        return PackedTensors({"kind": "block", "crc": self.checksum, "layout": _layout(self.layers)},
-                             _flat(self.layers))
+        return PackedTensors({"kind": "block", "crc": self.checksum, "layout": _layout(self.layers),
+                              "hash": self.block_hash, "fp": self.fingerprint}, _flat(self.layers))
 
     def encode(self) -> bytearray:
         return self.packed().to_bytes()
@@ -121,9 +174,10 @@ class KVBlock:
     def decode(cls, buf: bytes | bytearray | memoryview) -> KVBlock:
         """ValueError (KVChecksumError) unless the encoding is whole and the data matches its checksum."""
         meta, ts = unpack(buf)
-        if not isinstance(meta.get("crc"), int):
-            raise ValueError("KV block encoding without a checksum")
-        block = cls(_unflatten(ts, meta.get("layout")), meta["crc"])
+        if not isinstance(meta.get("crc"), int) or not isinstance(meta.get("fp"), int) \
+                or not isinstance(meta.get("hash"), int | None):
+            raise ValueError("KV block encoding without a checksum or identity")
+        block = cls(_unflatten(ts, meta.get("layout")), meta["crc"], meta["hash"], meta["fp"])
         if not block.intact():
             raise KVChecksumError("KV block data fails its checksum")
         return block
@@ -148,8 +202,11 @@ class KVPayload:
     corrupt_blocks: int = 0  # from_bytes only: blocks that failed their checksum (they and all after are dropped)
     groups: Groups | None = None  # None: every tensor holds every block
     window_start: int = 0  # the first block the windowed tensors hold
+    fingerprint: int = 0  # kv_fingerprint of the blocks' engine; from `namespace` when not given
 
     def __post_init__(self) -> None:
+        if not self.fingerprint:
+            self.fingerprint = kv_fingerprint(self.namespace)
         if self.groups is not None and [len(g) for g in self.groups] != _layout(self.layers):
             raise ValueError("groups must name the group of every cache tensor")
         if self.num_tokens > self.num_blocks * self.block_size:
@@ -163,13 +220,18 @@ class KVPayload:
             raise ValueError(f"every cache tensor must hold {self.num_blocks} blocks (windowed ones from "
                              f"block {self.window_start})")
         if not self.block_checksums:
-            self.block_checksums = [block_checksum(self._block_layers(i)) for i in range(self.num_blocks)]
+            self.block_checksums = [block_checksum(self._block_layers(i), *self._identity(i))
+                                    for i in range(self.num_blocks)]
         elif len(self.block_checksums) != self.num_blocks:
             raise ValueError(f"{len(self.block_checksums)} checksums for {self.num_blocks} blocks")
 
     def _start(self, layer: int, part: int) -> int:
         """The first block tensor `part` of `layer` holds."""
         return self.window_start if self.groups is not None and self.groups[layer][part] == WINDOWED else 0
+
+    def _identity(self, i: int) -> tuple[int | None, int]:
+        """Block i's (hash, fingerprint): a partial last block has no hash."""
+        return (self.block_hashes[i] if i < len(self.block_hashes) else None), self.fingerprint
 
     @property
     def num_blocks(self) -> int:
@@ -187,24 +249,28 @@ class KVPayload:
                       for j, t in enumerate(kv)) for li, kv in enumerate(self.layers)]
 
     def block(self, i: int) -> KVBlock:
-        return KVBlock(self._block_layers(i), self.block_checksums[i])
+        return KVBlock(self._block_layers(i), self.block_checksums[i], *self._identity(i))
 
     @classmethod
     def from_blocks(cls, blocks: list[KVBlock], block_hashes: list[int], block_size: int,
                     namespace: str = "") -> KVPayload:
         """Tier blocks as one payload: the windowed parts from the first block after the last one
-        that lacks them (blocks before hold only their full parts)."""
+        that lacks them (blocks before hold only their full parts). Each keeps the checksum of its
+        own identity, so a block that is not the one block_hashes[i] names fails its check."""
+        fp = kv_fingerprint(namespace) or next((b.fingerprint for b in blocks if b.fingerprint), 0)
+        crcs = [b.keyed(block_hashes[i] if i < len(block_hashes) else None, fp).checksum
+                for i, b in enumerate(blocks)]
         groups = _window_groups(blocks)
         if groups is None:
             return cls(stack_blocks(blocks), block_size, len(blocks) * block_size, block_hashes=list(block_hashes),
-                       namespace=namespace, block_checksums=[b.checksum for b in blocks])
+                       namespace=namespace, block_checksums=crcs, fingerprint=fp)
         ws = 1 + max(i for i, b in enumerate(blocks) if not b.has_window(groups))
         layers = [tuple(torch.stack([b.layers[li][j] for b in (blocks[ws:] if g == WINDOWED else blocks)])
                         if g != WINDOWED or ws < len(blocks) else missing_part(kv[j]).unsqueeze(0)[:0]
                         for j, g in enumerate(gs)) for li, (kv, gs) in enumerate(zip(blocks[0].layers, groups,
                                                                                      strict=True))]
         return cls(layers, block_size, len(blocks) * block_size, block_hashes=list(block_hashes), namespace=namespace,
-                   block_checksums=[b.checksum for b in blocks], groups=groups, window_start=ws)
+                   block_checksums=crcs, groups=groups, window_start=ws, fingerprint=fp)
 
     # --- wire format -----------------------------------------------------------------------
     def packed(self) -> PackedTensors:
@@ -213,7 +279,8 @@ class KVPayload:
                 "request_id": self.request_id, "first_token": self.first_token,
                 "has_generator": self.generator_state is not None, "block_crcs": self.block_checksums,
                 "generator_crc": crc32_of([self.generator_state]) if self.generator_state is not None else None,
-                "layout": _layout(self.layers), "groups": self.groups, "window_start": self.window_start}
+                "layout": _layout(self.layers), "groups": self.groups, "window_start": self.window_start,
+                "fingerprint": self.fingerprint}
         tensors = _flat(self.layers)
         if self.generator_state is not None:
             tensors.append(self.generator_state)
@@ -232,11 +299,13 @@ class KVPayload:
 
     @classmethod
     def from_bytes(cls, buf: bytes | bytearray | memoryview) -> KVPayload:
-        """Decode and check every block. A block that fails its checksum ends the payload there
-        (a prefix ends at its first hole): the receiver recomputes from that block on, and
-        corrupt_blocks says how many failed. ValueError for a torn encoding or generator state."""
+        """Decode and check every block. A block that fails its checksum (its data, or it is not
+        the block its hash names) ends the payload there (a prefix ends at its first hole): the
+        receiver recomputes from that block on, and corrupt_blocks says how many failed.
+        ValueError for a torn encoding or generator state."""
         meta, ts = unpack(buf)
-        if meta.get("kind") != "payload" or not isinstance(meta.get("block_crcs"), list):
+        if meta.get("kind") != "payload" or not isinstance(meta.get("block_crcs"), list) \
+                or not isinstance(meta.get("fingerprint"), int):
             raise ValueError("not a KVPayload encoding")
         gen = ts.pop() if meta["has_generator"] else None
         if gen is not None and crc32_of([gen]) != meta["generator_crc"]:
@@ -245,10 +314,10 @@ class KVPayload:
         groups = [tuple(g) for g in meta["groups"]] if meta.get("groups") is not None else None
         crcs: list[int] = meta["block_crcs"]
         # the block structure is checked here (a whole payload), the checksums below block by block
-        shell = cls(layers, meta["block_size"], 0, block_checksums=[0] * len(crcs), groups=groups,
-                    window_start=meta.get("window_start", 0))
+        shell = cls(layers, meta["block_size"], 0, block_hashes=meta["block_hashes"], block_checksums=[0] * len(crcs),
+                    groups=groups, window_start=meta.get("window_start", 0), fingerprint=meta["fingerprint"])
         num_blocks = shell.num_blocks
-        bad = [i for i in range(num_blocks) if block_checksum(shell._block_layers(i)) != crcs[i]]
+        bad = [i for i in range(num_blocks) if block_checksum(shell._block_layers(i), *shell._identity(i)) != crcs[i]]
         keep, num_tokens, token_ids = num_blocks, meta["num_tokens"], meta["token_ids"]
         if bad:
             keep = bad[0]
@@ -259,7 +328,8 @@ class KVPayload:
             token_ids = token_ids[:num_tokens]
             shell.window_start = ws
         return cls(layers, meta["block_size"], num_tokens, token_ids, meta["block_hashes"][:keep], meta["namespace"],
-                   meta["request_id"], meta["first_token"], gen, crcs[:keep], len(bad), groups, shell.window_start)
+                   meta["request_id"], meta["first_token"], gen, crcs[:keep], len(bad), groups, shell.window_start,
+                   meta["fingerprint"])
 
     @classmethod
     def from_chunks(cls, chunks: list[bytes | memoryview]) -> KVPayload:
@@ -270,8 +340,8 @@ class KVPayload:
         same_meta = (self.block_size, self.num_tokens, self.token_ids, self.block_hashes, self.namespace,
                      self.request_id, self.first_token) == (
             other.block_size, other.num_tokens, other.token_ids, other.block_hashes, other.namespace,
-            other.request_id, other.first_token) and (self.groups, self.window_start) == (
-            other.groups, other.window_start)
+            other.request_id, other.first_token) and (self.groups, self.window_start, self.fingerprint) == (
+            other.groups, other.window_start, other.fingerprint)
         return same_meta and _layout(self.layers) == _layout(other.layers) and all(
             _bitwise(a, b) for a, b in zip(_flat(self.layers), _flat(other.layers), strict=True))
 

@@ -10,6 +10,9 @@ shared.kv_client.KVBrokerClient):
 A holder that the balancer reports lost, or that stays silent for holder_ttl_s, is forgotten.
 Blocks that fail their checksum (in a tier, or arriving in a put) are dropped and counted in
 `moebus_kvbroker_kv_blocks_corrupt_total{tier=cpu|disk|transfer}`; a get serves only intact ones.
+So are blocks that are not the one their key names (the checksum covers each block's hash and KV
+fingerprint): a tier file moved to another key, or a put listing a block under another's hash. The
+tiers hold every model's blocks (their hashes are namespaced); the worker checks the fingerprint.
 A `Service` like the others (health, ready, heartbeats, ordered drain); errors are ServiceErrors.
 """
 from __future__ import annotations

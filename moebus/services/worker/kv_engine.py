@@ -29,7 +29,9 @@ class EngineKV:
                  on_corrupt: Callable[[str], None] | None = None) -> None:
         """cpu_bytes: size of the local host-memory tier (0: none); share_limit: most blocks
         handed to the broker's tiers per call of take_fresh (the rest wait for the next);
-        on_corrupt(tier): a block of the local tier failed its checksum (dropped, recomputed)."""
+        on_corrupt(tier): a block of the local tier failed its checksum or named another key,
+        model or cache layout ("transfer": a received payload's did); dropped and recomputed."""
+        self.on_corrupt = on_corrupt
         self.store: TieredKVStore | None = None
         if cpu_bytes > 0:
             self.store = TieredKVStore([CpuTier(cpu_bytes, on_corrupt)], on_evict=self._evicted)
@@ -46,8 +48,9 @@ class EngineKV:
         self._dev_evicted: list[int] = []
         self._cpu_evicted: list[int] = []
         # Decode halves: a received payload adopted, or one that arrived and could not be (its
-        # request recomputed the prompt: same tokens, slower). Read from other threads: ints only.
-        self.counters = {"kv_injected": 0, "kv_inject_refused": 0}
+        # request recomputed the prompt: same tokens, slower), its blocks counted when they were
+        # another prompt's, model's or layout's. Read from other threads: ints only.
+        self.counters = {"kv_injected": 0, "kv_inject_refused": 0, "kv_inject_corrupt_blocks": 0}
 
     def bind(self, engine: EnginePort) -> None:
         kv = _kv(engine)
@@ -87,6 +90,10 @@ class EngineKV:
             self.counters["kv_injected"] += 1
             return
         self.counters["kv_inject_refused"] += 1
+        corrupt = getattr(res, "corrupt_blocks", 0)
+        self.counters["kv_inject_corrupt_blocks"] += corrupt
+        for _ in range(corrupt if self.on_corrupt is not None else 0):
+            self.on_corrupt("transfer")
         log.log(logging.WARNING if self.counters["kv_inject_refused"] == 1 else logging.DEBUG,
                 "KV payload of %s refused (%s): its prompt is recomputed", request_id, getattr(res, "reason", "?"))
 

@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 
 from moebus.engine.kv_tiers import TieredKVStore
 from moebus.engine.kv_transfer import KVBlock, KVPayload, block_size_of
+from moebus.engine.kv_transfer.payload import kv_fingerprint
 from moebus.kvtransport import (
     KVTransferError,
     KVTransport,
@@ -171,7 +172,7 @@ class WorkerKVLink:
         have = await self.loop.call(lambda e: self.kv.local_prefix(e, hashes))
         if have >= len(hashes):
             return 0
-        blocks = await self.broker.get_blocks(hashes[have:])
+        blocks = await self.broker.get_blocks(hashes[have:], fingerprint=kv_fingerprint(self.kv.namespace))
         if not blocks:
             return 0
         got = await self.loop.call(lambda e: self.kv.put_local(e, hashes[have:], blocks))
@@ -243,22 +244,31 @@ class KVBlockClient(KVBrokerClient):
             return True
         return await self.put(KVPayload.from_blocks(blocks, hashes, block_size_of(blocks)))
 
-    async def get_blocks(self, hashes: list[int], timeout: float | None = None) -> list[KVBlock]:
-        """The leading run of `hashes` the broker's tiers hold ([] on any failure)."""
+    async def get_blocks(self, hashes: list[int], timeout: float | None = None,
+                         fingerprint: int = 0) -> list[KVBlock]:
+        """The leading run of `hashes` the broker's tiers hold ([] on any failure). Each block
+        was checked against its hash on decode; fingerprint (the caller's kv_fingerprint, 0: any):
+        blocks made for another model or cache layout are dropped and counted like damaged ones."""
         payload = await self.get(hashes, timeout)
         if payload is None:
             return []
-        if payload.corrupt_blocks:
+        corrupt = payload.corrupt_blocks
+        if corrupt:
             log.warning("%d KV blocks from the broker failed their checksum; using the %d before the first",
-                        payload.corrupt_blocks, payload.num_blocks)
-            if self.on_corrupt is not None:
-                self.on_corrupt(payload.corrupt_blocks)
-        return [payload.block(i) for i in range(payload.num_blocks)]
+                        corrupt, payload.num_blocks)
+        blocks = [payload.block(i) for i in range(payload.num_blocks)]
+        if fingerprint and payload.fingerprint and payload.fingerprint != fingerprint:
+            log.warning("%d KV blocks from the broker are of another model or cache layout; dropped", len(blocks))
+            corrupt, blocks = corrupt + len(blocks), []
+        if corrupt and self.on_corrupt is not None:
+            self.on_corrupt(corrupt)
+        return blocks
 
-    async def fetch_into(self, store: TieredKVStore, hashes: list[int], timeout: float | None = None) -> int:
+    async def fetch_into(self, store: TieredKVStore, hashes: list[int], timeout: float | None = None,
+                         fingerprint: int = 0) -> int:
         """Copy the broker's leading run of `hashes` (beyond what `store` has) into a local store;
         then `load_prefix(engine, request, store)` on the engine thread uses them."""
         have = store.longest_prefix(hashes)
-        blocks = await self.get_blocks(hashes[have:], timeout)
+        blocks = await self.get_blocks(hashes[have:], timeout, fingerprint)
         await asyncio.to_thread(lambda: [store.put(h, b) for h, b in zip(hashes[have:], blocks, strict=False)])
         return have + len(blocks)
