@@ -37,6 +37,9 @@ class EngineConfig:
     # smaller: bf16 GEMMs (oneDNN, AMX, 2 threads) cost ~4 us a row up to ~1300 rows, ~2.9 from ~1500.
     # Burst TTFT p50 ~-30% at c=16, ~-23% at c=64, tok/s unchanged (BENCHMARKS.md, "Peers side by side").
     burst_step_tokens: int | None = 1536
+    # One owner (an API call: all its prompts and choices) holds at most this share of max_num_seqs
+    # while others wait: its extra sequences queue behind theirs (scheduler.py). 1.0: no cap.
+    max_owner_share: float = 0.5
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # Sliding-window layers (and other parts read within a horizon) keep only the blocks their window
@@ -79,4 +82,4 @@ class EngineConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
-                               self.burst_step_tokens)
+                               self.burst_step_tokens, self.max_owner_share)

@@ -115,8 +115,9 @@ class LLMEngine:
     # --- public API ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
-                    images: Sequence[ImageSpan] = ()) -> None:
-        """Queue a request. params.n > 1 fans out into n choices (choice i seeded params.seed + i);
+                    images: Sequence[ImageSpan] = (), owner: str = "") -> None:
+        """Queue a request. owner: the API call it is part of (its fair share of the batch,
+        scheduler.py); "": the request itself. params.n > 1 fans out into n choices (choice i seeded params.seed + i);
         the later ones wait for the first one's prefill, so all share the prompt's KV blocks.
         resume: a migrated request (engine/resume.py): for each choice still to run, the tokens it
         had produced elsewhere; choices left out had finished. images: encoder rows that replace
@@ -140,7 +141,8 @@ class LLMEngine:
             check_spans(images, len(prompt_token_ids), self.runner.model.embed_tokens.embedding_dim)
         choices = []
         for k in sorted(prior):
-            tr = self._track(ids[k], request_id, k, prompt_token_ids, params.for_choice(k), priority)
+            tr = self._track(ids[k], request_id, k, prompt_token_ids, params.for_choice(k), priority,
+                             owner or request_id)
             tr.req.images = images
             prime(tr, prior[k])
             choices.append(tr)
@@ -153,10 +155,10 @@ class LLMEngine:
             self.scheduler.add(tr.req)
 
     def _track(self, rid: str, group: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-               priority: int) -> Tracked:
+               priority: int, owner: str) -> Tracked:
         grammar = self.grammars.state_for(params.structured) if params.structured else None
         eos = [] if params.ignore_eos else list(self.tokenizer.eos_token_ids)
-        req = Request(rid, list(prompt_token_ids), params, eos, priority,
+        req = Request(rid, list(prompt_token_ids), params, eos, priority, owner=owner,
                       max_model_len=self.config.max_model_len, grammar=grammar)
         if self.config.deterministic and req.generator is None and not params.greedy:
             # Batch-invariant sampling needs a per-request stream; unseeded requests share the engine seed.

@@ -32,6 +32,7 @@ class Request:
     params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
     priority: int = 0  # lower runs first, as in vLLM
+    owner: str = ""  # the API call it belongs to (its fair share: scheduler.py); "": its own
     arrival_time: float = field(default_factory=time.monotonic)
     max_model_len: int = 8192
     output_token_ids: list[int] = field(default_factory=list)

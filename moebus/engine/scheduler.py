@@ -10,6 +10,12 @@ partial chunk would delay the first tokens of the prompts it finishes and hasten
 remaining work first); a prompt that fits no step is still chunked, first in its step.
 When blocks run out the lowest-priority running request is preempted: its blocks are freed and it
 recomputes later.
+
+Fair share: an owner (one API call: every prompt and choice of it) holds at most `max_owner_share`
+of max_num_seqs while another owner waits. Its extra sequences are passed over at admission, and
+when the batch is full it gives back running sequences above its share (its latest first: they
+recompute later, their prompt blocks usually still cached) so the others start within a step. Alone,
+an owner may fill the batch: the cap binds only while someone else waits.
 """
 from __future__ import annotations
 
@@ -28,8 +34,11 @@ class SchedulerConfig:
     # A lone prompt keeps the whole max_num_batched_tokens (bigger GEMMs); without chunked prefill
     # whole prompts must fit, so it does not apply. Why 1536: EngineConfig.
     burst_step_tokens: int | None = 1536
+    max_owner_share: float = 0.5  # of max_num_seqs, per owner while others wait (see Scheduler)
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.max_owner_share <= 1.0:
+            raise ValueError("max_owner_share must be in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.burst_step_tokens is not None and self.burst_step_tokens < 1:
@@ -117,6 +126,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._reclaim(out)
+        reclaimed = len(out.preempted)
         budget, burst = self._step_budget()
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         i = 0
@@ -131,25 +142,52 @@ class Scheduler:
                 break
             budget -= n
             i += 1
-        if out.preempted:
+        if len(out.preempted) > reclaimed:
             return out  # memory is tight: admit nothing new this step
         self.waiting.sort(key=lambda r: (r.priority, r.arrival_time))
+        share = _Shares(self.running, self.waiting, self._owner_cap())
         prefilling = any(e.num_tokens - e.num_draft > 1 for e in out.scheduled)  # this step computes a prompt
-        for req in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            if req.wait_for is not None and req.wait_for.is_prefill and not req.wait_for.status.finished:
-                continue  # let the first of n siblings fill the shared prompt blocks
-            try:
-                n = self._admit(req, budget, out, whole=burst and prefilling)
-            except Exception as e:
-                self._drop(req, e, out)
-                continue
-            if n is None:
-                break
-            budget -= n
-            prefilling = prefilling or n > 1
+        passed: list[Request] = []  # over their owner's share while others waited: after them
+        for queue in (list(self.waiting), passed):
+            for req in queue:
+                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    return out
+                if req.wait_for is not None and req.wait_for.is_prefill and not req.wait_for.status.finished:
+                    continue  # let the first of n siblings fill the shared prompt blocks
+                if share.capped(req.owner):  # (the first pass may admit the others it waits for)
+                    if queue is not passed:
+                        passed.append(req)
+                    continue
+                try:
+                    n = self._admit(req, budget, out, whole=burst and prefilling)
+                except Exception as e:
+                    self._drop(req, e, out)
+                    continue
+                if n is None:
+                    return out
+                share.admitted(req.owner)
+                budget -= n
+                prefilling = prefilling or n > 1
         return out
+
+    def _owner_cap(self) -> int:
+        return max(1, int(self.config.max_owner_share * self.config.max_num_seqs))
+
+    def _reclaim(self, out: SchedulerOutput) -> None:
+        """A full batch with owners waiting under their share: owners above theirs give back their
+        latest sequences, one per such waiting owner's sequence (before this step is planned)."""
+        cap = self._owner_cap()
+        if len(self.running) < self.config.max_num_seqs or cap >= self.config.max_num_seqs or not self.waiting:
+            return
+        share = _Shares(self.running, self.waiting, cap)
+        want = share.starved() - (self.config.max_num_seqs - len(self.running))
+        for req in sorted(self.running, key=lambda r: r.arrival_time, reverse=True):
+            if want <= 0:
+                break
+            if share.over(req.owner):
+                self._preempt(req, out)
+                share.released(req.owner)
+                want -= 1
 
     def _step_budget(self) -> tuple[int, bool]:
         """This step's token budget, and whether prompts compete for it (a burst)."""
@@ -224,3 +262,38 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.insert(0, req)
         out.preempted.append(req)
+
+
+class _Shares:
+    """Running sequences per owner, against the cap that binds while another owner waits."""
+
+    def __init__(self, running: list[Request], waiting: list[Request], cap: int) -> None:
+        self.cap = cap
+        self.held: dict[str, int] = {}
+        for r in running:
+            self.held[r.owner] = self.held.get(r.owner, 0) + 1
+        self.waiting: dict[str, int] = {}
+        for r in waiting:
+            self.waiting[r.owner] = self.waiting.get(r.owner, 0) + 1
+
+    def _others_wait(self, owner: str) -> bool:
+        return any(n > 0 for o, n in self.waiting.items() if o != owner)
+
+    def capped(self, owner: str) -> bool:
+        return self.held.get(owner, 0) >= self.cap and self._others_wait(owner)
+
+    def over(self, owner: str) -> bool:
+        return self.held.get(owner, 0) > self.cap
+
+    def starved(self) -> int:
+        """Waiting sequences of owners under their share (each could take a slot)."""
+        return sum(min(n, self.cap - self.held.get(o, 0)) for o, n in self.waiting.items()
+                   if self.held.get(o, 0) < self.cap)
+
+    def admitted(self, owner: str) -> None:
+        self.held[owner] = self.held.get(owner, 0) + 1
+        self.waiting[owner] -= 1
+
+    def released(self, owner: str) -> None:
+        self.held[owner] -= 1
+        self.waiting[owner] = self.waiting.get(owner, 0) + 1

@@ -60,7 +60,7 @@ def _run_up(args: argparse.Namespace, shape: FleetShape, engine: dict, worker: d
         print("moebus up: warning: --api-key puts the key on the command line, where `ps` shows it to every "
               "user of this machine; use --api-key-file", file=sys.stderr, flush=True)
     return up(port=args.port, model=args.model, host=args.host, metrics_host=args.metrics_host,
-              workers=shape.workers,
+              workers=shape.workers, frontends=args.frontends,
               served_model_name=args.served_model_name, nats_url=args.nats_url, nats_port=args.nats_port,
               nats_cluster=args.nats_cluster,
               api_keys=args.api_key or [], api_keys_file=args.api_key_file,
@@ -167,6 +167,9 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="engine worker processes (aggregated mode); the CPU cores are split between them. "
                         "auto: two sharing the cores (--share-cores) where the host has 2+ cores and memory "
                         "for two copies of the model, else one (moebus/services/fleet_shape.py)")
+    u.add_argument("--frontends", type=int, default=1, metavar="N",
+                   help="frontend processes, the API on --port .. --port+N-1; each enforces 1/N of every "
+                        "tenant's rate and token budget (docs/tenants.md)")
     u.add_argument("--share-cores", action="store_true",
                    help="workers share the cores by who has work instead of a fixed split: before each step "
                         "a worker takes the cores // the workers with work (a lone request gets them all); "

@@ -40,6 +40,7 @@ from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.bus_auth import ADMIN, ANY, CREDS_ENV, TLS_CA_ENV, BusUsers, write_credentials
 from moebus.shared.config_cli import to_cli_args
 from moebus.shared.lifeline import die_with_parent
+from moebus.shared.limits import GenerationLimits
 from moebus.shared.messages import HealthReply
 from moebus.shared.nats_cluster import NatsCluster
 from moebus.shared.nats_server import NatsServer
@@ -71,6 +72,9 @@ class StackConfig(BaseModel):
     model: str = "smollm2"
     served_model_name: str | None = None  # default: the model argument
     workers: int = Field(1, ge=1)
+    # Frontend processes: frontend-i serves the API on port + i; each enforces 1/N of every tenant's
+    # rate and token budget, N counted from their heartbeats (frontend/peers.py, docs/tenants.md).
+    frontends: int = Field(1, ge=1)
     mode: Literal["aggregated", "disaggregated"] = "aggregated"
     prefill_workers: int = Field(1, ge=1)  # disaggregated mode: the two pools
     decode_workers: int = Field(1, ge=1)
@@ -177,16 +181,29 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://{_reachable(self.cfg.host)}:{self.cfg.port}"
+        """frontend-0's API."""
+        return self.urls[0]
+
+    @property
+    def urls(self) -> list[str]:
+        """Every frontend's API, frontend-0's first."""
+        return [f"http://{_reachable(self.cfg.host)}:{self.cfg.port + i}" for i in range(self.cfg.frontends)]
 
     def service_configs(self) -> list[tuple[str, ServiceConfig]]:
         c, classes = self.cfg, _config_classes()
         name = c.served_model_name or c.model
         common = {"nats_url": self.services_url, "heartbeat_interval_s": c.heartbeat_interval_s}
+        # The frontend's request bounds, its context as the engines'; the balancer and the workers
+        # check the generation ones again (shared/limits.py) with the same values.
+        flimits = dict(c.frontend.get("limits", {}))
+        if "max_model_len" in c.engine:
+            flimits = {"max_model_len": c.engine["max_model_len"], **flimits}
+        limits = {k: v for k, v in flimits.items() if k in GenerationLimits.model_fields}
         out: list[tuple[str, ServiceConfig]] = [
             ("tokenizer", classes["tokenizer"](instance_id="tokenizer-0", model=c.model, served_model_name=name,
                                                **c.tokenizer, **common)),
-            ("balancer", classes["balancer"](instance_id="balancer-0", mode=c.mode, **c.balancer, **common)),
+            ("balancer", classes["balancer"](instance_id="balancer-0", **{"mode": c.mode, "limits": limits,
+                                                                          **c.balancer}, **common)),
         ]
         for i in range(self.num_encoders):
             out.append(("encoder", classes["encoder"](instance_id=f"encoder-{i}", model=c.model, served_model_name=name,
@@ -196,7 +213,7 @@ class Stack:
         if c.autoscale is not None:  # every pool starts at MIN
             pools = [(prefix, role, c.autoscale[0]) for prefix, role, _ in pools]
         template = {"model": c.model, "served_model_name": name, "max_queued": c.max_queued, "engine": c.engine,
-                    **c.worker}
+                    "limits": limits, **c.worker}
         for prefix, role, n in pools:
             for i in range(n):
                 wcfg = {"role": role, **template}
@@ -204,15 +221,14 @@ class Stack:
         # the frontend renders prompts with its own copy of the tokenizer service's tokenizer (no bus round trip)
         local = {"model": c.model, "served_model_name": name, "chat_template": c.tokenizer.get("chat_template")}
         keys = {"api_keys_file": str(self._api_keys_file)} if self._api_keys_file else {}
-        fcfg = {"accept_images": self.num_encoders > 0, "local_render": local, **keys, **c.frontend}
+        fcfg = {"accept_images": self.num_encoders > 0, "local_render": local, **keys, **c.frontend, "limits": flimits}
         from .frontend.tool_parser_deepseek import parser_for  # no deepseek_recipe import: config.json only
 
         if (parser := parser_for(c.model)) is not None:  # DeepSeek-V4: its own reasoning and call format
             fcfg["tool_call_parsers"] = {name: parser, **fcfg.get("tool_call_parsers", {})}
-        if "max_model_len" in c.engine:  # the frontend's context check matches the workers' engines
-            fcfg["limits"] = {"max_model_len": c.engine["max_model_len"], **fcfg.get("limits", {})}
-        out.append(("frontend", classes["frontend"](instance_id="frontend-0", host=c.host, port=c.port,
-                                                    models=[name], **fcfg, **common)))
+        for i in range(c.frontends):
+            out.append(("frontend", classes["frontend"](instance_id=f"frontend-{i}", host=c.host, port=c.port + i,
+                                                        models=[name], **fcfg, **common)))
         if c.autoscale is not None:
             lo, hi = c.autoscale
             planner = {"actuator": "local",
@@ -415,22 +431,23 @@ class Stack:
             await bus.drain()
 
     async def _until_frontend_ready(self, deadline: float) -> None:
-        """Until the frontend's GET /ready is 200: it has heard every served model's warmed-up worker."""
+        """Until each frontend's GET /ready is 200: it has heard every served model's warmed-up worker."""
         import aiohttp
 
         if "frontend" not in self.services.values():
             return
         async with aiohttp.ClientSession() as http:
-            while True:
-                try:
-                    async with http.get(self.url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                        if r.status == 200:
-                            return
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the frontend's /ready is not 200")
-                await asyncio.sleep(0.1)
+            for url in self.urls:
+                while True:
+                    try:
+                        async with http.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                            if r.status == 200:
+                                break
+                    except (aiohttp.ClientError, TimeoutError):
+                        pass
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the frontend's /ready at {url} is not 200")
+                    await asyncio.sleep(0.1)
 
     async def _until_balancers_see_workers(self, bus: Bus, deadline: float) -> None:
         workers = {i for i, s in self.services.items() if s == "worker"}
@@ -528,7 +545,8 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
             each = "" if cfg.mode == "aggregated" else " per pool (prefill, decode)"
             pools = f"{cfg.autoscale[0]}..{cfg.autoscale[1]} worker(s){each} scaled by planner-0"
         served = cfg.served_model_name or model
-        print(f"moebus up: {stack.url}/v1 (model {served}{'' if summary is None else f': {summary}'}, {pools}, "
+        apis = ", ".join(f"{u}/v1" for u in stack.urls)
+        print(f"moebus up: {apis} (model {served}{'' if summary is None else f': {summary}'}, {pools}, "
               f"{'KV broker, ' if stack.kvbroker_on else ''}NATS {stack.services_url}"
               f"{'' if stack.users is None else ', bus auth on'})", flush=True)
         if (targets := stack.write_metrics_targets()) is not None:

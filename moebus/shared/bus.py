@@ -48,6 +48,7 @@ from .metrics import Metrics
 from .tracing import Tracing
 
 log = logging.getLogger(__name__)
+PING_PATIENCE_S = 24 * 3600.0  # nats-py's own flush timeout: never reached (Bus._round_trip)
 M = TypeVar("M", bound=Message)
 Handler = Callable[[M, Msg], Awaitable[Message | None]]
 
@@ -84,6 +85,7 @@ class Bus:
         self._watchers: list[Callable[[bool], None]] = []
         self._state = "up"  # up, down (reconnecting) or closed: watchers hear of each change once
         self._in_flight: set[asyncio.Timeout] = set()  # idempotent requests awaiting a reply: a drop cuts them
+        self._ping: asyncio.Future | None = None  # the PING out for flush() (at most one: see _round_trip)
 
     @classmethod
     async def connect(cls, cfg: BusConfig, tracing: Tracing, metrics: Metrics | None = None) -> Bus:
@@ -160,6 +162,8 @@ class Bus:
         now = time.monotonic()
         if connected:
             self.disconnected_at, self.reconnected_at = None, now
+            if self._ping is not None:
+                self._ping.cancel()  # its PONG went with the old connection
         elif self.disconnected_at is None:
             self.disconnected_at, self.outages = now, self.outages + 1
         state = "up" if connected else "closed" if self.nc.is_closed else "down"
@@ -199,8 +203,21 @@ class Bus:
         server has the SUB (a request from another connection then got no-responders: a CI flake
         in test_bus_auth). The flusher runs while the first PING is out; the second follows the
         SUB on the wire."""
-        await self.nc.flush(timeout)
-        await self.nc.flush(timeout)
+        await self._round_trip(timeout)
+        await self._round_trip(timeout)
+
+    async def _round_trip(self, timeout: float) -> None:
+        """One PING/PONG. nats-py's own flush timeout cancels its PONG future but leaves it queued,
+        and the PONG that comes late (a server paused, a machine frozen) then raises InvalidStateError
+        in nats-py's read loop, which drops the connection. So nats-py's wait never times out here:
+        ours does, on a shield, and the one PING out is reused until its PONG comes; a reconnect (nats-py
+        forgets its PONGs then) cancels it."""
+        if self._ping is None or self._ping.done():
+            self._ping = asyncio.ensure_future(self.nc.flush(PING_PATIENCE_S))
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ping), timeout)
+        except TimeoutError:
+            raise nats.errors.FlushTimeoutError from None
 
     @property
     def connected(self) -> bool:
@@ -222,19 +239,22 @@ class Bus:
 
     async def request(self, subject: str, msg: Message | bytes, reply_type: type[M], timeout: float,
                       headers: dict[str, str] | None = None, wait_for_responders_s: float = 0.0,
-                      idempotent: bool = False) -> M:
+                      idempotent: bool = False, paused_wait_s: float = 0.0) -> M:
         """Request/reply; raises NoResponders, RequestTimeout, PAYLOAD_TOO_LARGE (a request over the
         server's max payload), or the ServiceError the handler raised. wait_for_responders_s: while
         nobody serves the subject (its service is restarting), ask again for this long; nobody got
         the request, so this is safe for any request. idempotent: a timeout is retried within that
         time too (a responder killed a moment ago may still be subscribed and swallow the request), and
         so is a request the connection dropped under (at once: its reply may never come); with no time
-        left, that is a RequestTimeout. Others wait for their reply through a blip: it may still come."""
+        left, that is a RequestTimeout. Others wait for their reply through a blip: it may still come.
+        paused_wait_s: an idempotent request that times out is asked again for this long in all (a
+        responder still subscribed but silent is paused, not gone: shared/liveness.py)."""
         data = msg if isinstance(msg, bytes) else msg.encode()
         headers = self.tracing.inject(headers)
         self.check_size(data, headers, f"{_kind(msg)} on {subject}")
         started = time.monotonic()
         deadline, pause = started + wait_for_responders_s, 0.05
+        paused_deadline = started + max(wait_for_responders_s, paused_wait_s)
         ask = self._ask_cuttable if idempotent else self.nc.request
         while True:
             try:
@@ -250,7 +270,7 @@ class Bus:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.5)
             except nats.errors.TimeoutError:
-                if not idempotent or time.monotonic() > deadline:
+                if not idempotent or time.monotonic() > paused_deadline:
                     raise RequestTimeout(subject, _waited(started, timeout)) from None
         err = ServiceError.from_headers(reply.headers)
         if err is not None:
@@ -325,6 +345,8 @@ class Bus:
             log.debug("drain failed", exc_info=True)
         for t in list(self._tasks):
             t.cancel()
+        if self._ping is not None:
+            self._ping.cancel()
         if not self.nc.is_closed:
             try:
                 await self.nc.close()

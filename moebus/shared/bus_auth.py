@@ -34,11 +34,15 @@ TLS_CA_ENV = "MOEBUS_NATS_TLS_CA"  # PEM file the server's certificate is checke
 def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list[str]]:
     """(publish, subscribe) of a service role beyond its control plane; i: its instance id or ANY."""
     match role:
+        # The frontend is the authority for what generates: the bus has no API keys or tenants, so the
+        # frontend role's credentials are what the balancer and workers trust (shared/limits.py: they
+        # re-check a request's size, not who asked).
         case "frontend":  # chat requests in; token streams of its own requests back (replayed on request)
             return ([s.tokenizer_render, s.tokenizer_detokenize, s.encoder_encode, s.encoder_encode_on(ANY),
                      s.balancer_route, s.worker_abort(ANY), s.worker_abort_all, s.worker_replay(ANY)],
                     [s.frontend_stream_all(i), s.frontend_chunks(i), s.balancer_worker_lost, s.heartbeat_all("encoder"),
-                     s.heartbeat_all("worker")])  # worker beats: its /ready
+                     s.heartbeat_all("worker"),  # worker beats: its /ready
+                     s.heartbeat_all("frontend")])  # the other frontends: each enforces 1/N of a tenant's limits
         case "tokenizer":
             return [], [s.tokenizer_render, s.tokenizer_detokenize]
         case "encoder":
@@ -49,7 +53,8 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
                     [s.balancer_route, s.heartbeat_all("worker")])
         case "worker":  # receives only its own work; sends streams, handoffs and KV, never generate
             return ([s.frontend_stream(ANY, ANY), s.frontend_chunks(ANY), s.worker_handoff(ANY), s.worker_handoff_beat(ANY),
-                     s.kvtransfer_push_all, s.kvbroker_events, s.kvbroker_query, s.kvbroker_get, s.kvbroker_put],
+                     s.kvtransfer_push_all, s.kvbroker_events, s.kvbroker_query, s.kvbroker_get, s.kvbroker_put,
+                     s.health("frontend", ANY)],  # is a silent frontend gone or paused (leases.py)
                     [s.worker_generate(i), s.worker_abort(i), s.worker_handoff(i), s.worker_handoff_beat(i),
                      s.worker_abort_all, s.worker_replay(i), s.kvtransfer_push_all if i == ANY else s.kvtransfer_push(i),
                      s.balancer_worker_lost, s.heartbeat_all("frontend")])  # frontend beats: leases.py

@@ -171,3 +171,47 @@ def test_burst_step_tokens_is_validated():
         pass
     else:
         raise AssertionError("burst_step_tokens=0 accepted")
+
+
+def _owned(owner: str, i: int, prompt: int = 3) -> Request:
+    return Request(f"{owner}{i}", [i + 1] * prompt, SamplingParams(), owner=owner)
+
+
+def test_an_owner_alone_fills_the_batch_but_others_get_their_share():
+    s = Scheduler(SchedulerConfig(8, 256, max_owner_share=0.5), BlockManager(256, 4))
+    for i in range(16):
+        s.add(_owned("big", i))
+    out = s.schedule()
+    assert len(out.scheduled) == 8  # alone: the whole batch
+    _advance(out)
+    for i in range(3):
+        s.add(_owned("small", i))
+    out = s.schedule()  # full: big gives back its latest 3 (above its share of 4), small starts now
+    assert sorted(r.request_id for r in out.preempted) == ["big5", "big6", "big7"]
+    started = {e.request.request_id for e in out.scheduled if e.request.owner == "small"}
+    assert started == {"small0", "small1", "small2"}
+    assert sum(r.owner == "big" for r in s.running) == 5 and len(s.running) == 8
+    _advance(out)
+    for r in [r for r in s.running if r.owner == "small"]:
+        s.finish(r, RequestStatus.FINISHED_STOPPED)
+    out = s.schedule()  # nobody else waits: big takes the batch again
+    assert len(s.running) == 8 and all(r.owner == "big" for r in s.running)
+
+
+def test_an_owner_over_its_share_queues_behind_others_at_admission():
+    s = Scheduler(SchedulerConfig(4, 256, max_owner_share=0.5), BlockManager(256, 4))
+    for i in range(6):
+        s.add(_owned("big", i))
+    s.add(_owned("small", 0))
+    out = s.schedule()
+    ids = [e.request.request_id for e in out.scheduled]
+    assert ids == ["big0", "big1", "small0", "big2"], ids  # big's third waits until small is in
+    assert not out.preempted
+
+
+def test_share_one_means_no_cap():
+    s = Scheduler(SchedulerConfig(4, 256, max_owner_share=1.0), BlockManager(256, 4))
+    for i in range(6):
+        s.add(_owned("big", i))
+    s.add(_owned("small", 0))
+    assert [e.request.request_id for e in s.schedule().scheduled] == ["big0", "big1", "big2", "big3"]

@@ -80,8 +80,8 @@ class DPEngine:
     # --- per-rank request API (local, no collectives) -------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
-                    images: Sequence[ImageSpan] = ()) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params, priority, resume, images)
+                    images: Sequence[ImageSpan] = (), owner: str = "") -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params, priority, resume, images, owner)
 
     def abort_request(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)

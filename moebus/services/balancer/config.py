@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from moebus.shared.limits import GenerationLimits
 from moebus.shared.service import ServiceConfig
 
 
@@ -28,3 +29,7 @@ class BalancerConfig(ServiceConfig):
     # How long a decode worker waits for its prefill half (a queued prefill may take long; a dead
     # prefill worker fails its halves at once through balancer.worker_lost).
     kv_transfer_timeout_s: float = 300.0
+    # What a routed request may ask for (n, max_tokens, the prompt vs the context, stops...), the
+    # frontend's bounds checked again: over one, BAD_REQUEST and no worker (shared/limits.py).
+    # The frontend's `limits` values (`moebus up` passes them; run alone, give the same).
+    limits: GenerationLimits = GenerationLimits()

@@ -1,8 +1,9 @@
 """BalancerService: picks a worker for each request and tells frontends when one dies.
 
 `route` (queue group: any replica may answer; each keeps its own table from the heartbeats that
-all of them receive) forwards the request to the best worker's `generate.<id>` and returns its
-GenerateAccepted. "Best" is the cheapest estimated prefill given the prompt prefix each worker
+all of them receive) checks the request against the frontend's bounds (cfg.limits: BAD_REQUEST
+over one), then forwards it to the best worker's `generate.<id>` and returns its GenerateAccepted.
+"Best" is the cheapest estimated prefill given the prompt prefix each worker
 caches (KV broker index, kv_rank.py), then the least loaded. Overloaded or vanished workers are
 skipped for the next candidate. A worker that misses heartbeats, or whose heartbeat comes from a new
 process under the same id (restarted), is announced on `balancer.worker_lost`; frontends move its
@@ -142,6 +143,11 @@ class BalancerService(Service):
         return True
 
     async def route(self, req: GenerateRequest, msg: Msg) -> GenerateAccepted:
+        try:  # the frontend's bounds again: a route from past it never reaches a worker (shared/limits.py)
+            self.cfg.limits.check(req)
+        except ServiceError:
+            self._m_routed.labels("bad_request").inc()
+            raise
         return await self.memo.once((req.request_id, req.attempt), lambda: self._route(req, msg))
 
     async def _route(self, req: GenerateRequest, msg: Msg) -> GenerateAccepted:

@@ -4,6 +4,8 @@ A request's tokens are its prompt plus the most it may generate (n x max_tokens)
 it is admitted and handed back when it ends, however it ends (admit() is a context manager).
 Over the rate or the budget: 429 with Retry-After at once (Rejected); waiting for the frontend's
 capacity (fair_queue.py) longer than max_wait_s: 429 too. Metrics are per tenant (docs/tenants.md).
+A tenant's rate and budget are the deployment's: with N frontends alive (`frontends`, peers.py)
+this one enforces 1/N of each (a bucket of rate/N and burst/N, at least 1; a budget of budget // N).
 """
 from __future__ import annotations
 
@@ -34,20 +36,21 @@ class Rejected(APIError):
 
 
 class TokenBucket:
-    """`rate` requests a second on average, up to `burst` at once."""
+    """`rate` requests a second on average, up to `burst` at once; of it, `1/share` here."""
 
     def __init__(self, rate: float, burst: int, now: float) -> None:
         self.rate, self.burst = rate, burst
         self._level, self._at = float(burst), now
 
-    def take(self, now: float) -> float:
+    def take(self, now: float, share: int = 1) -> float:
         """0: taken; else the seconds until one will be there."""
-        self._level = min(self.burst, self._level + (now - self._at) * self.rate)
+        rate, burst = self.rate / share, max(1.0, self.burst / share)
+        self._level = min(burst, self._level + (now - self._at) * rate)
         self._at = now
         if self._level >= 1:
             self._level -= 1
             return 0.0
-        return (1 - self._level) / self.rate
+        return (1 - self._level) / rate
 
 
 @dataclass(slots=True)
@@ -59,8 +62,9 @@ class _Account:
 
 
 class Admission:
-    def __init__(self, cfg: AdmissionConfig, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
-        self.cfg, self._clock = cfg, clock
+    def __init__(self, cfg: AdmissionConfig, metrics: Metrics, clock: Callable[[], float] = time.monotonic,
+                 frontends: Callable[[], int] = lambda: 1) -> None:
+        self.cfg, self._clock, self._frontends = cfg, clock, frontends  # frontends: alive now, this one included
         self.queue = FairQueue(cfg.max_running, cfg.max_running_tokens, cfg.fair_share)
         self._accounts: dict[str, _Account] = {}
         self.m_admitted = metrics.counter("tenant_admitted_total", "Generations started, per tenant", ["tenant"])
@@ -81,10 +85,12 @@ class Admission:
         acct = self._account(tenant)
         if acct.bucket is None:
             return
-        wait = acct.bucket.take(self._clock())
+        n = self._frontends()
+        wait = acct.bucket.take(self._clock(), n)
         if wait:
             self.m_rejected.labels(tenant.name, "rate").inc()
-            raise Rejected("rate", f"tenant {tenant.name!r} is over its rate of {acct.limits.rate:g} requests/s",
+            here = f" ({acct.limits.rate / n:g} here, one of {n} frontends)" if n > 1 else ""
+            raise Rejected("rate", f"tenant {tenant.name!r} is over its rate of {acct.limits.rate:g} requests/s{here}",
                            retry_after=wait)
 
     @asynccontextmanager
@@ -96,10 +102,13 @@ class Admission:
             self.m_rejected.labels(name, "too_large").inc()
             raise Rejected("too_large", f"the request needs {tokens} tokens (prompt + n x max_tokens); tenant "
                            f"{name!r} may have {budget} in flight: lower max_tokens", None, status=400)
-        if budget is not None and acct.tokens + tokens > budget:
+        n = self._frontends()
+        # over this frontend's share alone (not the whole budget): a 429, the share grows when frontends go
+        if budget is not None and acct.tokens + tokens > (share := budget // n):
             self.m_rejected.labels(name, "budget").inc()
-            raise Rejected("budget", f"tenant {name!r} has {acct.tokens} of its {budget} tokens in flight; this "
-                           f"request needs {tokens} more")
+            held = f"{acct.tokens} of its {budget} tokens in flight" if n == 1 else \
+                f"{acct.tokens} tokens in flight here, where its share of {budget} is {share} ({n} frontends)"
+            raise Rejected("budget", f"tenant {name!r} has {held}; this request needs {tokens} more")
         acct.tokens += tokens
         self.m_tokens.labels(name).set(acct.tokens)
         try:

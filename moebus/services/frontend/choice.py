@@ -24,6 +24,7 @@ class Detok:
     include_stop: bool
     context: list[int] = field(default_factory=list)  # last prompt tokens: the first decode's left context
     wait_s: float = 0.0  # how long to wait for a tokenizer while none answers (one is restarting)
+    paused_s: float = 0.0  # how long to keep asking one that is there but silent (paused)
     window: list[int] = field(default_factory=list)
     read_offset: int = 0
     held: str = ""
@@ -44,7 +45,8 @@ class Detok:
                                 held=self.held, stop=self.stop, include_stop=self.include_stop, finished=finished)
         started = time.time_ns()
         reply = await self.bus.request(self.subjects.tokenizer_detokenize, req, DetokenizeReply, self.timeout,
-                                       wait_for_responders_s=self.wait_s, idempotent=True)
+                                       wait_for_responders_s=self.wait_s, idempotent=True,
+                                       paused_wait_s=self.paused_s)
         self.calls, self.last_ns = self.calls + 1, time.time_ns()
         self.first_ns, self.busy_ns = self.first_ns or started, self.busy_ns + self.last_ns - started
         self.window = self.window[reply.prefix_offset:]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
@@ -39,10 +40,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
             prompts.append((r.prompt_token_ids, echo))
         fe.check_context(len(prompts[-1][0]), params.max_tokens, "prompt")
     started = time.monotonic()
+    owner = f"call-{uuid.uuid4().hex}" if len(prompts) > 1 else ""  # the prompts share one fair share
     async with AsyncExitStack() as stack:
         pairs = []
         for k, (ids, _) in enumerate(prompts):
-            gen = await stack.enter_async_context(fe.generation(body.model, ids, params, tenant=request.get(TENANT)))
+            gen = await stack.enter_async_context(fe.generation(body.model, ids, params, tenant=request.get(TENANT),
+                                                                owner=owner))
             pairs.append((gen, fe.choices(k * params.n, params, ids, body.model)))
         base = {"id": "cmpl-" + pairs[0][0].request_id[4:], "object": "text_completion", "created": int(time.time()),
                 "model": body.model, "system_fingerprint": None}

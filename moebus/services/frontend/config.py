@@ -2,29 +2,23 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from moebus.shared.limits import GenerationLimits
 from moebus.shared.service import ServiceConfig
 
 
-class RequestLimits(BaseModel):
+class RequestLimits(GenerationLimits):
     """Bounds on one request, checked at the edge before anything of it goes on the bus.
 
     Violations are 400s naming the field (a body over `max_body_bytes`: 413; a body slower than
-    `body_timeout_s`: 408 and the connection closed). `max_model_len` must match the workers'
+    `body_timeout_s`: 408 and the connection closed). The generation bounds (GenerationLimits:
+    max_model_len, max_n, stops, logprobs, images) are checked again by the balancer and the
+    workers, which `moebus up` gives the same values; `max_model_len` must match the workers'
     engine (EngineConfig.max_model_len; `moebus up` copies it over).
     """
 
-    model_config = ConfigDict(extra="forbid")
-
-    max_model_len: int = Field(8192, ge=2)  # prompt + completion tokens
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)  # the HTTP body (aiohttp client_max_size)
-    max_n: int = Field(16, ge=1)  # choices per prompt
     max_prompts: int = Field(64, ge=1)  # /v1/completions: prompts in one request
     max_messages: int = Field(2048, ge=1)  # /v1/chat/completions: messages in one request
-    max_images: int = Field(8, ge=0)  # image parts in one chat request
-    max_stop_sequences: int = Field(4, ge=0)
-    max_stop_chars: int = Field(1024, ge=1)  # each stop string
-    max_stop_token_ids: int = Field(128, ge=0)
-    max_logprobs: int = Field(20, ge=0)  # chat top_logprobs, completions logprobs
     max_schema_bytes: int = Field(64 * 1024, ge=16)  # response_format's JSON schema, as JSON
     max_schema_depth: int = Field(64, ge=1)  # its nesting (the bus encoder stops at 255)
     max_json_depth: int = Field(128, ge=8, le=1024)  # nesting of the whole body (orjson stops at 1024)
@@ -110,7 +104,8 @@ class FrontendConfig(ServiceConfig):
     # Bus blips (generation.py): a gap in a stream's chunk numbers is filled from the worker's
     # replay buffer once it has lasted gap_wait_s; a stream whose bus stays down bus_outage_s fails (503).
     gap_wait_s: float = Field(0.2, ge=0)
-    bus_outage_s: float = Field(30.0, gt=0)
+    # (120 s: a nats-server paused a minute, e.g. its VM frozen, loses no stream; RELIABILITY.md)
+    bus_outage_s: float = Field(120.0, gt=0)
     # While no tokenizer or balancer answers (a crashed one is being restarted), requests wait this
     # long for one instead of failing: nobody got them, so asking again is safe.
     restart_wait_s: float = 15.0

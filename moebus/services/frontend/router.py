@@ -60,10 +60,10 @@ class StreamRouter:
         self.bus.watch(self._on_bus)
 
     def new(self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingOptions,
-            images: list[ImageEmbedding] | None = None, priority: int = 0) -> Generation:
+            images: list[ImageEmbedding] | None = None, priority: int = 0, owner: str = "") -> Generation:
         req = GenerateRequest(request_id=request_id, model=model, prompt_token_ids=prompt_token_ids, params=params,
                               reply_to=self.subjects.frontend_stream(self.instance_id, request_id),
-                              images=images or [], priority=priority, frontend_id=self.instance_id,
+                              images=images or [], priority=priority, owner=owner, frontend_id=self.instance_id,
                               frontend_incarnation=self.incarnation)
         return Generation(self, req)
 

@@ -29,6 +29,7 @@ from .generation import Generation
 from .images import image_input
 from .latency import Latencies, TimedChoice
 from .local_render import LocalRenderer
+from .peers import FrontendPeers
 from .readiness import WorkerWatch
 from .router import StreamRouter
 from .spans import finish_generation, generation_span
@@ -54,7 +55,8 @@ class FrontendService(Service):
         self.m_inflight = m.gauge("inflight_generations", "Generations in flight")
         self.latencies = Latencies(m)  # moebus:time_to_first_token_seconds etc., as clients see them
         self.keyring = KeyRing.from_config(cfg)  # a bad keys file fails the start
-        self.admission = Admission(cfg.admission, m)
+        self.peers = FrontendPeers(self.instance_id, m)  # the tenants' limits are split between the frontends
+        self.admission = Admission(cfg.admission, m, frontends=self.peers.count)
 
     async def setup(self) -> None:
         if self.cfg.local_render is not None:
@@ -62,6 +64,7 @@ class FrontendService(Service):
         self.router = StreamRouter(self.bus, self.subjects, self.instance_id, self.cfg, self.metrics,
                                    incarnation=self.incarnation)
         await self.router.start()
+        await self.peers.start(self.bus, self.subjects)
         self.workers = WorkerWatch(self.bus, self.subjects)
         await self.workers.start()
         if self.cfg.accept_images:
@@ -137,7 +140,8 @@ class FrontendService(Service):
                 model: str) -> list[ChoiceState]:
         def detok() -> Detok:
             return Detok(self.bus, self.subjects, model, self.cfg.tokenizer_timeout_s, list(params.stop),
-                         params.include_stop_str_in_output, context=prompt_ids, wait_s=self.cfg.restart_wait_s)
+                         params.include_stop_str_in_output, context=prompt_ids, wait_s=self.cfg.restart_wait_s,
+                         paused_s=self.cfg.stream_idle_timeout_s)  # a paused tokenizer: as long as a worker
 
         clock = self.latencies.current.get()  # of the generation just entered (its TTFT, ITL)
         return [TimedChoice(first_index + i, detok(), clock=clock) for i in range(params.n)]
@@ -149,12 +153,14 @@ class FrontendService(Service):
 
     @asynccontextmanager
     async def generation(self, model: str, prompt_ids: list[int], params: SamplingOptions,
-                         images: list[ImageEmbedding] = (), tenant: Tenant | None = None) -> AsyncIterator[Generation]:
-        """`_generation` inside its `generate <model>` span (spans.py)."""
+                         images: list[ImageEmbedding] = (), tenant: Tenant | None = None,
+                         owner: str = "") -> AsyncIterator[Generation]:
+        """`_generation` inside its `generate <model>` span (spans.py). owner: the API call of
+        several generations (a completions call's prompts): one fair share on a worker."""
         before, gen = self.latencies.current.get(), None
         with generation_span(self.tracing, model, len(prompt_ids), params) as span:
             try:
-                async with self._generation(model, prompt_ids, params, images, tenant) as gen:
+                async with self._generation(model, prompt_ids, params, images, tenant, owner) as gen:
                     yield gen
             finally:
                 clock = self.latencies.current.get()
@@ -162,7 +168,8 @@ class FrontendService(Service):
 
     @asynccontextmanager
     async def _generation(self, model: str, prompt_ids: list[int], params: SamplingOptions,
-                          images: list[ImageEmbedding] = (), tenant: Tenant | None = None) -> AsyncIterator[Generation]:
+                          images: list[ImageEmbedding] = (), tenant: Tenant | None = None,
+                          owner: str = "") -> AsyncIterator[Generation]:
         """A routed generation, aborted on its worker if we leave early (client gone, error); it
         holds its tenant's tokens and a place in the capacity until it ends (admission.py)."""
         if not prompt_ids:
@@ -174,7 +181,7 @@ class FrontendService(Service):
                                retry_after=1)
             clock = self.latencies.start(model)
             gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params, list(images),
-                                  priority=tenant.limits.priority)
+                                  priority=tenant.limits.priority, owner=owner)
             try:
                 await gen.start()
             except ServiceError as e:

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from moebus.shared.limits import GenerationLimits
 from moebus.shared.service import ServiceConfig
 
 
@@ -11,6 +12,9 @@ class WorkerConfig(ServiceConfig):
     model: str = "smollm2"  # engine model name or checkpoint dir; "toy" runs the torch-free stand-in
     served_model_name: str | None = None  # the name clients use; default: `model`
     max_queued: int = Field(128, ge=1)  # requests waiting for their first token; beyond: "overloaded"
+    # What a request may ask for, the frontend's bounds checked again: over one, BAD_REQUEST, never
+    # run (shared/limits.py). max_model_len: as the engine's.
+    limits: GenerationLimits = GenerationLimits()
     latency_window_s: float = 30.0  # TTFT / ITL percentiles in the heartbeat cover this many seconds
     drain_grace_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
     # A broken engine is rebuilt in this process this many times (backoff restart_backoff_s x the
@@ -43,7 +47,9 @@ class WorkerConfig(ServiceConfig):
     # Chunks already sent, kept for a frontend that lost some in a bus blip (replay.py): all
     # requests' together (0: none kept), and how long after a request ends.
     replay_max_bytes: int = Field(64 * 1024 * 1024, ge=0)
-    replay_grace_s: float = Field(30.0, ge=0)
+    # (past the frontend's bus_outage_s: streams that ended while the bus was away, e.g. a nats-server
+    # paused a minute, are still here when it returns; the byte bound caps the memory)
+    replay_grace_s: float = Field(150.0, ge=0)
     # A frontend unheard for this long (while we could hear) or restarted has its requests aborted
     # here (leases.py): a dead frontend's streams have no reader. 0: never.
     frontend_lease_s: float = Field(10.0, ge=0)
@@ -72,3 +78,10 @@ class WorkerConfig(ServiceConfig):
     admit_handoff_ms: float = Field(2.0, ge=0, le=100)
     # A stats line (running, waiting, KV usage, tok/s) this often while there is work; 0: none.
     stats_log_interval_s: float = Field(10.0, ge=0)
+
+    @model_validator(mode="after")
+    def _context_of_engine(self) -> Self:
+        """limits.max_model_len unset: the engine's, when `engine` names it."""
+        if "max_model_len" in self.engine and "max_model_len" not in self.limits.model_fields_set:
+            self.limits = self.limits.model_copy(update={"max_model_len": int(self.engine["max_model_len"])})
+        return self

@@ -124,14 +124,14 @@ class EngineLoop:
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: Any, prefill_only: bool = False,
             resume: dict[int, list[int]] | None = None, images: Sequence[ImageEmbedding] = (),
-            priority: int = 0) -> None:
+            priority: int = 0, owner: str = "") -> None:
         """params: the request's engine parameters, all n choices (the engine fans out); resume: a
         migrated request's open choices and their tokens so far; images: encoder rows of the prompt;
-        priority: the engine queue's order (lower first)."""
+        priority: the engine queue's order (lower first); owner: the API call it is part of."""
         handing = self._asleep and self.admit_s > 0
         if handing:
             self._woke.clear()
-        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only, resume, images, priority))
+        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only, resume, images, priority, owner))
         if handing:
             self._woke.wait(self.admit_s)
 
@@ -283,11 +283,13 @@ class EngineLoop:
                 result, exc = None, e
             self._loop.call_soon_threadsafe(_settle, fut, result, exc)
         elif kind == "add":
-            _, rid, prompt, params, prefill_only, resume, images, priority = cmd
+            _, rid, prompt, params, prefill_only, resume, images, priority, owner = cmd
             try:
                 extra = {"images": image_spans(images)} if images else {}
                 if priority:
                     extra["priority"] = priority
+                if owner:
+                    extra["owner"] = owner
                 if resume is None:
                     self.engine.add_request(rid, prompt, params, **extra)
                 else:

@@ -5,7 +5,9 @@ frontend_incarnation). The lease is lost when
 - a beat of that frontend names another incarnation (it was restarted: the old process's
   streams have no reader), or
 - nothing was heard of it for `lease_s` while we could hear (Bus.evidence_since: a worker that was
-  cut off itself judges nobody for its own outage, nor for `settle_s` after it).
+  cut off itself judges nobody for its own outage, nor for `settle_s` after it), and its health
+  subject has no responders: the server closed its connection (shared/liveness.py). A frontend
+  that is only paused (or a machine that froze with all of us) keeps its lease.
 The first request from a frontend not heard yet counts as hearing from it. Draining frontends keep
 their lease (they finish their streams). `run()` aborts what lost its lease (the worker's abort:
 engine request gone, KV blocks freed, replay dropped).
@@ -20,7 +22,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from moebus.shared.bus import Bus
+from moebus.shared.liveness import probe
 from moebus.shared.messages import GenerateRequest, Heartbeat
+from moebus.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,23 @@ class FrontendLeases:
                 out.add(owner)
         return out
 
-    async def run(self, bus: Bus, requests: Callable[[], Iterable[GenerateRequest]],
+    def renew(self, frontend: str, now: float) -> None:
+        """It answered (or is merely paused): silence is no reason to drop its requests."""
+        if (lease := self._frontends.get(frontend)) is not None:
+            lease.last_seen = now
+
+    async def _gone(self, bus: Bus, subjects: Subjects, lost: set[Owner], timeout_s: float) -> set[Owner]:
+        """Of the owners whose lease lapsed, those really gone: restarted, or no longer on the bus."""
+        silent = sorted({f for f, inc in lost if (lease := self._frontends.get(f)) and lease.incarnation == inc})
+        verdicts = dict(zip(silent, await asyncio.gather(*(probe(bus, subjects, "frontend", f, timeout_s)
+                                                            for f in silent)), strict=True))
+        now = time.monotonic()
+        for f, v in verdicts.items():
+            if v != "gone":
+                self.renew(f, now)
+        return {o for o in lost if verdicts.get(o[0], "gone") == "gone"}
+
+    async def run(self, bus: Bus, subjects: Subjects, requests: Callable[[], Iterable[GenerateRequest]],
                   abort: Callable[[str], Awaitable[None]], interval_s: float) -> None:
         """Every interval_s: abort the requests whose frontend lost its lease. Only after a round
         trip to the server shows our own traffic flows (beats queued behind it are counted first)."""
@@ -85,6 +105,7 @@ class FrontendLeases:
                 continue
             gone = self.lost(((r.frontend_id, r.frontend_incarnation) for r in owned), time.monotonic(),
                              bus.evidence_since)
+            gone = await self._gone(bus, subjects, gone, max(interval_s, 0.5)) if gone else gone
             for r in owned:
                 if (r.frontend_id, r.frontend_incarnation) in gone:
                     log.warning("frontend %s (%s) is gone: aborting its request %s", r.frontend_id,

@@ -193,7 +193,7 @@ class WorkerService(Service):
                                  endpoint="replay")
         await self.bus.subscribe(s.heartbeat_all("frontend"), Heartbeat, self._on_frontend_beat, concurrent=False,
                                  endpoint="frontend_heartbeat", traced=False)
-        self.spawn(self.leases.run(self.bus, lambda: [a.req for a in self._active.values()],
+        self.spawn(self.leases.run(self.bus, self.subjects, lambda: [a.req for a in self._active.values()],
                                    self._frontend_lost, max(self.cfg.heartbeat_interval_s, 0.5)))
 
     async def _frontend_lost(self, rid: str) -> None:
@@ -252,6 +252,7 @@ class WorkerService(Service):
             raise ServiceError(ErrorCode.UNAVAILABLE, f"{self.instance_id} is not taking requests", retry_after=1)
         if req.model != self.served_model:
             raise ServiceError(ErrorCode.NOT_FOUND, f"worker serves {self.served_model!r}", param="model")
+        self.cfg.limits.check(req)  # BAD_REQUEST past the frontend's bounds: whoever sent it (shared/limits.py)
         if req.request_id in self._active:
             return self._accepted(req)  # a retried delivery of the same request: idempotent
         if self.queued() >= self.cfg.max_queued:
@@ -287,7 +288,7 @@ class WorkerService(Service):
     def _add(self, a: Active) -> None:
         resume = {c.index: c.token_ids for c in a.req.resume} if a.req.resume else None
         self._loop.add(a.req.request_id, a.req.prompt_token_ids, a.params, prefill_only=a.req.stage == "prefill",
-                       resume=resume, images=a.req.images, priority=a.req.priority)
+                       resume=resume, images=a.req.images, priority=a.req.priority, owner=a.req.owner)
 
     async def _fetch_then_add(self, a: Active) -> None:
         try:

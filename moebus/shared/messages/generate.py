@@ -82,6 +82,9 @@ class GenerateRequest(Message):
     resume: list[ResumedChoice] = []
     images: list[ImageEmbedding] = []  # encoder rows for the prompt's image placeholders (offsets set)
     priority: int = 0  # its tenant's: the engine queue runs lower first (frontend/tenants.py)
+    # The API call it is part of (a completions call's prompts share one): its fair share of a
+    # worker's batch (engine/scheduler.py). Empty: the request itself.
+    owner: str = ""
     # The frontend streaming it and that process's life (Heartbeat.incarnation): the worker aborts
     # the request when that frontend dies (worker/leases.py). Empty: nobody's lease.
     frontend_id: str = ""
