@@ -106,6 +106,7 @@ class ToyOutput:
     new_text: str | None = None
     error: str | None = None
     retryable: bool = False
+    error_param: str | None = None
 
 
 class ToyEngine:
@@ -146,6 +147,10 @@ class ToyEngine:
             rid = request_id if n == 1 else f"{request_id}#{k}"
             self._waiting.append(_Req(rid, list(prompt_token_ids), params, reply, request_id, k, out))
         self._groups[request_id] = len(prior)
+
+    def prepare(self, params: Any) -> None:
+        """Nothing to compile: the toy's structured reply is fixed."""
+        return None
 
     def abort_request(self, request_id: str) -> bool:
         """Every live choice of the request; False: none was live."""

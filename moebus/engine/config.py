@@ -53,6 +53,14 @@ class EngineConfig:
     # checkpoint with num_nextn_predict_layers >= 1; engine/mtp_proposer.py)
     speculative_method: str = "ngram"
     deterministic: bool = False  # batch-invariant results: same request, same tokens, any batch
+    # Structured outputs (engine/structured_state.py): a grammar compiles in a child process before
+    # its request is admitted, refused (a 400 naming its field) past grammar_compile_timeout_s of
+    # that child's CPU time (sampling/compile_pool.py); a request whose grammar costs more than
+    # grammar_mask_budget_s of CPU a step (its token mask and accepts, averaged over its last
+    # grammar_mask_window steps) fails alone, a 400 too.
+    grammar_compile_timeout_s: float = 3.0
+    grammar_mask_budget_s: float = 0.05
+    grammar_mask_window: int = 3
     seed: int = 0
     # On CPU with glibc: fixed malloc thresholds, so a step's activations are reused from the heap
     # instead of page-faulted in again every step (engine/cpu_malloc.py; process-wide).

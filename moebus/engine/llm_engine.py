@@ -36,7 +36,7 @@ from moebus.engine.outputs import EngineStats, RequestOutput
 from moebus.engine.request import Request, RequestStatus
 from moebus.engine.request_table import RequestTable, Tracked, choice_ids
 from moebus.engine.resume import ChoiceFinished, check_resume, prime
-from moebus.engine.sampling import SamplingParams
+from moebus.engine.sampling import SamplingParams, StructuredOutputConfig
 from moebus.engine.sampling.spec_decode import DraftModelProposer, NgramProposer, SpecDecodeStats
 from moebus.engine.scheduler import Scheduler, SchedulerOutput
 from moebus.engine.structured_state import GrammarHub
@@ -91,7 +91,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, caches, config.block_size, device,
                                   list(self.tokenizer.eos_token_ids), batch_invariant=config.deterministic,
                                   windowed=layout.grouped)
-        self.grammars = GrammarHub(self.tokenizer, vocab)
+        self.grammars = GrammarHub(self.tokenizer, vocab, StructuredOutputConfig(
+            compile_timeout_s=config.grammar_compile_timeout_s, mask_budget_s=config.grammar_mask_budget_s,
+            mask_window=config.grammar_mask_window))
         if draft_proposer is not None and not config.num_speculative_tokens:
             raise ValueError("a draft proposer needs num_speculative_tokens >= 1")
         self.target_streams: TargetStreams | None = None  # what an MTP drafter reads
@@ -165,6 +167,10 @@ class LLMEngine:
             req.generator = torch.Generator().manual_seed(self.config.seed)
         return Tracked(req, self.tokenizer.detokenizer(prompt_token_ids),
                        StopStringMatcher(list(params.stop), params.include_stop_str_in_output), group, index)
+
+    def prepare(self, params: SamplingParams) -> concurrent.futures.Future[None] | None:
+        """The request's grammar compiled off this thread, under a deadline (EnginePort.prepare)."""
+        return self.grammars.prepare(params.structured) if params.structured else None
 
     def abort_request(self, request_id: str) -> bool:
         """End every live choice of the request and free its KV; False: none was live."""
@@ -240,13 +246,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. A request whose own state raises fails alone (its output has
         finish_reason "error"); a step that fails with nobody to blame fails the requests it held,
-        retryably. Either way the engine goes on serving the others."""
+        retryably. Either way the engine goes on serving the others. A request whose grammar
+        cost past its budget in the last step fails first (structured_state.py)."""
+        outs = self._fail_costly_grammars()
         try:
-            outs = self._step_async() if self._host is not None else self._step_sync()
+            outs += self._step_async() if self._host is not None else self._step_sync()
         except _StepFailed as f:
-            return f.outputs + self._recover(f.cause, f.sched)
+            return outs + f.outputs + self._recover(f.cause, f.sched)
         except Exception as e:  # raised before the step changed anything it would need undone
-            return self._recover(e, None)
+            return outs + self._recover(e, None)
         self.failed_steps_in_a_row = 0
         return outs
 
@@ -306,6 +314,14 @@ class LLMEngine:
                 outs.append(out)
         return outs
 
+    def _fail_costly_grammars(self) -> list[RequestOutput]:
+        outs = []
+        for rid, (message, param) in self.grammars.take_over_budget().items():
+            log.warning("failing %s: %s", rid, message)
+            if (out := self._fail(rid, message, error_param=param)) is not None:
+                outs.append(out)
+        return outs
+
     def _recover(self, exc: Exception, sched: SchedulerOutput | None) -> list[RequestOutput]:
         """After a failed step: its KV writes and placeholder tokens cannot be trusted, so every
         running request recomputes from the tokens it has emitted (preemption) and no cached
@@ -328,15 +344,18 @@ class LLMEngine:
         outs = [self._fail(rid, msg, retryable) for rid, msg in blamed.items()]
         return [o for o in outs if o is not None]
 
-    def _fail(self, request_id: str, message: str, retryable: bool = False) -> RequestOutput | None:
-        """End a request with an error output (None: it had already finished)."""
+    def _fail(self, request_id: str, message: str, retryable: bool = False,
+              error_param: str | None = None) -> RequestOutput | None:
+        """End a request with an error output (None: it had already finished); error_param: the
+        request's own field is at fault (a 400)."""
         tr = self.tracked.pop(request_id)
         if tr is None:
             return None
         r = tr.req
         self._finish(r, RequestStatus.FINISHED_ABORTED)
         return RequestOutput(tr.group, [], "", True, "error", None, r.num_prompt_tokens, r.num_cached_tokens,
-                             self._num_real_outputs(r), error=message, retryable=retryable, index=tr.index)
+                             self._num_real_outputs(r), error=message, retryable=retryable, index=tr.index,
+                             error_param=error_param)
 
     @staticmethod
     def _grammar_waits_on(sched: SchedulerOutput) -> bool:
@@ -474,6 +493,7 @@ class LLMEngine:
     def close(self) -> None:
         if self._host is not None:
             self._host.shutdown(wait=True)
+        self.grammars.close()
 
 
 def _num_real(out_ids: list[int]) -> int:

@@ -19,6 +19,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None  # finish_reason "error": what failed
     retryable: bool = False  # the error was the step's, not this request's: another engine may run it
+    error_param: str | None = None  # the error is the request's own (a 400): the request field at fault
     index: int = 0  # the choice (0 .. n-1) of an n > 1 request
     stop_reason: int | str | None = None  # finished by a stop token id or stop string: which (eos: None)
 

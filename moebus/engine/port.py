@@ -13,7 +13,12 @@ tests/engine/test_engine_port.py checks all three. The contract:
   them as if this engine had sampled them (engine/resume.py).
 - `step()` runs one step and returns its outputs: each names the caller's `request_id` and the
   choice `index`; `error` set (finish_reason "error") fails that choice, `retryable` when the
-  fault was the step's and another engine may run it.
+  fault was the step's and another engine may run it; `error_param` when it was the request's own
+  (the field at fault: a 400, e.g. a grammar too costly to follow).
+- `prepare(params)`: work a request needs before `add_request` that must not run on the thread
+  that steps (compiling its grammar, under a deadline): a future that settles when add_request
+  may be called (its exception, a `RequestRefused`, refuses the request), or None when there is
+  nothing to wait for (as a second call finds once the first settled well: the work is kept).
 - `abort_request(request_id)` ends every choice of the request and frees its KV (False: none live).
 - `failed_steps_in_a_row`: steps that failed with nobody to blame (the owner may rebuild the engine).
 - `lockstep`: `step()` is a collective; call it every iteration, idle or not (see `LockstepEngine`).
@@ -23,7 +28,17 @@ tests/engine/test_engine_port.py checks all three. The contract:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
+
+
+class RequestRefused(ValueError):
+    """A request refused for what it asks: `param` names the request field at fault (an HTTP 400
+    naming it); `retryable`: refused for now only (the engine is busy), another engine may take it."""
+
+    def __init__(self, message: str, *, param: str | None = None, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.param, self.retryable = param, retryable
 
 
 @runtime_checkable
@@ -39,6 +54,7 @@ class EngineOutput(Protocol):
     num_cached_tokens: int
     error: str | None
     retryable: bool
+    error_param: str | None  # error is the request's own (a 400): the field at fault, never retried
 
 
 @runtime_checkable
@@ -75,6 +91,8 @@ class EnginePort(Protocol):
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
                     priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
                     images: Sequence[Any] = (), owner: str = "") -> None: ...
+
+    def prepare(self, params: Any) -> Future[None] | None: ...
 
     def abort_request(self, request_id: str) -> bool: ...
 

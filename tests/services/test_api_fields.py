@@ -40,18 +40,21 @@ async def rec(nats_server):
         yield stack, seen
 
 
-@pytest.mark.parametrize(("extra", "expected"), [
-    ({"structured_outputs": {"json": SCHEMA}}, StructuredOptions(json_schema=SCHEMA)),
-    ({"structured_outputs": {"regex": "a+"}}, StructuredOptions(regex="a+")),
-    ({"structured_outputs": {"choice": ["x", "y"]}}, StructuredOptions(choice=["x", "y"])),
-    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, StructuredOptions(grammar='root ::= "a"')),
-    ({"structured_outputs": {"json_object": True}}, StructuredOptions(json_object=True)),
-    ({"guided_json": SCHEMA}, StructuredOptions(json_schema=SCHEMA)),
-    ({"guided_json": '{"type": "object"}'}, StructuredOptions(json_schema={"type": "object"})),
-    ({"guided_regex": "a+"}, StructuredOptions(regex="a+")),
-    ({"guided_choice": ["x"]}, StructuredOptions(choice=["x"])),
-    ({"guided_grammar": 'root ::= "a"'}, StructuredOptions(grammar='root ::= "a"')),
-    ({"response_format": {"type": "json_object"}}, StructuredOptions(json_object=True)),
+@pytest.mark.parametrize(("extra", "expected"), [  # each names the field it came from (errors about it do)
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredOptions(json_schema=SCHEMA, param="structured_outputs.json")),
+    ({"structured_outputs": {"regex": "a+"}}, StructuredOptions(regex="a+", param="structured_outputs.regex")),
+    ({"structured_outputs": {"choice": ["x", "y"]}},
+     StructuredOptions(choice=["x", "y"], param="structured_outputs.choice")),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}},
+     StructuredOptions(grammar='root ::= "a"', param="structured_outputs.grammar")),
+    ({"structured_outputs": {"json_object": True}},
+     StructuredOptions(json_object=True, param="structured_outputs.json_object")),
+    ({"guided_json": SCHEMA}, StructuredOptions(json_schema=SCHEMA, param="guided_json")),
+    ({"guided_json": '{"type": "object"}'}, StructuredOptions(json_schema={"type": "object"}, param="guided_json")),
+    ({"guided_regex": "a+"}, StructuredOptions(regex="a+", param="guided_regex")),
+    ({"guided_choice": ["x"]}, StructuredOptions(choice=["x"], param="guided_choice")),
+    ({"guided_grammar": 'root ::= "a"'}, StructuredOptions(grammar='root ::= "a"', param="guided_grammar")),
+    ({"response_format": {"type": "json_object"}}, StructuredOptions(json_object=True, param="response_format")),
 ])
 @pytest.mark.parametrize("cls", [ChatCompletionRequest, CompletionRequest])
 def test_every_form_of_constraint_maps_to_the_wire(cls: type, extra: dict, expected: StructuredOptions) -> None:

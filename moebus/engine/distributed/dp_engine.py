@@ -27,6 +27,8 @@ from moebus.engine.sampling import SamplingParams
 from moebus.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from moebus.engine.kv_connector import KVConnector
 
 
@@ -82,6 +84,9 @@ class DPEngine:
                     priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
                     images: Sequence[ImageSpan] = (), owner: str = "") -> None:
         self.engine.add_request(request_id, prompt_token_ids, params, priority, resume, images, owner)
+
+    def prepare(self, params: SamplingParams) -> Future[None] | None:
+        return self.engine.prepare(params)  # this rank's own compile: no collective
 
     def abort_request(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)

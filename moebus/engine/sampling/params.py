@@ -19,6 +19,7 @@ class StructuredOutputParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-like; the start rule is `root`)
+    param: str | None = None  # the request field it came from (e.g. guided_regex): errors name it
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.json_schema, self.regex, self.choice, self.grammar))

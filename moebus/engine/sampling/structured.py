@@ -1,18 +1,22 @@
 """Structured outputs (json_schema, json_object, regex, choice, grammar) on xgrammar.
 
-`StructuredOutputCompiler` turns StructuredOutputParams into a compiled `Grammar` (cached);
-each request owns a `GrammarState` (xgrammar matcher) that is advanced with accepted tokens and
-fills its row of the packed token bitmask (int32, 32 tokens per word, bit set = allowed).
-The bitmask spans the MODEL's vocab: ids past the tokenizer's vocab (lm_head padding) are
-never allowed.
+`StructuredOutputCompiler` turns StructuredOutputParams into a compiled `Grammar` (cached, and
+so are refusals); `compile` runs on the caller's thread, `compile_async` in a child process under
+a deadline (compile_pool.py). Each request owns a `GrammarState` (grammar_state.py) that is
+advanced with accepted tokens and fills its row of the packed token bitmask; it times its own
+matcher calls, so a grammar too costly to follow can be told apart (engine/structured_state.py).
+The bitmask spans the MODEL's vocab: ids past the tokenizer's vocab (lm_head padding) are never
+allowed.
 """
 from __future__ import annotations
 
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import tokenizers
@@ -21,6 +25,11 @@ import xgrammar as xgr
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from moebus.engine.port import RequestRefused
+
+from .compile_child import CompileJob, compile_job
+from .compile_pool import CompileFailed, CompilePool, CompilerBusy, CompileTimeout
+from .grammar_state import GrammarState, bitmask_to_bool
 from .params import StructuredOutputParams
 
 
@@ -30,13 +39,26 @@ class StructuredOutputConfig:
     max_whitespace_cnt: int | None = None  # json: cap a whitespace run (stops endless "\n\n")
     strict_mode: bool = True  # json_schema: no properties/items beyond the schema
     max_threads: int = 8  # xgrammar compile + batched bitmask threads
-    cache_size: int = 256  # compiled grammars kept (LRU)
+    cache_size: int = 256  # compiled grammars kept (LRU), and as many refused ones
+    # compile_async: the deadline of one compile (CPU seconds of its child, compile_pool.py), the
+    # child processes compiling, how many compiles may wait for one (more: refused, retryable), and
+    # how long a refusal is remembered
+    compile_timeout_s: float = 3.0
+    compile_procs: int = 1
+    max_pending_compiles: int = 8
+    refusal_ttl_s: float = 600.0
+    # What following a grammar may cost (the engine fails a request past it, structured_state.py):
+    # on average over its last mask_window steps, matcher CPU time a step (token mask + accepts).
+    mask_budget_s: float = 0.05
+    mask_window: int = 3
 
     def __post_init__(self) -> None:
         if self.max_whitespace_cnt is not None and self.max_whitespace_cnt < 1:
             raise ValueError("max_whitespace_cnt must be >= 1 or None")
         if self.max_threads < 1 or self.cache_size < 0:
             raise ValueError("max_threads must be >= 1 and cache_size >= 0")
+        if self.compile_timeout_s <= 0 or self.mask_budget_s <= 0 or self.mask_window < 1:
+            raise ValueError("compile_timeout_s and mask_budget_s must be > 0, mask_window >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +66,14 @@ class Grammar:
     kind: str  # json_schema | json_object | regex | choice | grammar
     compiled: xgr.CompiledGrammar
 
+    @property
+    def noun(self) -> str:
+        """The kind as error messages name it."""
+        return _NOUN[self.kind]
 
+
+_NOUN = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+         "choice": "choices", "grammar": "grammar"}
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -53,10 +82,22 @@ def _clean(err: Exception) -> str:
     return _XGR_PREFIX.sub("", str(err).strip()).splitlines()[0]
 
 
+def _busy(e: CompilerBusy) -> RequestRefused:
+    return RequestRefused(f"the grammar compiler is busy ({e}): try again", retryable=True)
+
+
 def choice_ebnf(choices: Sequence[str]) -> str:
     """EBNF alternative of the literal choices. xgrammar EBNF string literals accept JSON's
     escapes (\\" \\\\ \\n \\uXXXX), so json.dumps quotes each choice safely."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """A constraint that failed to compile (invalid, or past the deadline), remembered a while."""
+
+    message: str
+    at: float
 
 
 class StructuredOutputCompiler:
@@ -82,57 +123,139 @@ class StructuredOutputCompiler:
         self.vocab_size = self.tokenizer_info.vocab_size
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=self.config.max_threads)
         self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.config.max_threads)
-        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
-        self._lock = threading.Lock()  # the API layer may compile from worker threads
+        self._cache: OrderedDict[tuple[str, str], Grammar | _Refusal] = OrderedDict()
+        self._compiling: dict[tuple[str, str], Future[Grammar]] = {}  # compile_async's, one per key
+        self._pool: CompilePool | None = None  # started on the first compile_async
+        self._lock = threading.Lock()  # compile_async finishes on the pool's threads
 
     def compile(self, params: StructuredOutputParams) -> Grammar:
-        """Raises ValueError for an invalid schema / regex (the API maps it to HTTP 400)."""
-        kind, source = self._key(params)
-        key = (kind, source)
-        with self._lock:
-            if (hit := self._cache.get(key)) is not None:
-                self._cache.move_to_end(key)
-                return hit
+        """On this thread. Raises RequestRefused (a ValueError) for an invalid schema / regex (the
+        API maps it to HTTP 400), or one refused before (compile_async's deadline)."""
+        key = self._key(params)
+        if (hit := self._lookup(key)) is not None:
+            return hit
         try:
-            compiled = self._compile(kind, source)
+            compiled = compile_job(self._compiler, self._job(*key))
         except RuntimeError as e:  # xgrammar reports every parse / conversion error this way
-            raise ValueError(f"invalid {kind}: {_clean(e)}") from e
-        grammar = Grammar(kind=kind, compiled=compiled)
+            raise self._refuse(key, f"invalid {key[0]}: {_clean(e)}") from e
+        return self._remember(key, Grammar(kind=key[0], compiled=compiled))
+
+    def compile_async(self, params: StructuredOutputParams) -> Future[Grammar]:
+        """compile() in a child process under config.compile_timeout_s (a cached grammar or
+        refusal: a settled future). The future raises RequestRefused: invalid, past the deadline,
+        or (retryable) too many compiles waiting."""
+        fut: Future[Grammar] = Future()
+        try:
+            key = self._key(params)
+            if (hit := self._lookup(key)) is not None:
+                fut.set_result(hit)
+                return fut
+        except RequestRefused as e:
+            fut.set_exception(e)
+            return fut
+        with self._lock:
+            if (running := self._compiling.get(key)) is not None:
+                return running
+            self._compiling[key] = fut
+            if self._pool is None:
+                cfg = self.config
+                self._pool = CompilePool(self.tokenizer_info.serialize_json(), timeout_s=cfg.compile_timeout_s,
+                                         procs=cfg.compile_procs, max_pending=cfg.max_pending_compiles)
+        try:
+            job = self._pool.submit(self._job(*key))
+        except CompilerBusy as e:
+            self._settle(key, fut, _busy(e))
+        else:
+            job.add_done_callback(lambda j: self._finish(key, fut, j))
+        return fut
+
+    def _finish(self, key: tuple[str, str], fut: Future[Grammar], job: Future[str]) -> None:
+        kind = key[0]
+        try:
+            grammar = Grammar(kind, xgr.CompiledGrammar.deserialize_json(job.result(), self.tokenizer_info))
+        except CompileTimeout:
+            self._settle(key, fut, self._refuse(key, f"compiling the {_NOUN[kind]} took longer than "
+                                                     f"{self.config.compile_timeout_s:g}s"))
+        except CompilerBusy as e:  # not the grammar's fault: not remembered
+            self._settle(key, fut, _busy(e))
+        except CompileFailed as e:
+            self._settle(key, fut, self._refuse(key, f"invalid {kind}: {_clean(e)}"))
+        except Exception as e:  # a fault of ours, not the request's: not remembered
+            self._settle(key, fut, e)
+        else:
+            self._settle(key, fut, self._remember(key, grammar))
+
+    def _settle(self, key: tuple[str, str], fut: Future[Grammar], result: Grammar | Exception) -> None:
+        with self._lock:
+            self._compiling.pop(key, None)
+        if isinstance(result, Exception):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+
+    def _refuse(self, key: tuple[str, str], message: str) -> RequestRefused:
+        self._remember(key, _Refusal(message, time.monotonic()))
+        return RequestRefused(message)
+
+    def _lookup(self, key: tuple[str, str]) -> Grammar | None:
+        """The cached grammar, None when unknown; raises RequestRefused when refused lately."""
+        with self._lock:
+            hit = self._cache.get(key)
+            if isinstance(hit, _Refusal) and time.monotonic() - hit.at > self.config.refusal_ttl_s:
+                del self._cache[key]  # compile times vary with load: try it again
+                return None
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if isinstance(hit, _Refusal):
+            raise RequestRefused(hit.message)
+        return hit
+
+    def _remember(self, key: tuple[str, str], value: Grammar | _Refusal) -> Grammar | _Refusal:
         if self.config.cache_size:
             with self._lock:
-                self._cache[key] = grammar
+                self._cache[key] = value
                 if len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
-        return grammar
+        return value
 
     def new_state(
         self, params: StructuredOutputParams, stop_token_ids: Sequence[int] | None = None
     ) -> GrammarState:
-        return GrammarState(self.compile(params), stop_token_ids)
+        return GrammarState(self.compile(params), stop_token_ids, cost_window=self.config.mask_window)
 
     def fill_bitmask(
-        self, states: Sequence[GrammarState | None], bitmask: Tensor | None = None
+        self, states: Sequence[GrammarState | None], bitmask: Tensor | None = None, itemized: bool = False
     ) -> Tensor:
         """Packed `[B, ceil(V/32)]` int32 CPU bitmask for a batch; rows without a grammar (None)
-        or with a terminated one are all-allowed. Filled by xgrammar's threaded batch call."""
+        or with a terminated one are all-allowed. Filled by xgrammar's threaded batch call, or
+        itemized: row by row, each state timing its own (GrammarState.spent_s)."""
         if bitmask is None:
             bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
         else:
             xgr.reset_token_bitmask(bitmask)
         rows = [i for i, s in enumerate(states) if s is not None and not s.is_terminated()]
-        if rows:
+        if itemized:
+            for i in rows:
+                states[i].fill_bitmask(bitmask, i)
+        elif rows:
             matchers = [states[i].matcher for i in rows]
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return bitmask
 
     def allowed_mask(
-        self, states: Sequence[GrammarState | None], device: torch.device | str = "cpu"
+        self, states: Sequence[GrammarState | None], device: torch.device | str = "cpu", itemized: bool = False
     ) -> Tensor | None:
         """`[B, V]` bool mask on `device` for SamplingBatch.build, or None when no row is
         structured. The packed bitmask (32x smaller) is what crosses to the device."""
         if all(s is None for s in states):
             return None
-        return bitmask_to_bool(self.fill_bitmask(states).to(device, non_blocking=True), self.vocab_size)
+        mask = self.fill_bitmask(states, itemized=itemized)
+        return bitmask_to_bool(mask.to(device, non_blocking=True), self.vocab_size)
+
+    def close(self) -> None:
+        """Stops the compile children."""
+        if self._pool is not None:
+            self._pool.close()
 
     def _key(self, params: StructuredOutputParams) -> tuple[str, str]:
         if params.json_schema is not None:
@@ -141,9 +264,9 @@ class StructuredOutputCompiler:
                 try:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"invalid json_schema: not valid JSON ({e})") from e
+                    raise RequestRefused(f"invalid json_schema: not valid JSON ({e})") from e
             if not isinstance(schema, dict | bool):
-                raise ValueError("invalid json_schema: must be a JSON object")
+                raise RequestRefused("invalid json_schema: must be a JSON object")
             # Re-dumped (whitespace-normalized) but NOT key-sorted: property order is the
             # order xgrammar generates them in, so it is part of the grammar.
             return "json_schema", json.dumps(schema)
@@ -155,105 +278,13 @@ class StructuredOutputCompiler:
             return "grammar", params.grammar
         return "choice", choice_ebnf(params.choice)
 
-    def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
+    def _job(self, kind: str, source: str) -> CompileJob:
+        cfg = self.config
+        json_opts = {"any_whitespace": cfg.any_whitespace, "max_whitespace_cnt": cfg.max_whitespace_cnt}
         if kind == "json_schema":
-            cfg = self.config
-            return self._compiler.compile_json_schema(
-                source,
-                any_whitespace=cfg.any_whitespace,
-                strict_mode=cfg.strict_mode,
-                max_whitespace_cnt=cfg.max_whitespace_cnt,
-            )
+            return CompileJob("json_schema", source, {**json_opts, "strict_mode": cfg.strict_mode})
         if kind == "json_object":
             # A JSON object (OpenAI's json_object mode): the top level is {...}, closed before the
             # stop token is allowed. xgrammar's builtin grammar would also take a bare array.
-            cfg = self.config
-            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=cfg.any_whitespace,
-                                                      strict_mode=False, max_whitespace_cnt=cfg.max_whitespace_cnt)
-        if kind == "regex":
-            return self._compiler.compile_regex(source)
-        return self._compiler.compile_grammar(source)  # choice (as EBNF) and grammar
-
-
-class GrammarState:
-    """One request's position in its grammar. Not thread-safe; one per request (n > 1
-    completions each need their own)."""
-
-    def __init__(self, grammar: Grammar, stop_token_ids: Sequence[int] | None = None) -> None:
-        self.grammar = grammar
-        self.matcher = xgr.GrammarMatcher(
-            grammar.compiled, override_stop_tokens=list(stop_token_ids) if stop_token_ids else None
-        )
-        self.vocab_size = grammar.compiled.tokenizer_info.vocab_size
-        self.num_accepted = 0  # tokens accepted so far (the rollback horizon)
-
-    def accept_token(self, token_id: int) -> bool:
-        """Advance by one token; False (state unchanged) if the grammar forbids it."""
-        ok = self.matcher.accept_token(int(token_id))
-        self.num_accepted += ok
-        return ok
-
-    def accept_tokens(self, token_ids: Sequence[int]) -> int:
-        """Accept a prefix of token_ids; returns how many were accepted before a rejection."""
-        for i, t in enumerate(token_ids):
-            if not self.accept_token(t):
-                return i
-        return len(token_ids)
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last num_tokens accepted tokens (rejected speculative drafts)."""
-        if not 0 <= num_tokens <= self.num_accepted:
-            raise ValueError(f"cannot roll back {num_tokens} of {self.num_accepted} tokens")
-        if num_tokens:
-            self.matcher.rollback(num_tokens)
-            self.num_accepted -= num_tokens
-
-    def is_terminated(self) -> bool:
-        """True once a stop token was accepted after the grammar completed."""
-        return self.matcher.is_terminated()
-
-    def is_completed(self) -> bool:
-        """True when the text so far is a complete match (a stop token is now allowed)."""
-        return self.matcher.is_completed()
-
-    def fill_bitmask(self, bitmask: Tensor, row: int = 0) -> None:
-        """Write this state's allowed tokens into row `row` of a packed int32 CPU bitmask."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
-    def allowed_mask(self) -> Tensor:
-        """`[V]` bool mask of the tokens allowed next."""
-        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
-        self.fill_bitmask(bitmask)
-        return bitmask_to_bool(bitmask, self.vocab_size)[0]
-
-    def fill_draft_bitmask(self, draft_token_ids: Sequence[int], bitmask: Tensor, start_row: int = 0) -> None:
-        """Rows start_row .. start_row+len(draft): the mask before each draft token and after
-        the last (bonus position), for `rejection_sample`'s per-position allowed mask. The
-        state is restored afterwards. Positions past a draft the grammar rejects are left
-        all-allowed: verification stops at that draft anyway."""
-        bitmask[start_row : start_row + len(draft_token_ids) + 1] = -1  # all bits set: allowed
-        accepted = 0
-        for j in range(len(draft_token_ids) + 1):
-            if self.is_terminated():
-                break
-            self.fill_bitmask(bitmask, start_row + j)
-            if j == len(draft_token_ids) or not self.accept_token(draft_token_ids[j]):
-                break
-            accepted += 1
-        self.rollback(accepted)
-
-
-def bitmask_to_bool(bitmask: Tensor, vocab_size: int) -> Tensor:
-    """Unpack `[B, W]` int32 words (bit i of word w = token 32*w + i) into `[B, V]` bool."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
-
-
-def apply_bitmask(logits: Tensor, bitmask: Tensor, indices: Sequence[int] | None = None) -> None:
-    """In place: disallowed tokens -> -inf, via xgrammar's kernel (CPU, or Triton on CUDA).
-    The bitmask is moved to the logits' device first."""
-    xgr.apply_token_bitmask_inplace(
-        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1],
-        indices=list(indices) if indices is not None else None,
-    )
+            return CompileJob("json_schema", '{"type": "object"}', {**json_opts, "strict_mode": False})
+        return CompileJob("regex" if kind == "regex" else "grammar", source)  # choice arrives as EBNF

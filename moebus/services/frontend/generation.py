@@ -107,11 +107,12 @@ class Generation:
 
     async def _route(self) -> None:
         cfg = self.router.cfg
-        # Idempotent: asked again after route_attempt_s without a reply (see FrontendConfig).
+        # Idempotent: asked again after route_attempt_s without a reply (see FrontendConfig). A balancer
+        # still subscribed but silent is paused, not gone (shared/liveness.py): as long as a silent worker.
         accepted = await self.router.bus.request(self.router.subjects.balancer_route, self.req, GenerateAccepted,
                                                  timeout=min(cfg.route_attempt_s, cfg.route_timeout_s),
                                                  wait_for_responders_s=max(cfg.restart_wait_s, cfg.route_timeout_s),
-                                                 idempotent=True)
+                                                 idempotent=True, paused_wait_s=cfg.stream_idle_timeout_s)
         self.worker_id, self.decode_worker_id = accepted.worker_id, accepted.decode_worker_id
 
     def watches(self, worker_id: str) -> bool:
@@ -152,7 +153,8 @@ class Generation:
                 elif item.attempt != self.req.attempt or item.worker_id not in self._workers():
                     continue  # an error of an abandoned attempt
                 else:
-                    err, retryable = ServiceError(item.error, item.error_message or item.error), item.retryable
+                    err = ServiceError(item.error, item.error_message or item.error, param=item.error_param)
+                    retryable = item.retryable
                     failed = item.failed_worker or item.worker_id
                 if retryable and err.code is not ErrorCode.DRAINING:
                     self.worker_failures += 1

@@ -1,8 +1,9 @@
 """Structured outputs over HTTP: OpenAI's `response_format`, vLLM's `structured_outputs` object
 and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` extras, all
-mapped to one wire StructuredOptions. A request may carry one constraint: a second one is a 400
-naming it. Schemas, regexes and grammars are bounded here; the worker's engine compiles them (an
-invalid one is a 400 from there)."""
+mapped to one wire StructuredOptions, which names the field it came from. A request may carry one
+constraint: a second one is a 400 naming it. Schemas, regexes and grammars are bounded in size
+here; the worker's engine compiles them under a deadline and budgets what following them costs
+each step (an invalid one, or one past either, is a 400 naming the field, from there)."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -128,7 +129,7 @@ class GuidedFields(_Req):
         if len(found) > 1:
             raise ParamError(found[1][0], f"only one output constraint per request: {found[1][0]} and "
                                           f"{found[0][0]} are both given")
-        return found[0][1] if found else None
+        return found[0][1].model_copy(update={"param": found[0][0]}) if found else None  # errors name it
 
 
 def check_schema(v: dict[str, Any] | str, info: ValidationInfo) -> dict[str, Any]:

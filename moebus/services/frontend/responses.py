@@ -127,9 +127,9 @@ class ResponsesRequest(_Req):
         fmt = self.text.format if self.text else None
         own = None
         if fmt is not None and fmt.type == "json_object":
-            own = StructuredOptions(json_object=True)
+            own = StructuredOptions(json_object=True, param="text.format")
         elif fmt is not None and fmt.type == "json_schema":
-            own = StructuredOptions(json_schema=fmt.schema_)
+            own = StructuredOptions(json_schema=fmt.schema_, param="text.format")
         if own is not None and plan.constraint() is not None:
             raise ParamError("tool_choice", "a required or named tool_choice cannot be combined with text.format")
         return SamplingOptions(temperature=1.0 if self.temperature is None else self.temperature,

@@ -92,7 +92,7 @@ class ToolPlan:
 
     def constraint(self) -> StructuredOptions | None:
         if self.mode == "named":
-            return StructuredOptions(json_schema=_arguments_schema(self._tool(self.name)))
+            return StructuredOptions(json_schema=_arguments_schema(self._tool(self.name)), param="tools")
         if self.mode == "required":
             calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
                 {"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]},
@@ -100,7 +100,7 @@ class ToolPlan:
                  "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]}}
             if not self.parallel:
                 calls["maxItems"] = 1
-            return StructuredOptions(json_schema=calls)
+            return StructuredOptions(json_schema=calls, param="tools")
         return None
 
     def stream(self, new_id: Any = new_call_id, template_kwargs: dict | None = None) -> ToolStream:

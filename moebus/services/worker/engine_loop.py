@@ -13,7 +13,9 @@ Lockstep engines (an EP group's DPEngine) step every iteration, idle or not: the
 collective the other ranks wait in.
 
 One request never stops the thread: the engine fails a request whose own state raises (its output
-carries `error`), and an add the engine rejects becomes AddFailed. If the engine itself breaks (an
+carries `error`), and an add the engine rejects becomes AddFailed. Work an add needs first that may
+take long (engine.prepare: compiling its grammar, under a deadline) runs off the thread; the add
+waits aside and is applied when that is done, or becomes AddFailed. If the engine itself breaks (an
 exception out of step, or `max_failed_steps` steps in a row failing with nobody to blame), its
 requests are reported lost (`on_fatal`), and the thread builds a new engine from the factory, up
 to `max_restarts` times in a row (an engine that served `healthy_after_s` before it broke starts
@@ -32,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from moebus.engine.port import EngineOutput, EnginePort, LockstepEngine
+from moebus.engine.port import EngineOutput, EnginePort, LockstepEngine, RequestRefused
 from moebus.shared.messages import ImageEmbedding
 
 if TYPE_CHECKING:
@@ -43,10 +45,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class AddFailed:
-    """An add_request the engine rejected (e.g. prompt longer than max_model_len)."""
+    """An add_request the engine rejected (e.g. prompt longer than max_model_len); param: the
+    request field at fault, when the engine named it; retryable: refused for now only (busy)."""
 
     request_id: str
     error: str
+    param: str | None = None
+    retryable: bool = False
+
+    @classmethod
+    def of(cls, request_id: str, e: Exception) -> AddFailed:
+        if isinstance(e, RequestRefused):
+            return cls(request_id, str(e), e.param, e.retryable)
+        return cls(request_id, _reason(e))
 
 
 @dataclass(slots=True)
@@ -113,6 +124,9 @@ class EngineLoop:
         self._asleep = False  # the thread is blocked on an empty command queue (idle)
         self._woke = threading.Event()
         self._fresh: set[str] = set()  # added, no output yet
+        # Adds waiting for engine.prepare (a grammar compiling off this thread): their commands,
+        # applied again when the work is done ("prepared"), dropped when aborted meanwhile.
+        self._preparing: dict[str, tuple] = {}
         self._stopping = False
 
     def start(self) -> None:
@@ -174,6 +188,7 @@ class EngineLoop:
                 self.stats = dict(self.engine.stats())
                 self._prefill_only.clear()
                 self._fresh.clear()  # the failed engine's requests are gone with it
+                self._preparing.clear()
                 self.ready.set()
                 self._loop.call_soon_threadsafe(self._on_ready)
                 self._loop_forever()
@@ -273,7 +288,7 @@ class EngineLoop:
             done.append(Prefilled(out.request_id, payload, (started_ns, time.time_ns())))
         return done
 
-    def _apply(self, cmd: tuple, failed: list[AddFailed]) -> None:
+    def _apply(self, cmd: tuple, failed: list[AddFailed], prepared: bool = False) -> None:
         kind = cmd[0]
         if kind == "call":
             _, fn, fut = cmd
@@ -285,6 +300,8 @@ class EngineLoop:
         elif kind == "add":
             _, rid, prompt, params, prefill_only, resume, images, priority, owner = cmd
             try:
+                if not prepared and self._held(rid, params, cmd):
+                    return
                 extra = {"images": image_spans(images)} if images else {}
                 if priority:
                     extra["priority"] = priority
@@ -295,7 +312,7 @@ class EngineLoop:
                 else:
                     self.engine.add_request(rid, prompt, params, resume=resume, **extra)
             except Exception as e:  # rejected (ValueError) or raised on its parameters: this request alone
-                failed.append(AddFailed(rid, _reason(e)))
+                failed.append(AddFailed.of(rid, e))
                 return
             if prefill_only:
                 self._prefill_only.add(rid)
@@ -305,13 +322,37 @@ class EngineLoop:
         elif kind == "inject":
             _, rid, prompt, first_token, params, payload, images = cmd
             try:
-                self.kv.inject(self.engine, rid, prompt, first_token, params, payload, image_spans(images))
+                if prepared or not self._held(rid, params, cmd):
+                    self.kv.inject(self.engine, rid, prompt, first_token, params, payload, image_spans(images))
             except Exception as e:
-                failed.append(AddFailed(rid, _reason(e)))
+                failed.append(AddFailed.of(rid, e))
+        elif kind == "prepared":
+            _, rid, ready = cmd
+            held = self._preparing.pop(rid, None)
+            if held is None:
+                return  # aborted while it waited, or its engine was replaced
+            if (e := ready.exception()) is not None:
+                failed.append(AddFailed.of(rid, e))
+                return
+            self._apply(held, failed, prepared=True)
         else:
+            self._preparing.pop(cmd[1], None)
             self._prefill_only.discard(cmd[1])
             self._fresh.discard(cmd[1])
             self.engine.abort_request(cmd[1])
+
+
+    def _held(self, rid: str, params: Any, cmd: tuple) -> bool:
+        """Whether the add must wait for engine.prepare (its grammar compiling, off this thread,
+        under a deadline): the command comes back as "prepared" when that is done, and is then
+        applied without asking again (a grammar evicted from the cache meanwhile compiles in
+        add_request: one known to compile within the deadline)."""
+        ready = self.engine.prepare(params)
+        if ready is None:
+            return False
+        self._preparing[rid] = cmd
+        ready.add_done_callback(lambda f: self._cmds.put(("prepared", rid, f)))
+        return True
 
 
 def _lower_priority(by: int) -> None:

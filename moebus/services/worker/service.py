@@ -311,8 +311,9 @@ class WorkerService(Service):
     # ---- engine side -----------------------------------------------------------------------
     def _on_outputs(self, outputs: Sequence[EngineOutput], failed: list[AddFailed],
                     prefilled: list[Prefilled] = (), step: StepTiming | None = None) -> None:
-        for f in failed:
-            self.fail(f.request_id, ErrorCode.BAD_REQUEST, f.error, retryable=False, counter="failed")
+        for f in failed:  # refused by the engine: for what it asks (a 400), or for now (busy)
+            self.fail(f.request_id, ErrorCode.OVERLOADED if f.retryable else ErrorCode.BAD_REQUEST, f.error,
+                      retryable=f.retryable, counter="failed", param=f.param)
         tok = self._loop.tokenizer
         batches = StepChunks()  # this step's chunks, one message per frontend
         direct: list[tuple[str, bytes, dict[str, str], str]] = []  # chunks for a reply subject of their own
@@ -323,8 +324,9 @@ class WorkerService(Service):
             if a is None or i not in a.open:
                 continue  # aborted while the step ran
             if out.error:  # the engine failed this choice: the request fails whole
-                code = ErrorCode.ENGINE_FAILED if out.retryable else ErrorCode.REQUEST_FAILED
-                self.fail(rid, code, out.error, retryable=out.retryable, counter="failed")
+                code = ErrorCode.ENGINE_FAILED if out.retryable else \
+                    ErrorCode.BAD_REQUEST if out.error_param else ErrorCode.REQUEST_FAILED
+                self.fail(rid, code, out.error, retryable=out.retryable, counter="failed", param=out.error_param)
                 continue
             chunk = chunk_from_output(out, a.req, self.instance_id, i, a.seq[i], tok)
             if a.req.stage == "decode":
@@ -422,9 +424,10 @@ class WorkerService(Service):
         return a
 
     def fail(self, rid: str, code: ErrorCode, message: str, *, retryable: bool, counter: str,
-             blame: str | None = None) -> None:
+             blame: str | None = None, param: str | None = None) -> None:
         """End the request with an error chunk (counted as `counter`); its engine request is aborted.
-        blame: another worker at fault (the frontend excludes it rather than this one)."""
+        blame: another worker at fault (the frontend excludes it rather than this one); param: the
+        request field at fault (the error's param)."""
         a = self._active.pop(rid, None)
         if a is None:
             return
@@ -437,7 +440,8 @@ class WorkerService(Service):
             self._loop.abort(rid)
         self.request_counts.inc(counter)
         chunk = TokenChunk(request_id=rid, worker_id=self.instance_id, attempt=a.req.attempt, finished=True,
-                           error=code.value, error_message=message, retryable=retryable, failed_worker=blame)
+                           error=code.value, error_message=message, retryable=retryable, failed_worker=blame,
+                           error_param=param)
         self.send(a.req.reply_to, chunk, a.trace_headers, a.req)
         self.replay.finish(rid)
 

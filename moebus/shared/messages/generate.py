@@ -21,6 +21,7 @@ class StructuredOptions(Message):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF, as xgrammar takes it
+    param: str | None = None  # the API field it came from (e.g. guided_regex): a 400 about it names it
 
 
 class SamplingOptions(Message):
@@ -138,6 +139,7 @@ class TokenChunk(Message):
     error_message: str | None = None
     retryable: bool = False
     failed_worker: str | None = None  # the worker at fault when it is not the sender (a split's other half)
+    error_param: str | None = None  # the request field at fault (error bad_request: the 400's param)
 
 
 class TokenChunks(Message):
