@@ -7,7 +7,6 @@ like a flipped bit, never served; a request over them recomputes and gives the c
 """
 from __future__ import annotations
 
-import asyncio
 import shutil
 from pathlib import Path
 
@@ -24,16 +23,11 @@ from moebus.engine.kv_transfer import (
     stable_block_hashes,
 )
 from moebus.engine.kv_transfer.payload import KVIdentityError, kv_fingerprint
-from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService
 from moebus.services.worker.kv_engine import EngineKV
-from moebus.services.worker.kv_link import KVBlockClient
-from moebus.shared.bus import Bus, BusConfig
-from moebus.shared.subjects import Subjects
-from moebus.shared.tracing import Tracing
 
 from .conftest import BLOCK, GREEDY, run
 from .test_kv_integrity import _offload, _warm
-from .test_kv_integrity_broker import PREFIX, corrupt_count
+from .test_kv_integrity_broker import broker_and_worker, corrupt_count
 from .test_kv_tiers import block, same
 from .test_kv_transport import make_payload
 
@@ -155,11 +149,8 @@ def test_tier_blocks_regrouped_under_other_hashes_or_models_fail_their_check():
 
 # --- the broker's tiers and a worker's fetch -----------------------------------------------------
 async def test_broker_serves_blocks_only_under_their_own_key_and_model(nats_server, tmp_path):
-    cfg = KVBrokerConfig(nats_url=nats_server.url, subject_prefix=PREFIX, cpu_bytes=3 * block(0).nbytes,
-                         disk_dir=str(tmp_path), expire_interval_s=0.05)
-    bus = await Bus.connect(BusConfig(servers=[nats_server.url], name="test"), Tracing("test"))
     dropped: list[int] = []
-    async with KVBrokerService(cfg) as svc, KVBlockClient(bus, "w", Subjects(PREFIX), on_corrupt=dropped.append) as w:
+    async with broker_and_worker(nats_server.url, tmp_path, dropped) as (svc, w, _):
         assert await w.put_blocks(list(range(6)), [made(i) for i in range(6)])
         cpu, disk = svc.store.tiers
         assert sorted(disk.keys()) == [0, 1, 2] and sorted(cpu.keys()) == [3, 4, 5]
@@ -181,8 +172,6 @@ async def test_broker_serves_blocks_only_under_their_own_key_and_model(nats_serv
         # Another model's worker asks for these hashes: the blocks arrive and are dropped.
         assert await w.get_blocks([5], fingerprint=FP_B) == [] and dropped == [1]
         assert len(await w.get_blocks([5], fingerprint=FP_A)) == 1 and dropped == [1]
-    await bus.drain()
-    await asyncio.sleep(0)
 
 
 # --- a real engine: the request still gives the cold run's tokens --------------------------------

@@ -3,6 +3,9 @@ worker is never served; the broker counts it in kv_blocks_corrupt_total{tier}.""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import torch
 
@@ -24,12 +27,26 @@ def corrupt_count(svc: KVBrokerService, tier: str) -> float:
     return svc.metrics.registry.get_sample_value("moebus_kvbroker_kv_blocks_corrupt_total", {"tier": tier}) or 0
 
 
+@asynccontextmanager
+async def broker_and_worker(nats_url: str, disk: Path, dropped: list[int]
+                            ) -> AsyncIterator[tuple[KVBrokerService, KVBlockClient, Bus]]:
+    """A broker with room for 3 blocks in memory (the rest spill to `disk`) and a worker's client
+    of it (blocks it drops as damaged: their positions appended to `dropped`)."""
+    cfg = KVBrokerConfig(nats_url=nats_url, subject_prefix=PREFIX, cpu_bytes=3 * block(0).nbytes,
+                         disk_dir=str(disk), expire_interval_s=0.05)
+    bus = await Bus.connect(BusConfig(servers=[nats_url], name="test"), Tracing("test"))
+    try:
+        async with KVBrokerService(cfg) as svc, \
+                KVBlockClient(bus, "w", Subjects(PREFIX), on_corrupt=dropped.append) as w:
+            yield svc, w, bus
+    finally:
+        await bus.drain()
+        await asyncio.sleep(0)
+
+
 async def test_broker_serves_only_intact_blocks_and_counts_the_rest(nats_server, tmp_path):
-    cfg = KVBrokerConfig(nats_url=nats_server.url, subject_prefix=PREFIX, cpu_bytes=3 * block(0).nbytes,
-                         disk_dir=str(tmp_path), expire_interval_s=0.05)
-    bus = await Bus.connect(BusConfig(servers=[nats_server.url], name="test"), Tracing("test"))
     dropped: list[int] = []
-    async with KVBrokerService(cfg) as svc, KVBlockClient(bus, "w", Subjects(PREFIX), on_corrupt=dropped.append) as w:
+    async with broker_and_worker(nats_server.url, tmp_path, dropped) as (svc, w, bus):
         blocks = [block(i) for i in range(6)]
         assert await w.put_blocks(list(range(6)), blocks)  # 0..2 spill to disk, 3..5 stay in memory
         cpu, disk = svc.store.tiers
@@ -67,5 +84,3 @@ async def test_broker_serves_only_intact_blocks_and_counts_the_rest(nats_server,
         svc._sender.send = send
         assert len(got) == 1 and same(got[0], block(10)) and dropped == [1]
         assert "moebus_kvbroker_kv_blocks_corrupt_total" in svc.metrics.render().decode()
-    await bus.drain()
-    await asyncio.sleep(0)

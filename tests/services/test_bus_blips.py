@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import openai
@@ -22,8 +23,9 @@ import pytest
 from openai import AsyncOpenAI
 
 from moebus.devmodel.toy import TOY_REPLY
+from moebus.services.launcher import StackConfig
 from moebus.shared.messages import TokenChunk, TokenChunks
-from moebus.shared.nats_server import NatsServer
+from moebus.shared.nats_server import NatsServer, free_port
 
 from .conftest import toy_stack, wait_for
 
@@ -34,6 +36,13 @@ ENGINE = {"step_delay_s": STEP_S, "max_num_seqs": STREAMS}
 # of the server's return and its undisturbed end (measured: at most ~0.9 s, RELIABILITY.md).
 BOUND_S = 2.0
 CHAT = [{"role": "user", "content": "hi"}]
+
+
+def stream_stack(log_dir: str, **kw: Any) -> StackConfig:
+    """`moebus up` on the toy model as real processes, two workers sized for STREAMS streams."""
+    return StackConfig(**{"port": free_port(), "host": "127.0.0.1", "model": "toy", "workers": 2,
+                          "heartbeat_interval_s": 0.2, "engine": ENGINE, "max_queued": STREAMS, "log_dir": log_dir,
+                          "ready_timeout_s": 60, **kw})
 
 
 @dataclass

@@ -9,17 +9,14 @@ import openai
 import pytest
 
 from moebus.devmodel.toy import TOY_REPLY
-from moebus.services.launcher import Stack, StackConfig
-from moebus.shared.nats_server import free_port
+from moebus.services.launcher import Stack
 
-from .test_bus_blips import BOUND_S, ENGINE, STREAMS, metric, streams_under_blip, undisturbed
+from .test_bus_blips import BOUND_S, STREAMS, metric, stream_stack, streams_under_blip, undisturbed
 
 
 @pytest.fixture
 def stack(tmp_path):
-    cfg = StackConfig(port=free_port(), host="127.0.0.1", model="toy", workers=2, heartbeat_interval_s=0.2,
-                      engine=ENGINE, max_queued=STREAMS, log_dir=str(tmp_path), ready_timeout_s=60)
-    with Stack(cfg) as s:
+    with Stack(stream_stack(str(tmp_path))) as s:
         yield s
 
 

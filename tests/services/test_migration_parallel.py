@@ -10,10 +10,9 @@ import openai
 import pytest
 
 from moebus.devmodel.toy import TOY_REPLY
-from moebus.services.launcher import Stack, StackConfig
-from moebus.shared.nats_server import free_port
+from moebus.services.launcher import Stack
 
-from .test_bus_blips import ENGINE, STEP_S, STREAMS, Stream, run_stream
+from .test_bus_blips import STEP_S, STREAMS, Stream, run_stream, stream_stack
 from .test_failover import migrations
 
 SPREAD_S = 10 * STEP_S  # the moved streams' ends: a few steps apart at most (one by one: ~5 s each)
@@ -21,9 +20,7 @@ SPREAD_S = 10 * STEP_S  # the moved streams' ends: a few steps apart at most (on
 
 @pytest.fixture
 def stack(tmp_path):
-    cfg = StackConfig(port=free_port(), host="127.0.0.1", model="toy", workers=2, heartbeat_interval_s=0.2,
-                      engine=ENGINE, max_queued=STREAMS, log_dir=str(tmp_path), ready_timeout_s=60)
-    with Stack(cfg) as s:
+    with Stack(stream_stack(str(tmp_path))) as s:
         yield s
 
 

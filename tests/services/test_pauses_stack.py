@@ -17,10 +17,9 @@ import openai
 import pytest
 
 from moebus.devmodel.toy import TOY_REPLY
-from moebus.services.launcher import Stack, StackConfig
-from moebus.shared.nats_server import free_port
+from moebus.services.launcher import Stack
 
-from .test_bus_blips import ENGINE, STREAMS, metric, streams_under_blip, undisturbed
+from .test_bus_blips import STREAMS, metric, stream_stack, streams_under_blip, undisturbed
 
 KINDS = ("worker-0", "balancer-0", "tokenizer-0", "frontend-0", "kvbroker-0", "planner-0", "nats")
 EVERYONE = "everyone"
@@ -29,10 +28,7 @@ EVERYONE = "everyone"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     logs = tmp_path_factory.mktemp("pauses")
-    cfg = StackConfig(port=free_port(), host="127.0.0.1", model="toy", workers=2, heartbeat_interval_s=0.2,
-                      engine=ENGINE, max_queued=STREAMS, log_dir=str(logs), ready_timeout_s=60, kvbroker=True,
-                      autoscale=(2, 2))
-    with Stack(cfg) as s:
+    with Stack(stream_stack(str(logs), kvbroker=True, autoscale=(2, 2))) as s:
         yield s
 
 
