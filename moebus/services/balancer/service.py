@@ -192,9 +192,13 @@ class BalancerService(Service):
             # pending load until its next heartbeat: the ranking's estimate, else the whole prompt
             tokens = r.prefill_tokens.get(worker, float(len(req.prompt_token_ids)))
             self.table.assigned(worker, tokens=tokens)
+            # Just after a NATS restart a worker may not have resubscribed yet: until our bus has
+            # settled (Bus.evidence_since) its "no responders" is no evidence, so ask again meanwhile.
+            settling = min(max(0.0, self.bus.evidence_since - time.monotonic()), self.bus.settle_s)
             try:
                 accepted = await self.bus.request(self.subjects.worker_generate(worker), req if data is None else data,
-                                                  GenerateAccepted, timeout=self.cfg.worker_timeout_s)
+                                                  GenerateAccepted, timeout=self.cfg.worker_timeout_s,
+                                                  wait_for_responders_s=settling)
             except ServiceError as e:
                 self.table.assigned(worker, -1, tokens)
                 if not await self._next_candidate(e, req, worker):
