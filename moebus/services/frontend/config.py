@@ -95,6 +95,7 @@ class FrontendConfig(ServiceConfig):
     # Render prompts in this process with this tokenizer (`moebus up` sets it; it loads torch for a
     # real model's tokenizer); None, or a tokenizer that fails to load: the tokenizer service renders.
     local_render: LocalRender | None = None
+    # (a balancer still subscribed but silent, i.e. paused, is waited for stream_idle_timeout_s)
     route_timeout_s: float = 15.0
     # No reply to a route within this long: asked again (same request id and attempt), until
     # route_timeout_s. A balancer killed holding the request never answers; a balancer answers a
