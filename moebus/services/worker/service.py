@@ -394,6 +394,9 @@ class WorkerService(Service):
         for a in rerun:
             a.req = a.resumed_here()
             a.sent.clear()
+            # An add still queued when the engine broke reaches the rebuilt one: drop it, or the rerun's
+            # add is a duplicate (seen under load in CI: "duplicate request id")
+            self._loop.abort(a.req.request_id)
         kept = {a.req.request_id for a in rerun}
         lost = [rid for rid in self._active if rid not in kept and not (rebuilt and self.quarantine.holds(rid))]
         if rerun:
