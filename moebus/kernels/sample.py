@@ -91,3 +91,37 @@ def sample_logits(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
                   floor: torch.Tensor | None = None) -> torch.Tensor:
     out = sample_logits_cpu(x, temperature, u, floor)
     return out if out is not None else sample_logits_ref(x, temperature, u, floor)
+
+
+def top_p_floor_ref(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                    kth: torch.Tensor) -> torch.Tensor:
+    """`[B]` float32, float64 reference: over the logits at or above kth_b (top-k's floor, or -inf),
+    with p_v = exp((x_v - max) / T_b), the largest logit value v whose set {x >= v} holds at least
+    top_p_b of the mass: the last logit of the shortest prefix by descending logit whose mass
+    reaches top_p (the sampler keeps every logit at or above it, ties included). Rows with top_p >= 1,
+    T <= 0, a NaN, an infinite max or no survivor give kth."""
+    xd, kd = x.double(), kth.double().unsqueeze(1)
+    alive = xd >= kd
+    m = xd.masked_fill(~alive, -math.inf).amax(dim=1)
+    special = (top_p >= 1) | (temperature <= 0) | x.isnan().any(dim=1) | ~m.isfinite()
+    t = torch.where(special, 1.0, temperature.double()).unsqueeze(1)
+    p = ((xd - torch.where(special, 0.0, m).unsqueeze(1)) / t).exp().masked_fill(~alive, 0.0)
+    vals, order = xd.masked_fill(~alive, -math.inf).sort(dim=1, descending=True, stable=True)
+    cum = p.gather(1, order).cumsum(dim=1)
+    target = (top_p.double() * p.sum(dim=1)).unsqueeze(1)
+    first = (cum < target).sum(dim=1, keepdim=True).clamp_(max=x.shape[1] - 1)
+    return torch.where(special, kth.float(), vals.gather(1, first).squeeze(1).float())
+
+
+def top_p_floor(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
+    """top_p_floor_ref; the C kernel on CPU (csrc/sample_cpu.c: no sort of the rows, float32 exps)."""
+    if x.dim() == 2 and x.shape[1] and on_cpu(x) and temperature.device.type == "cpu":
+        fn = library("sample_cpu.c").function("top_p_floor", x.dtype, _MASS_ARGTYPES)
+        if fn is not None:
+            args = [t.to(torch.float32).contiguous() for t in (temperature, top_p, kth)]
+            assert all(a.shape == x.shape[:1] for a in args), (x.shape, [a.shape for a in args])
+            out = torch.empty(x.shape[0], dtype=torch.float32)
+            if fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], *(a.data_ptr() for a in args),
+                  out.data_ptr()) == 0:
+                return out
+    return top_p_floor_ref(x, temperature, top_p, kth)

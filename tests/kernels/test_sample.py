@@ -7,7 +7,13 @@ import torch
 
 from moebus.kernels import sample_logits, sample_logits_ref
 from moebus.kernels.paged_attention import cpu_kernel_available
-from moebus.kernels.sample import sample_logits_cpu, softmax_mass, softmax_mass_ref
+from moebus.kernels.sample import (
+    sample_logits_cpu,
+    softmax_mass,
+    softmax_mass_ref,
+    top_p_floor,
+    top_p_floor_ref,
+)
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 SHAPES = [(1, 1), (3, 17), (7, 257), (64, 4113), (600, 300)]  # 257: one past the C block; 600 rows: OpenMP
@@ -158,3 +164,110 @@ def test_cpu_declines_what_it_cannot_take():
     assert sample_logits_cpu(torch.randn(2, 3, 4), t, u) is None
     assert sample_logits_cpu(torch.randn(2, 8, dtype=torch.float64), t, u) is None
     assert sample_logits(torch.randn(2, 8, dtype=torch.float64), t, u).shape == (2,)
+
+
+def naive_top_p_floor(x, temp, top_p, kth):
+    """float64 loop: the last logit of the shortest descending prefix of the survivors whose mass
+    reaches top_p."""
+    out = []
+    for row, t, p, k in zip(x.double().tolist(), temp.tolist(), top_p.tolist(), kth.tolist(), strict=True):
+        alive = [v for v in row if v >= k]
+        m = max(alive, default=-math.inf)
+        if p >= 1 or t <= 0 or any(v != v for v in row) or math.isinf(m):
+            out.append(k)
+            continue
+        alive.sort(reverse=True)
+        mass = [math.exp((v - m) / t) for v in alive]
+        target, cum = p * sum(mass), 0.0
+        out.append(next((v for v, e in zip(alive, mass, strict=True) if (cum := cum + e) >= target), alive[-1]))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def _top_p_cases(shape, dtype, seed=0):
+    """Random rows (some -inf), temperatures 0.05-3 (some 0), top_p 0.01-1 (some 1), kth -inf or a
+    row's 40th largest logit; special rows: NaN, all -inf, +inf, all equal, ties at the floor, a
+    spread wider than the kernel's buckets."""
+    b, n = shape
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(b, n + 3, generator=g))[:, :n]
+    x[torch.rand(b, n, generator=g) < 0.2] = -math.inf
+    temp = 0.05 + 3 * torch.rand(b, generator=g)
+    temp[::9] = 0.0
+    top_p = 0.01 + torch.rand(b, generator=g)
+    top_p[::4] = 0.95
+    kth = torch.full((b,), -math.inf)
+    if n > 40:
+        kth[1::3] = x[1::3].sort(dim=1, descending=True).values[:, 39]
+    if b >= 8 and n > 5:
+        x[2, 3] = math.nan
+        x[3] = -math.inf
+        x[4, 1] = math.inf
+        x[5] = 1.5  # all equal: the top logit is the floor
+        x[6, : n // 2] = x[6, 0]  # half the row tied
+        x[7] = torch.linspace(-400, 0, n)  # far past the buckets' range
+    return x.to(dtype), temp, top_p, kth
+
+
+def _clear_of_steps(x, temp, top_p, kth, rel):
+    """Rows whose target mass is not within `rel` of a CDF step (there float32 exps and sums may
+    pick a neighbour): where kernel and reference must agree exactly. Special rows count as clear."""
+    xd = x.double().masked_fill(x.double() < kth.double()[:, None], -math.inf)
+    vals = xd.sort(dim=1, descending=True).values
+    m = vals[:, :1]
+    special = (temp <= 0) | (top_p >= 1) | x.isnan().any(dim=1) | ~m[:, 0].isfinite()
+    t = torch.where(special, 1.0, temp.double())[:, None]
+    mass = ((vals - torch.where(special[:, None], 0.0, m)) / t).exp().nan_to_num(0.0)
+    cum, total = mass.cumsum(dim=1), mass.sum(dim=1, keepdim=True)
+    gap = ((cum - top_p.double()[:, None] * total).abs() / total).amin(dim=1)
+    return special | (gap > rel)
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", [(1, 1), (9, 17), (9, 257), (16, 4113), (64, 49152)])
+def test_top_p_floor_ref_matches_naive(shape, dtype):
+    x, temp, top_p, kth = _top_p_cases(shape, dtype)
+    if shape[1] > 5000:  # the naive loop is slow: a few rows
+        x, temp, top_p, kth = x[:3], temp[:3], top_p[:3], kth[:3]
+    want = naive_top_p_floor(x, temp, top_p, kth)
+    ok = _clear_of_steps(x, temp, top_p, kth, rel=1e-9)
+    torch.testing.assert_close(top_p_floor_ref(x, temp, top_p, kth)[ok], want[ok], rtol=0, atol=0)
+
+
+@needs_cpu_kernel
+@DTYPES
+@pytest.mark.parametrize("shape", [(1, 1), (9, 17), (9, 257), (16, 4113), (16, 49152)])
+def test_top_p_floor_cpu_matches_ref(shape, dtype):
+    x, temp, top_p, kth = _top_p_cases(shape, dtype, seed=1)
+    got, want = top_p_floor(x, temp, top_p, kth), top_p_floor_ref(x, temp, top_p, kth)
+    ok = _clear_of_steps(x, temp, top_p, kth, rel=1e-5)
+    assert ok.float().mean() > 0.6, "most rows must be checked exactly"
+    torch.testing.assert_close(got[ok], want[ok], rtol=0, atol=0)
+    # The rest land within rel 1e-5 of a CDF step: the kernel may take a neighbouring logit.
+    for r in (~ok).nonzero().flatten().tolist():
+        alive = x[r].float()[x[r].float() >= kth[r]].sort(descending=True).values
+        here, there = (alive == got[r]).nonzero(), (alive == want[r]).nonzero()
+        assert abs(int(here[0]) - int(there[0])) <= 8, (r, got[r], want[r])
+
+
+@needs_cpu_kernel
+def test_top_p_floor_cpu_rows_are_batch_invariant():
+    x, temp, top_p, kth = _top_p_cases((32, 4113), torch.float32, seed=2)
+    whole = top_p_floor(x, temp, top_p, kth)
+    alone = torch.cat([top_p_floor(x[i : i + 1], temp[i : i + 1], top_p[i : i + 1], kth[i : i + 1])
+                       for i in range(32)])
+    torch.testing.assert_close(whole, alone, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_cpu_kernel
+def test_top_p_floor_sampled_mass_reaches_top_p():
+    """What the sampler keeps above the kernel's floor holds at least top_p of the mass, and without
+    the floor's own logit less than top_p (the prefix is the shortest)."""
+    g = torch.Generator().manual_seed(3)
+    x = 4 * torch.randn(64, 49152, generator=g)
+    temp, top_p = torch.full((64,), 1.0), torch.linspace(0.05, 0.99, 64)
+    floor = top_p_floor(x, temp, top_p, torch.full((64,), -math.inf))
+    p = (x.double() - x.double().amax(dim=1, keepdim=True)).exp()
+    total = p.sum(dim=1)
+    kept = (p * (x >= floor[:, None])).sum(dim=1) / total
+    above = (p * (x > floor[:, None])).sum(dim=1) / total
+    assert (kept >= top_p.double() - 1e-5).all() and (above < top_p.double() + 1e-5).all()
