@@ -139,7 +139,7 @@ def test_penalties_match_naive_loop() -> None:
         SamplingParams(),
     ]
     outs = [[1, 2, 2, 5], [3, 3, 3, 0], [7, 1, 7], []]
-    prompts = [[9, 1, 40], [], [2, 2, 63], [5, 6]]
+    prompts = [[9, 1, 40, V + 3], [], [2, 2, 63, -1], [5, 6]]  # ids past the vocabulary are dropped
     logits = torch.randn(4, V) * 2
     got = prepare_logits(logits, build(params, outs, prompts))
     torch.testing.assert_close(got, naive_penalties(logits, params, outs, prompts))

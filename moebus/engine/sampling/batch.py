@@ -33,6 +33,56 @@ def _counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device
     return counts[:, :vocab_size]
 
 
+@dataclass(frozen=True, slots=True)
+class SeenTokens:
+    """The (row, token) pairs the penalties touch: tokens a row generated (frequency, presence,
+    repetition) or, where the repetition penalty is on, has in its prompt. Sorted by row, then token.
+
+    Why not [B, V] tensors: building a count matrix and a prompt mask each step and applying the
+    penalties over every logit made penalties cost as much as a 16-row step's sampling; a row has
+    seen a few hundred of SmolLM2's 49152 tokens."""
+
+    rows: Tensor  # [S] int64
+    ids: Tensor  # [S] int64
+    counts: Tensor  # [S] float32: times the row generated the token (0: in its prompt only)
+    in_prompt: Tensor  # [S] bool
+
+    @classmethod
+    def merge(cls, rows: Tensor, ids: Tensor, counts: Tensor, in_prompt: Tensor, vocab_size: int) -> SeenTokens:
+        """One entry per distinct (row, token) of the given entries, counts added, in_prompt or-ed."""
+        keys, inverse = torch.unique(rows * vocab_size + ids, return_inverse=True)
+        total = torch.zeros(keys.shape[0], dtype=torch.float32, device=keys.device).index_add_(0, inverse, counts)
+        prompt = torch.zeros(keys.shape[0], dtype=torch.int32, device=keys.device).index_add_(
+            0, inverse, in_prompt.to(torch.int32))
+        return cls(keys // vocab_size, keys % vocab_size, total, prompt > 0)
+
+    @classmethod
+    def of(cls, outputs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]] | None, vocab_size: int,
+           device: torch.device) -> SeenTokens:
+        """From each row's output ids and, for the repetition penalty, its prompt ids (ids outside
+        [0, vocab_size) dropped)."""
+        parts: list[tuple[Tensor, bool]] = [(_row_keys(outputs, vocab_size), False)]
+        if prompts is not None:
+            parts.append((_row_keys(prompts, vocab_size), True))
+        rows = torch.cat([r for (r, _), _ in parts])
+        ids = torch.cat([i for (_, i), _ in parts])
+        counts = torch.cat([torch.full(r.shape, 0.0 if p else 1.0) for (r, _), p in parts])
+        in_prompt = torch.cat([torch.full(r.shape, p) for (r, _), p in parts])
+        return cls.merge(rows, ids, counts, in_prompt, vocab_size).to(device)
+
+    def to(self, device: torch.device) -> SeenTokens:
+        return SeenTokens(*(t.to(device) for t in (self.rows, self.ids, self.counts, self.in_prompt)))
+
+
+def _row_keys(rows: Sequence[Sequence[int]], vocab_size: int) -> tuple[Tensor, Tensor]:
+    """(row index, token id) of every id in `rows` that lies in [0, vocab_size)."""
+    ids = [torch.as_tensor(r, dtype=torch.long) for r in rows]
+    flat = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(t) for t in ids], dtype=torch.long))
+    ok = (flat >= 0) & (flat < vocab_size)
+    return row[ok], flat[ok]
+
+
 def _eos_ids(eos_token_id: int | Sequence[int] | None) -> list[int]:
     return [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
 
@@ -67,10 +117,9 @@ class SamplingBatch:
     top_p: Tensor | None  # [B] float32; 1.0 = off
     min_p: Tensor | None  # [B] float32; 0.0 = off
     repetition_penalty: Tensor | None  # [B] float32; 1.0 = off
-    prompt_mask: Tensor | None  # [B, V] bool: token occurs in the prompt (repetition penalty)
     frequency_penalty: Tensor | None  # [B] float32
     presence_penalty: Tensor | None  # [B] float32
-    output_counts: Tensor | None  # [B, V] float32 counts of generated tokens (any penalty)
+    seen: SeenTokens | None  # the tokens the penalties touch (any penalty on)
     min_tokens_left: Tensor | None  # [B] int64: tokens still to emit before a stop is allowed
     stop_mask: Tensor | None  # [B, V] bool: the row's stop/eos ids (banned while left > 0)
     allowed_token_mask: Tensor | None  # [B, V] bool (structured output); False -> -inf
@@ -132,9 +181,9 @@ class SamplingBatch:
             if any(s for s, n in zip(stops, left, strict=True) if n):  # else nothing to ban: skip [B, V]
                 stop_mask = _counts(stops, vocab_size, device) > 0
 
-        output_counts = None
+        seen = None
         if use_freq or use_rep:
-            output_counts = _counts(output_token_ids, vocab_size, device)
+            seen = SeenTokens.of(output_token_ids, prompt_token_ids if use_rep else None, vocab_size, device)
         if allowed_token_mask is not None:
             if allowed_token_mask.shape != (n, vocab_size) or allowed_token_mask.dtype != torch.bool:
                 raise ValueError(f"allowed_token_mask must be bool [{n}, {vocab_size}]")
@@ -160,10 +209,9 @@ class SamplingBatch:
             top_p=col([p.top_p for p in params]) if use_top_p else None,
             min_p=col([p.min_p for p in params]) if use_min_p else None,
             repetition_penalty=col([p.repetition_penalty for p in params]) if use_rep else None,
-            prompt_mask=_counts(prompt_token_ids, vocab_size, device) > 0 if use_rep else None,
             frequency_penalty=col([p.frequency_penalty for p in params]) if use_freq else None,
             presence_penalty=col([p.presence_penalty for p in params]) if use_freq else None,
-            output_counts=output_counts,
+            seen=seen,
             min_tokens_left=min_tokens_left,
             stop_mask=stop_mask,
             allowed_token_mask=allowed_token_mask,
@@ -190,16 +238,21 @@ class SamplingBatch:
         def rep(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.repeat_interleave(k + 1, dim=0)
 
-        counts = None
-        if self.output_counts is not None:
+        seen = None
+        if self.seen is not None:
+            s = self.seen
             nd = torch.as_tensor(list(num_draft), device=device)
             real = pos[None, :k] < nd[:, None]  # [B, K]
-            drafts = draft_token_ids.to(device=device, dtype=torch.long).masked_fill(~real, 0)
             # draft j counts at positions p > j, and only if it is a real draft (j < num_draft).
-            weight = (pos[None, :, None] > pos[None, None, :k]) & real[:, None, :]
-            counts = self.output_counts.unsqueeze(1).repeat(1, k + 1, 1)
-            counts.scatter_add_(2, drafts.unsqueeze(1).expand(b, k + 1, k), weight.to(counts.dtype))
-            counts = counts.reshape(b * (k + 1), -1)
+            at = ((pos[None, :, None] > pos[None, None, :k]) & real[:, None, :]).nonzero()  # (b, p, j)
+            drafts = draft_token_ids.to(device=device, dtype=torch.long)[at[:, 0], at[:, 2]]
+            seen = SeenTokens.merge(
+                torch.cat([(s.rows[:, None] * (k + 1) + pos).reshape(-1), at[:, 0] * (k + 1) + at[:, 1]]),
+                torch.cat([s.ids.repeat_interleave(k + 1), drafts]),
+                torch.cat([s.counts.repeat_interleave(k + 1), torch.ones(len(drafts), device=device)]),
+                torch.cat([s.in_prompt.repeat_interleave(k + 1), torch.zeros(len(drafts), dtype=torch.bool,
+                                                                              device=device)]),
+                self.vocab_size)
         left = None
         if self.min_tokens_left is not None:
             left = (self.min_tokens_left.unsqueeze(1) - pos).clamp_min(0).reshape(-1)
@@ -215,10 +268,9 @@ class SamplingBatch:
             top_p=rep(self.top_p),
             min_p=rep(self.min_p),
             repetition_penalty=rep(self.repetition_penalty),
-            prompt_mask=rep(self.prompt_mask),
             frequency_penalty=rep(self.frequency_penalty),
             presence_penalty=rep(self.presence_penalty),
-            output_counts=counts,
+            seen=seen,
             min_tokens_left=left,
             stop_mask=rep(self.stop_mask),
             allowed_token_mask=allowed_token_mask,

@@ -1,9 +1,10 @@
-"""Batched logits processors: pure torch functions over `[B, V]` float32 logits.
+"""Batched logits processors: pure torch functions over float32 logits.
 
-Each takes per-row parameter tensors (shape `[B]`) where a neutral value means "off" for that
-row (penalty 0 / 1, top_k >= V, top_p = 1, min_p = 0), so one call serves a mixed batch with no
-per-row python loop. The penalties modify `logits` in place; the truncations (top-k, top-p,
-min-p) leave it alone and give one floor per row (truncation_floor) that the sampler applies.
+The truncations (top-k, top-p, min-p) take `[B, V]` logits and per-row parameter tensors (`[B]`)
+where a neutral value means "off" for that row (top_k >= V, top_p = 1, min_p = 0), so one call
+serves a mixed batch with no per-row python loop; they leave the logits alone and give one floor
+per row (truncation_floor) that the sampler applies. The penalties take only the logits of the
+tokens a row has seen (batch.SeenTokens) with each one's row parameters, and return new values.
 """
 from __future__ import annotations
 
@@ -18,22 +19,20 @@ from moebus.kernels.sample import softmax_mass, top_p_floor
 NEG_INF = float("-inf")
 
 
-def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
-    """HF semantics (in place): for tokens seen in prompt+output, divide positive logits by the
-    penalty and multiply negative ones, so a penalty > 1 always makes a seen token less likely."""
-    p = penalty.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / p, logits * p)
-    return logits.copy_(torch.where(seen, penalized, logits))
+def apply_repetition_penalty(values: Tensor, penalty: Tensor) -> Tensor:
+    """HF semantics, on the logits of seen tokens (prompt or output) and each one's row penalty:
+    positive logits divided by the penalty, negative ones multiplied, so a penalty > 1 always makes
+    a seen token less likely."""
+    return torch.where(values > 0, values / penalty, values * penalty)
 
 
-def apply_frequency_presence_penalties(
-    logits: Tensor, output_counts: Tensor, frequency: Tensor, presence: Tensor
-) -> Tensor:
-    """OpenAI semantics (in place), over generated tokens only:
-    logit -= frequency * count + presence * (count > 0)."""
-    logits -= frequency.unsqueeze(1) * output_counts
-    logits -= presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
-    return logits
+def apply_frequency_presence_penalties(values: Tensor, counts: Tensor, frequency: Tensor,
+                                       presence: Tensor) -> Tensor:
+    """OpenAI semantics, over generated tokens only: logit - frequency * count - presence * (count > 0),
+    on the logits of seen tokens with their counts and row penalties (an unseen token's logit would
+    lose 0)."""
+    values = values - frequency * counts
+    return values - presence * (counts > 0).to(values.dtype)
 
 
 def truncation_floor(x: Tensor, temperature: Tensor, top_k: Tensor | None, top_p: Tensor | None,

@@ -61,13 +61,15 @@ def prepare_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
     x = logits.to(torch.float32, copy=True)
     if batch.logit_bias is not None:
         x += batch.logit_bias
-    if batch.repetition_penalty is not None:
-        seen = batch.prompt_mask | (batch.output_counts > 0)
-        apply_repetition_penalty(x, seen, batch.repetition_penalty)
-    if batch.frequency_penalty is not None:
-        apply_frequency_presence_penalties(
-            x, batch.output_counts, batch.frequency_penalty, batch.presence_penalty
-        )
+    if batch.seen is not None:  # the penalties, on the seen tokens' logits only
+        s = batch.seen
+        values = x[s.rows, s.ids]
+        if batch.repetition_penalty is not None:
+            values = apply_repetition_penalty(values, batch.repetition_penalty[s.rows])
+        if batch.frequency_penalty is not None:
+            values = apply_frequency_presence_penalties(values, s.counts, batch.frequency_penalty[s.rows],
+                                                        batch.presence_penalty[s.rows])
+        x[s.rows, s.ids] = values
     ban = None
     if batch.stop_mask is not None:
         ban = batch.stop_mask & (batch.min_tokens_left > 0).unsqueeze(1)
