@@ -300,6 +300,19 @@ def report(run: pb.Run) -> None:
 
 # ---- the rounds -------------------------------------------------------------------------------
 
+SAMPLING_FLAGS = ("--top-p", "--frequency-penalty", "--presence-penalty", "--repetition-penalty")
+
+
+def sampling_flags(args: argparse.Namespace) -> list[str]:
+    """The sampling options given beyond --temperature, as vllm bench serve's flags."""
+    out = []
+    for flag in SAMPLING_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
 def measure(spec: pb.ServerSpec, rnd: int, levels: list[pb.Level], args: argparse.Namespace, out: Path,
             spans: Path | None, prompts: dict[pb.Level, tuple[list[str], list[list[int]]]], runs: list[pb.Run]) -> None:
     """Every level on one running server, by the chosen client(s), each run appended to `runs` as it ends."""
@@ -312,7 +325,8 @@ def measure(spec: pb.ServerSpec, rnd: int, levels: list[pb.Level], args: argpars
     for i, lv in enumerate(levels):
         if args.client in ("vllm", "both"):
             load, path = os.getloadavg()[0], out / f"{spec.name}-r{rnd}-{lv.key}.json"
-            res = pb.run_bench(spec.url, MODEL, HF_DIR, lv, 1000 * rnd + i, path, args.temperature)
+            res = pb.run_bench(spec.url, MODEL, HF_DIR, lv, 1000 * rnd + i, path, args.temperature,
+                               sampling_flags(args))
             run = pb.run_of(res, spec.name, rnd, lv, load, str(path))
             if spans is not None and lv.concurrency == 1:
                 run.ttft_split_ms = ttft_split(spans, pb.sent_of(res))
@@ -350,6 +364,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="every server's threads (default: the host's cores)")
     ap.add_argument("--gguf", type=Path, default=None, help="llama-server's GGUF (default: the Q4_1 moebus serves)")
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy; 1: the API's default)")
+    for flag in SAMPLING_FLAGS:
+        ap.add_argument(flag, type=float, default=None, help="passed to vllm bench serve (its client only)")
     ap.add_argument("--spans", action=argparse.BooleanOptionalAction, default=True,
                     help="moebus writes trace spans: the c=1 TTFT split")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",

@@ -31,7 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,19 +160,20 @@ class Level:
 
 
 def bench_cmd(url: str, served: str, tokenizer: Path, level: Level, seed: int, out: Path,
-              temperature: float = 0.0) -> list[str]:
+              temperature: float = 0.0, sampling: Sequence[str] = ()) -> list[str]:
+    """sampling: more of the client's sampling flags (e.g. --top-p 0.95)."""
     return [str(VLLM_PY), str(VLLM_BENCH), "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", served, "--tokenizer", str(tokenizer), "--dataset-name", "random",
             "--random-input-len", str(level.prompt_len), "--random-output-len", str(level.output_len),
             "--num-prompts", str(level.num_prompts), "--max-concurrency", str(level.concurrency), "--ignore-eos",
             "--temperature", str(temperature), "--seed", str(seed), "--save-result", "--save-detailed",
-            "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm"]
+            "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm", *sampling]
 
 
 def run_bench(url: str, served: str, tokenizer: Path, level: Level, seed: int, out: Path,
-              temperature: float = 0.0) -> dict:
+              temperature: float = 0.0, sampling: Sequence[str] = ()) -> dict:
     """One `vllm bench serve` run; its JSON result (its output in out.log)."""
-    cmd = bench_cmd(url, served, tokenizer, level, seed, out, temperature)
+    cmd = bench_cmd(url, served, tokenizer, level, seed, out, temperature, sampling)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".log"), "wb") as log:
         subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log,
