@@ -74,17 +74,26 @@ def softmax_mass_ref(x: torch.Tensor, m: torch.Tensor, temperature: torch.Tensor
     return p.masked_fill(xd < floor.double().unsqueeze(1), 0.0).sum(dim=1)
 
 
+def _per_row_cpu(name: str, x: torch.Tensor, rows: tuple[torch.Tensor, ...],
+                 out_dtype: torch.dtype) -> torch.Tensor | None:
+    """csrc/sample_cpu.c's `name` over x [B, N] with three [B] float32 row parameters into a new [B]
+    tensor of out_dtype; None where it does not apply (off the CPU, no library) or it refuses."""
+    if not (x.dim() == 2 and x.shape[1] and on_cpu(x) and rows[1].device.type == "cpu"):
+        return None
+    fn = library("sample_cpu.c").function(name, x.dtype, _MASS_ARGTYPES)
+    if fn is None:
+        return None
+    args = [t.to(torch.float32).contiguous() for t in rows]
+    assert all(a.shape == x.shape[:1] for a in args), (x.shape, [a.shape for a in args])
+    out = torch.empty(x.shape[0], dtype=out_dtype)
+    status = fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], *(a.data_ptr() for a in args), out.data_ptr())
+    return out if status == 0 else None
+
+
 def softmax_mass(x: torch.Tensor, m: torch.Tensor, temperature: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """softmax_mass_ref; the C kernel on CPU (one vectorised pass, float32 per block of 256)."""
-    if x.dim() == 2 and x.shape[1] and on_cpu(x) and temperature.device.type == "cpu":
-        fn = library("sample_cpu.c").function("softmax_mass", x.dtype, _MASS_ARGTYPES)
-        if fn is not None:
-            args = [t.to(torch.float32).contiguous() for t in (m, temperature, floor)]
-            assert all(a.shape == x.shape[:1] for a in args), (x.shape, [a.shape for a in args])
-            out = torch.empty(x.shape[0], dtype=torch.float64)
-            fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], *(a.data_ptr() for a in args), out.data_ptr())
-            return out
-    return softmax_mass_ref(x, m, temperature, floor)
+    out = _per_row_cpu("softmax_mass", x, (m, temperature, floor), torch.float64)
+    return out if out is not None else softmax_mass_ref(x, m, temperature, floor)
 
 
 def sample_logits(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor,
@@ -115,13 +124,5 @@ def top_p_floor_ref(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Ten
 
 def top_p_floor(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
     """top_p_floor_ref; the C kernel on CPU (csrc/sample_cpu.c: no sort of the rows, float32 exps)."""
-    if x.dim() == 2 and x.shape[1] and on_cpu(x) and temperature.device.type == "cpu":
-        fn = library("sample_cpu.c").function("top_p_floor", x.dtype, _MASS_ARGTYPES)
-        if fn is not None:
-            args = [t.to(torch.float32).contiguous() for t in (temperature, top_p, kth)]
-            assert all(a.shape == x.shape[:1] for a in args), (x.shape, [a.shape for a in args])
-            out = torch.empty(x.shape[0], dtype=torch.float32)
-            if fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], *(a.data_ptr() for a in args),
-                  out.data_ptr()) == 0:
-                return out
-    return top_p_floor_ref(x, temperature, top_p, kth)
+    out = _per_row_cpu("top_p_floor", x, (temperature, top_p, kth), torch.float32)
+    return out if out is not None else top_p_floor_ref(x, temperature, top_p, kth)
