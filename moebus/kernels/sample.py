@@ -78,7 +78,7 @@ def _per_row_cpu(name: str, x: torch.Tensor, rows: tuple[torch.Tensor, ...],
                  out_dtype: torch.dtype) -> torch.Tensor | None:
     """csrc/sample_cpu.c's `name` over x [B, N] with three [B] float32 row parameters into a new [B]
     tensor of out_dtype; None where it does not apply (off the CPU, no library) or it refuses."""
-    if not (x.dim() == 2 and x.shape[1] and on_cpu(x) and rows[1].device.type == "cpu"):
+    if not (x.dim() == 2 and x.shape[1] and on_cpu(x) and all(t.device.type == "cpu" for t in rows)):
         return None
     fn = library("sample_cpu.c").function(name, x.dtype, _MASS_ARGTYPES)
     if fn is None:

@@ -61,13 +61,13 @@ class SeenTokens:
            device: torch.device) -> SeenTokens:
         """From each row's output ids and, for the repetition penalty, its prompt ids (ids outside
         [0, vocab_size) dropped)."""
-        parts: list[tuple[Tensor, bool]] = [(_row_keys(outputs, vocab_size), False)]
-        if prompts is not None:
-            parts.append((_row_keys(prompts, vocab_size), True))
-        rows = torch.cat([r for (r, _), _ in parts])
-        ids = torch.cat([i for (_, i), _ in parts])
-        counts = torch.cat([torch.full(r.shape, 0.0 if p else 1.0) for (r, _), p in parts])
-        in_prompt = torch.cat([torch.full(r.shape, p) for (r, _), p in parts])
+        rows, ids = _row_keys(outputs, vocab_size)
+        counts, in_prompt = torch.ones(len(ids)), torch.zeros(len(ids), dtype=torch.bool)
+        if prompts is not None:  # prompt entries count 0 generated tokens
+            p_rows, p_ids = _row_keys(prompts, vocab_size)
+            rows, ids = torch.cat([rows, p_rows]), torch.cat([ids, p_ids])
+            counts = torch.cat([counts, torch.zeros(len(p_ids))])
+            in_prompt = torch.cat([in_prompt, torch.ones(len(p_ids), dtype=torch.bool)])
         return cls.merge(rows, ids, counts, in_prompt, vocab_size).to(device)
 
     def to(self, device: torch.device) -> SeenTokens:
