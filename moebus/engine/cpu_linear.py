@@ -24,6 +24,10 @@ from moebus.engine.dtype_choice import cpu_flags
 from moebus.kernels.argmax import row_argmax
 from moebus.kernels.lm_head_argmax import pack_panels
 from moebus.kernels.panel_linear import PanelLinear, panel_linear_applies
+from moebus.kernels.qpanel import matmul_function as qpanel_function
+from moebus.kernels.qpanel import pack_panels as pack_qpanels
+from moebus.kernels.qpanel import qpanel_matmul_unchecked
+from moebus.kernels.qpanel import simd_available as qpanel_simd
 from moebus.kernels.quant_argmax import cpu_function as argmax_function
 from moebus.kernels.quant_argmax import quant_argmax_cpu_unchecked
 from moebus.kernels.quant_matmul import (
@@ -183,7 +187,11 @@ class QuantLinear(nn.Module):
     llama.cpp, 8-bit) blocks and take integer dot products per weight block (csrc/quant_dot_cpu.c,
     faster a block than decoding it to floats); logits then differ from the dequantized model by
     the activation's rounding (BENCHMARKS.md: 16 bits kept greedy output identical on the parity
-    prompts, 8 bits did not). None: float32 activations everywhere."""
+    prompts, 8 bits did not). None: float32 activations everywhere.
+
+    Where AVX-512 runs kernels/qpanel.py, 16-bit activations take its panels (a copy of the weight
+    laid out 16 outputs a register) at every row count: one formula, so a row's result never
+    depends on the batch, and batches run on integer dot products near bf16's speed."""
 
     batch_invariant = False  # make_batch_invariant sets it: then every row count takes one kernel path
 
@@ -201,6 +209,9 @@ class QuantLinear(nn.Module):
         self._argmax_fn = argmax_function()
         self._qtype_id = GGML_TYPES[qtype]
         self._qa16 = qtype in QA16_TYPES
+        self._panel_fn = qpanel_function() if self._qa16 and qpanel_simd() and not qweight.is_cuda else None
+        panels = pack_qpanels(self.qweight, qtype, in_features) if self._panel_fn is not None else None
+        self.register_buffer("panels", panels, persistent=False)  # None where they do not apply
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # 2-D x (the models' [tokens, hidden]) skips both reshapes: ~6 us of a 1-row call's ~15 us
@@ -211,6 +222,11 @@ class QuantLinear(nn.Module):
             flat = flat.contiguous()
         w = self.qweight
         out = None
+        if self.activation_bits == 16 and self.panels is not None and not flat.is_cuda and not w.is_cuda:
+            out = qpanel_matmul_unchecked(self._panel_fn, flat.float(), self.panels, self._qtype_id,
+                                          self.out_features)
+            if out is not None:
+                return out.to(x.dtype) if two_d else out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if flat.dtype == torch.float32 and not flat.is_cuda and not w.is_cuda:
             # batch-invariant mode keeps one float path for every row count
             bits = self.few_rows_activation_bits() if flat.shape[0] <= QA_MAX_ROWS else None
@@ -226,6 +242,8 @@ class QuantLinear(nn.Module):
         """int64 [M]: the first maximum (or first NaN) of each row of the float32 logits self(x.float())
         for x [M, in_features]. A float32 CPU call of at most QA_MAX_ROWS rows (a batch-1 decode step's LM head)
         takes csrc/quant_argmax_cpu.c: the same logits, never written out."""
+        if self.uses_panels():
+            return row_argmax(self(x.float()))  # the panels' logits, as every other row count's
         if (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= QA_MAX_ROWS and x.stride(1) == 1
                 and self._argmax_fn is not None and not x.is_cuda and not self.qweight.is_cuda):
             bits = self.few_rows_activation_bits()
@@ -234,6 +252,10 @@ class QuantLinear(nn.Module):
                 if out is not None:
                     return out
         return row_argmax(self(x.float()))  # float32 logits, whatever x's dtype
+
+    def uses_panels(self) -> bool:
+        """Whether CPU calls take the panels (then the batch-1 decode step reads them too)."""
+        return self.activation_bits == 16 and self.panels is not None and not self.panels.is_cuda
 
     def few_rows_activation_bits(self) -> int | None:
         """The integer activation width a float32 CPU call of at most QA_MAX_ROWS rows takes, or None

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .cpu_build import I64, PTR, library
 from .paged_attention import paged_attention_decode_ref
+from .qpanel import panel_bytes
 from .quant_matmul import GGML_TYPES, check_weight, quant_matmul_qa_ref, quant_matmul_ref
 from .rmsnorm import rms_norm_ref
 from .rotary import apply_rotary_ref, rotary_cos_sin
@@ -28,6 +29,7 @@ from .silu_mul import silu_and_mul_ref
 
 _SOURCE = "decode_stack_cpu.c"
 _I32 = ctypes.c_int32
+_W_PANEL = 64  # decode_stack_cpu.c's W_PANEL: kind = it + the GGUF type id for panels
 
 
 class _Linear(ctypes.Structure):
@@ -51,6 +53,7 @@ class StackLinear:
     in_features: int
     qtype: str | None = None  # None: float32 weight
     act_bits: int | None = None  # GGUF: 8 / 16-bit integer activations, None: float activations
+    panels: torch.Tensor | None = None  # GGUF on 16 bits: the weight in qpanel.py's layout, which the step reads
 
     def __post_init__(self) -> None:
         w = self.weight
@@ -61,6 +64,9 @@ class StackLinear:
         else:
             check_weight(w, self.qtype, self.in_features)
             assert self.act_bits in (None, 8, 16), self.act_bits
+        if self.panels is not None:
+            assert self.qtype is not None and self.act_bits == 16, "panels: GGUF weights on 16-bit activations"
+            assert self.panels.numel() == panel_bytes(self.qtype, w.shape[0], self.in_features), self.panels.shape
 
     def ref(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is None:
@@ -71,6 +77,9 @@ class StackLinear:
 
     def struct(self) -> _Linear:
         w = self.weight
+        if self.panels is not None:
+            return _Linear(self.panels.data_ptr(), 0, _W_PANEL + GGML_TYPES[self.qtype], 16, w.shape[0],
+                           self.in_features)
         kind = 0 if self.qtype is None else GGML_TYPES[self.qtype]
         return _Linear(w.data_ptr(), w.stride(0) * w.element_size(), kind, self.act_bits or 0, w.shape[0],
                        self.in_features)

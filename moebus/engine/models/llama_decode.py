@@ -4,7 +4,7 @@ at c=1, where no batch amortises the module path's host work).
 
 It applies only where it computes what the module path computes: float32 activations and caches
 on CPU, linear layers that are plain float32 nn.Linear / PackedLinear or QuantLinear (taking the
-GEMV a 1-row call of theirs takes: QuantLinear.few_rows_activation_bits), no forward hooks, no
+GEMV a 1-row call of theirs takes: its panels, or QuantLinear.few_rows_activation_bits), no forward hooks, no
 batch-invariant mode, no grad, no image embeddings, no windowed KV group. Every step re-reads that
 state (DecodeFastPath), so swapping a linear layer, adding a hook or changing activation_bits
 rebuilds or drops the plan; anything else falls back to the module path. Weights must be updated
@@ -53,7 +53,11 @@ def _hooked(model: nn.Module) -> bool:
 def _stack_linear(m: nn.Module) -> StackLinear | None:
     if type(m) is QuantLinear:
         w = m.qweight
-        if w.device.type != "cpu" or m.batch_invariant:
+        if w.device.type != "cpu":
+            return None
+        if m.uses_panels():  # the panels' one formula: the module path's bits at any batch
+            return StackLinear(w, m.in_features, m.qtype, 16, panels=m.panels)
+        if m.batch_invariant:
             return None
         return StackLinear(w, m.in_features, m.qtype, m.few_rows_activation_bits())
     if type(m) in (nn.Linear, PackedLinear) and m.bias is None:

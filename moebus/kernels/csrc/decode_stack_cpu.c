@@ -18,14 +18,15 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
+#include "qpanel.h"
 #include "quant_direct.h"
-#include "quant_dot.h"
 
 #define W_F32 0           /* dlinear.kind of a float32 weight; else the GGUF type id */
+#define W_PANEL 64        /* + the GGUF type id: qpanel.h's panels (w), on 16-bit activations */
 #define SPINS 4096        /* polls of a phase counter before yielding the core */
 
 struct dlinear {
-    const void *w; /* float32 [n, k] or GGUF blocks [n, k / 32 * block bytes] */
+    const void *w; /* float32 [n, k], GGUF blocks [n, k / 32 * block bytes] or panels */
     int64_t ws;    /* row stride in bytes */
     int32_t kind;  /* W_F32 or a GGUF type id */
     int32_t bits;  /* GGUF: 16 or 8 = integer activations of that width, 0 = float activations */
@@ -103,7 +104,9 @@ static int chunks(int64_t n) { return (int)((n + CHUNK - 1) / CHUNK); }
 static void prepare(const struct dlinear *L, const float *x, void *qbuf) {
     const int nb = L->k / QK;
     float *dd = (float *)((char *)qbuf + (int64_t)L->k * 2);
-    if (L->kind != W_F32 && L->bits) {
+    if (L->kind > W_PANEL) {
+        quantize_row(1, 0, x, nb, qbuf, dd, dd + 1, 2);
+    } else if (L->kind != W_F32 && L->bits) {
         quantize_row(L->bits == 16, nibble_order(L->kind, L->bits == 16), x, nb, qbuf, dd, dd + 1, 2);
     } else if (L->kind != W_F32) {
         for (int b = 0; b < nb; b++) {
@@ -122,7 +125,13 @@ static void linear_rows(const struct dlinear *L, const float *x, const void *qbu
     const float *dd = (const float *)((const char *)qbuf + (int64_t)L->k * 2);
     const uint8_t *w = L->w;
     const int64_t N = L->n;
-    if (L->kind == W_F32) {
+    if (L->kind > W_PANEL) {
+        switch (L->kind - W_PANEL) {
+        case Q4_0: qp_rows(Q4_0, w, nb, qbuf, dd, L->k, 1, n0, n1, out, N); break;
+        case Q4_1: qp_rows(Q4_1, w, nb, qbuf, dd, L->k, 1, n0, n1, out, N); break;
+        default: qp_rows(Q8_0, w, nb, qbuf, dd, L->k, 1, n0, n1, out, N);
+        }
+    } else if (L->kind == W_F32) {
         const float *rows[1] = {x};
         float *dst[1] = {out + n0};
         dots_rows(F32, 4, (const char *)w + n0 * L->ws, L->ws, (int)(n1 - n0), rows, 1, L->k, dst);
