@@ -4,12 +4,16 @@
         --duration 120 --time-scale 2 --length-scale 0.05 --max-in-flight 16
     moebus loadtest run --synthetic --rate 2 --num-requests 60 --input-tokens 256 --output-tokens 32
     moebus loadtest run --scenario loadtest/scenarios/azure_code_cpu.json
-    moebus loadtest compare loadtest/results/a loadtest/results/b
+    moebus loadtest compare ~/.cache/moebus/loadtest/a ~/.cache/moebus/loadtest/b
+
+Run folders go to --out, else under the user cache (default_results_dir()), never the source tree:
+its loadtest/results/ holds the committed runs that BENCHMARKS.md cites.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,7 +21,12 @@ from pathlib import Path
 from .formats import FORMATS
 from .synthetic import DISTRIBUTIONS
 
-RESULTS = Path("loadtest/results")
+
+def default_results_dir() -> Path:
+    """$MOEBUS_CACHE/loadtest, else $XDG_CACHE_HOME/moebus/loadtest, else ~/.cache/moebus/loadtest
+    (the cache convention of moebus/kernels/cpu_build.py)."""
+    base = os.environ.get("MOEBUS_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "moebus")
+    return Path(base).expanduser() / "loadtest"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -49,7 +58,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.name or f"{time.strftime('%Y%m%d-%H%M%S')}-{Path(args.trace).stem if args.trace else 'synthetic'}"
-    out = Path(args.out) if args.out else RESULTS / name
+    out = (Path(args.out) if args.out else default_results_dir() / name).absolute()
+    print(f"results go to {out}", flush=True)
     lt = LoadTest(args.url, out, args.model, args.api_key, args.tokenizer, shaping, pacing,
                   SLO(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000), args.shared_prefix_tokens, args.prompt_seed,
                   args.timeout, not args.no_progress, not args.no_plots, source)
@@ -131,7 +141,8 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     out = r.add_argument_group("report")
     out.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     out.add_argument("--slo-itl-ms", type=float, default=200.0)
-    out.add_argument("--out", default=None, help=f"run folder (default {RESULTS}/<time>-<trace>)")
+    out.add_argument("--out", default=None, help="run folder (default: $MOEBUS_CACHE/loadtest/<time>-<trace>, "
+                     "else $XDG_CACHE_HOME/moebus/loadtest/..., else ~/.cache/moebus/loadtest/...)")
     out.add_argument("--name", default=None, help="run folder name under the default results folder")
     out.add_argument("--no-progress", action="store_true")
     out.add_argument("--no-plots", action="store_true")

@@ -70,11 +70,12 @@ def plot_run(records: list[RequestRecord], out_dir: Path, title: str = "") -> li
     ok = [r for r in records if r.ok]
     paths = []
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, name, xs in zip(axes, ("TTFT", "ITL", "E2E"),
+    for ax, name, xs in zip(axes, ("TTFT", "ITL (all gaps)", "E2E"),
                             ([r.ttft_s for r in ok if r.ttft_s is not None], [g for r in ok for g in r.itl_s],
                              [r.e2e_s for r in ok if r.e2e_s is not None]), strict=True):
         _cdf(ax, xs, title or "run")
-        ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of requests" if name != "ITL" else "fraction of gaps")
+        ax.set(title=f"{name} CDF", xlabel="ms",
+               ylabel="fraction of gaps" if name.startswith("ITL") else "fraction of requests")
         ax.grid(alpha=0.3)
     paths.append(_save(plt, fig, out_dir / "latency_cdf.png", title))
 
@@ -113,7 +114,7 @@ def plot_compare(runs: dict[str, list[RequestRecord]], path: Path) -> Path:
         _cdf(axes[1][0], [r.e2e_s for r in ok if r.e2e_s is not None], name)
         t, toks, _ = _series(records)
         axes[1][1].step(t, toks, where="post", label=name)
-    for ax, title, xl in ((axes[0][0], "TTFT CDF", "ms"), (axes[0][1], "ITL CDF", "ms"), (axes[1][0], "E2E CDF", "ms"),
+    for ax, title, xl in ((axes[0][0], "TTFT CDF", "ms"), (axes[0][1], "ITL (all gaps) CDF", "ms"), (axes[1][0], "E2E CDF", "ms"),
                           (axes[1][1], "output tok/s over time", "s since start")):
         ax.set(title=title, xlabel=xl)
         ax.grid(alpha=0.3)

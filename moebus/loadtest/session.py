@@ -98,11 +98,19 @@ def finish(run_dir: Path, slo: SLO | None = None, plots: bool = True, echo: bool
         print(table({run_dir.name: summary}))
         if meta.get("interrupted"):
             print(f"interrupted: {len(records)} of {meta.get('requests_planned')} requests recorded")
-        sh = meta.get("shaping", {})
-        if sh:
-            out = sh.get("output_scale")
-            print(f"scale: time x{sh['time_scale']} (speed-up), lengths x{sh['length_scale']} "
-                  f"{'' if out is None else f'(outputs x{out}) '}"
-                  f"(caps in {sh['max_input_tokens']} / out {sh['max_output_tokens']}), "
-                  f"window {sh['start_s']} s + {sh['duration_s']} s")
+        if sh := meta.get("shaping", {}):
+            print(shaping_line(sh))
     return summary
+
+
+def shaping_line(sh: dict[str, Any]) -> str:
+    """The report's closing line: how the trace was fitted (Shaping.describe()), in trace seconds."""
+    out = sh.get("output_scale")
+    start, duration = sh["start_s"], sh["duration_s"]
+    if duration is not None:
+        window = f"window {start} s + {duration} s"
+    else:
+        window = "window: the whole trace" if not start else f"window {start} s to the trace's end"
+    return (f"scale: time x{sh['time_scale']} (speed-up), lengths x{sh['length_scale']} "
+            f"{'' if out is None else f'(outputs x{out}) '}"
+            f"(caps in {sh['max_input_tokens']} / out {sh['max_output_tokens']}), {window}")

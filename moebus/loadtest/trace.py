@@ -55,8 +55,7 @@ class Shaping:
         out = []
         for r in win:
             literal = r.text is not None or r.messages is not None  # its length is what it is
-            n_in = r.input_tokens if literal else _cap(max(1, round(r.input_tokens * self.length_scale)),
-                                                       self.max_input_tokens)
+            n_in = r.input_tokens if literal else _cap(self._scaled_input(r), self.max_input_tokens)
             out_scale = self.length_scale if self.output_scale is None else self.output_scale
             n_out = _cap(max(1, round(r.output_tokens * out_scale)), self.max_output_tokens)
             out.append(replace(r, arrival_s=(r.arrival_s - self.start_s) / self.time_scale,
@@ -66,6 +65,24 @@ class Shaping:
             for r in out:
                 r.arrival_s -= t0
         return out
+
+    def _scaled_input(self, r: TraceRequest) -> int:
+        """The prompt length times length_scale, block by block where the request has hash ids.
+
+        Each id names one BLOCK_TOKENS block of the prompt (the last may be partial). Scaling the
+        length and the block size apart loses ids: round(1025 x 0.05) = 51 tokens hold only two
+        blocks of round(512 x 0.05) = 26, so the third id (and the sharing it stands for) is gone.
+        So whole blocks stay whole scaled blocks, the last partial block keeps at least one token
+        (at most a block), and tokens past the ids scale on their own: every id keeps its block, and
+        the length is off the plain product by under half a token per block."""
+        n, ids = r.input_tokens, len(r.hash_ids)
+        if not ids:
+            return max(1, round(n * self.length_scale))
+        block = self.block_tokens
+        covered = min(n, ids * BLOCK_TOKENS)
+        full, tail = divmod(covered, BLOCK_TOKENS)
+        last = min(block, max(1, round(tail * self.length_scale))) if tail else 0
+        return max(1, full * block + last + round((n - covered) * self.length_scale))
 
     def describe(self) -> dict:
         return {"start_s": self.start_s, "duration_s": self.duration_s, "time_scale": self.time_scale,

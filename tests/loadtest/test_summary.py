@@ -35,4 +35,19 @@ def test_summary_counts_goodput_and_errors() -> None:
     assert s["ttft_s"]["p50"] == pytest.approx(0.5) and s["cached_tokens"] == 6
     assert s["itl_s"]["p99"] == pytest.approx(0.2 + 0.92 * 0.3)  # 9 gaps: between the 8th and 9th
     text = table({"a": s, "b": s})
-    assert "TTFT p99 ms" in text and "6 (3/3/2)" in text and "SLO: TTFT <= 2000 ms" in text
+    assert "TTFT p99 ms" in text and "6 (3/3/2)" in text and "SLO (goodput): TTFT <= 2000 ms" in text
+
+
+def test_itl_both_definitions_and_the_one_the_slo_uses() -> None:
+    """Pooled gaps and per-request means differ: one long steady request outweighs a stalled short one."""
+    recs = [ok(0, 0.0, 0.5, [0.05] * 19), ok(1, 0.0, 0.5, [0.5])]
+    s = summarize(recs, SLO(ttft_s=2.0, itl_s=0.2))
+    assert s["itl_s"]["p50"] == pytest.approx(0.05) and s["itl_s"]["mean"] == pytest.approx(1.45 / 20)
+    assert s["itl_request_mean_s"]["p50"] == pytest.approx(0.275) and s["itl_request_mean_s"]["p99"] > 0.49
+    assert s["goodput_fraction"] == 0.5, "the SLO judges each request's mean gap"
+    lines = table({"a": s}).splitlines()
+    row = {line.split("  ")[0].strip(): line.split()[-1] for line in lines[1:-1]}
+    assert row["ITL (all gaps) p50 ms"] == "50.0" and row["ITL (per-request mean) p50 ms"] == "275.0"
+    assert lines[-1] == "SLO (goodput): TTFT <= 2000 ms and ITL (per-request mean) <= 200 ms"
+    old = {k: v for k, v in s.items() if k != "itl_request_mean_s"}  # a run summarised before it existed
+    assert "ITL (per-request mean) p90 ms" in table({"old": old})

@@ -5,8 +5,10 @@ import statistics
 
 import pytest
 
+from moebus.loadtest.prompts import PromptSynth, load_tokenizer
+from moebus.loadtest.session import shaping_line
 from moebus.loadtest.synthetic import SyntheticSpec, synthetic_trace
-from moebus.loadtest.trace import Shaping, TraceRequest
+from moebus.loadtest.trace import BLOCK_TOKENS, Shaping, TraceRequest
 
 
 def trace() -> list[TraceRequest]:
@@ -28,6 +30,35 @@ def test_length_scale_and_caps() -> None:
     assert Shaping(length_scale=1e-6).apply(trace())[0].input_tokens == 1, "never below one token"
     assert Shaping(max_requests=2).apply(trace())[-1].arrival_s == 1.0
     assert [r.output_tokens for r in Shaping(length_scale=0.01, output_scale=0.5).apply(trace())] == [50] * 5
+
+
+def test_length_scale_keeps_every_hash_id() -> None:
+    """Every id keeps a block of its own in the scaled prompt (the last one at least a token) and
+    whole blocks stay whole; at x0.05, 1025 tokens scaled as a whole (51) would fit only 2 of its 3
+    blocks of 26."""
+    reqs = [TraceRequest(0.0, n, 1, hash_ids=list(range(100 * i, 100 * i - (-n // BLOCK_TOKENS))))
+            for i, n in enumerate((1, 511, 512, 513, 1025, 1536, 4000, 10241))]
+    reqs.append(TraceRequest(0.0, 1200, 1, hash_ids=[7]))  # tokens past its ids scale on their own
+    assert Shaping(length_scale=0.05).apply(reqs[4:5])[0].input_tokens == 2 * 26 + 1
+    synth = PromptSynth(load_tokenizer("toy"), block_tokens=26)
+    for scale in (0.05, 0.03, 0.013, 0.5, 1.0, 2.0):
+        sh = Shaping(length_scale=scale)
+        b = sh.block_tokens
+        synth.block_tokens = b
+        for r, out in zip(reqs, sh.apply(reqs), strict=True):
+            k, full = len(r.hash_ids), min(r.input_tokens, len(r.hash_ids) * BLOCK_TOKENS) // BLOCK_TOKENS
+            n = out.input_tokens
+            assert (k - 1) * b < n and full * b <= n, (scale, r.input_tokens, n)
+            assert abs(n - r.input_tokens * scale) <= 0.5 * full + 1.5, (scale, r.input_tokens, n)
+            other = TraceRequest(0.0, n, 1, hash_ids=[*r.hash_ids[:-1], -1])
+            assert synth.pieces_for(other, 0) != synth.pieces_for(out, 0), "the last id is in the prompt"
+
+
+def test_closing_line_states_the_window() -> None:
+    sh = Shaping(start_s=600.0, time_scale=2.0).describe()
+    assert shaping_line(sh).endswith("window 600.0 s to the trace's end") and "None s" not in shaping_line(sh)
+    assert shaping_line(Shaping().describe()).endswith("window: the whole trace")
+    assert shaping_line(Shaping(start_s=5.0, duration_s=60.0).describe()).endswith("window 5.0 s + 60.0 s")
 
 
 def test_bad_shaping() -> None:
