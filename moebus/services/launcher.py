@@ -50,7 +50,7 @@ from moebus.shared.subjects import Subjects
 from moebus.shared.trace_export import TraceConfig
 from moebus.shared.tracing import Tracing
 
-from .startup import WaitReporter, prepare, say_to
+from .startup import WaitReporter, prepare, say_to, takes_images
 from .supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,9 @@ class StackConfig(BaseModel):
     prefill_workers: int = Field(1, ge=1)  # disaggregated mode: the two pools
     decode_workers: int = Field(1, ge=1)
     kvbroker: bool | None = None  # None: on for real models (the toy engine has no KV cache)
-    encoders: int | None = Field(None, ge=0)  # vision encoders; None: 1 for real models, 0 for the toy
+    # Vision encoders; None: 1 where the model takes images (a VLM checkpoint) or `encoder` names an
+    # image encoder, else 0 (a text-only model: images are refused).
+    encoders: int | None = Field(None, ge=0)
     encoder: dict[str, Any] = {}  # extra EncoderConfig fields (e.g. {"encoder": "<SmolVLM dir>"})
     kvbroker_args: list[str] = []  # extra KVBrokerConfig flags, e.g. ["--cpu-bytes", "1G"]
     worker: dict[str, Any] = {}  # extra WorkerConfig fields for every worker (e.g. torch_threads)
@@ -294,7 +296,8 @@ class Stack:
 
     @property
     def num_encoders(self) -> int:
-        return self.cfg.encoders if self.cfg.encoders is not None else int(self.cfg.model != "toy")
+        c = self.cfg
+        return c.encoders if c.encoders is not None else int("encoder" in c.encoder or takes_images(c.model))
 
     def _start_nats(self) -> None:
         c = self.cfg
@@ -547,7 +550,8 @@ def up(port: int = 8000, model: str = "smollm2", **opts: Any) -> int:
         served = cfg.served_model_name or model
         apis = ", ".join(f"{u}/v1" for u in stack.urls)
         print(f"moebus up: {apis} (model {served}{'' if summary is None else f': {summary}'}, {pools}, "
-              f"{'KV broker, ' if stack.kvbroker_on else ''}NATS {stack.services_url}"
+              f"{'KV broker, ' if stack.kvbroker_on else ''}"
+              f"{f'{stack.num_encoders} image encoder(s), ' if stack.num_encoders else ''}NATS {stack.services_url}"
               f"{'' if stack.users is None else ', bus auth on'})", flush=True)
         if (targets := stack.write_metrics_targets()) is not None:
             print(f"moebus up: Prometheus targets (file_sd) in {targets}", flush=True)

@@ -115,6 +115,17 @@ def summarize_model(model: str, engine: dict) -> ModelSummary:
                         resolve_dtype(str(engine.get("dtype", "auto"))))
 
 
+def takes_images(model: str) -> bool:
+    """Whether `model` is a vision-language checkpoint folder: its config.json has a `vision_config`,
+    as every HF VLM's does (SmolVLM / Idefics3 here). Read without torch. The embedded model, the toy
+    and a GGUF are text only (llama.cpp keeps a VLM's vision tower apart, in an mmproj file)."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "vision_config" in cfg
+
+
 def prepare(model: str, say: Say, engine: dict) -> ModelSummary | None:
     """Phases 1 and 2; the served model's summary (None for the toy model)."""
     prepare_model(model, say)

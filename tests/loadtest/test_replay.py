@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from moebus.cli import main
+from moebus.loadtest.cli import default_results_dir
 from moebus.loadtest.client import make_client
 from moebus.loadtest.formats import read_trace
 from moebus.loadtest.prompts import PromptSynth, load_tokenizer
@@ -117,6 +118,24 @@ async def test_cli_run_with_a_scenario_and_flags(nats_server, tmp_path: Path, ca
     assert meta["shaping"]["time_scale"] == 2.0 and meta["shaping"]["length_scale"] == 0.01
     assert meta["pacing"]["max_in_flight"] == 4 and meta["tokenizer"] == "toy"
     assert "results:" in capsys.readouterr().out
+
+
+async def test_cli_run_writes_to_the_user_cache_not_the_source_tree(nats_server, tmp_path: Path, capsys,
+                                                                     monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # as ./run does: the working directory is the repository
+    monkeypatch.delenv("MOEBUS_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_results_dir() == tmp_path / "xdg" / "moebus" / "loadtest"
+    monkeypatch.setenv("MOEBUS_CACHE", str(tmp_path / "cache"))
+    async with toy_stack(nats_server.url) as s:
+        rc = await asyncio.to_thread(main, ["loadtest", "run", "--synthetic", "--num-requests", "2", "--rate", "50",
+                                            "--input-tokens", "8", "--output-tokens", "2", "--tokenizer", "toy",
+                                            "--url", s.base_url, "--name", "r1", "--no-progress", "--no-plots"])
+    assert rc == 0
+    run = tmp_path / "cache" / "loadtest" / "r1"
+    assert json.loads((run / "summary.json").read_text())["ok"] == 2
+    assert f"results: {run}" in capsys.readouterr().out
+    assert not (tmp_path / "loadtest").exists(), "nothing written under the working directory"
 
 
 def test_cli_reports_a_bad_trace(tmp_path: Path, capsys) -> None:

@@ -39,19 +39,19 @@ def test_length_scale_keeps_every_hash_id() -> None:
     reqs = [TraceRequest(0.0, n, 1, hash_ids=list(range(100 * i, 100 * i - (-n // BLOCK_TOKENS))))
             for i, n in enumerate((1, 511, 512, 513, 1025, 1536, 4000, 10241))]
     reqs.append(TraceRequest(0.0, 1200, 1, hash_ids=[7]))  # tokens past its ids scale on their own
-    assert Shaping(length_scale=0.05).apply(reqs[4:5])[0].input_tokens == 2 * 26 + 1
-    synth = PromptSynth(load_tokenizer("toy"), block_tokens=26)
     for scale in (0.05, 0.03, 0.013, 0.5, 1.0, 2.0):
         sh = Shaping(length_scale=scale)
         b = sh.block_tokens
-        synth.block_tokens = b
         for r, out in zip(reqs, sh.apply(reqs), strict=True):
             k, full = len(r.hash_ids), min(r.input_tokens, len(r.hash_ids) * BLOCK_TOKENS) // BLOCK_TOKENS
             n = out.input_tokens
             assert (k - 1) * b < n and full * b <= n, (scale, r.input_tokens, n)
             assert abs(n - r.input_tokens * scale) <= 0.5 * full + 1.5, (scale, r.input_tokens, n)
-            other = TraceRequest(0.0, n, 1, hash_ids=[*r.hash_ids[:-1], -1])
-            assert synth.pieces_for(other, 0) != synth.pieces_for(out, 0), "the last id is in the prompt"
+    out = Shaping(length_scale=0.05).apply([TraceRequest(0.0, 1025, 1, hash_ids=[1, 2, 3])])[0]
+    assert out.input_tokens == 2 * 26 + 1
+    synth = PromptSynth(load_tokenizer("toy"), block_tokens=26)
+    last = synth.pieces_for(TraceRequest(0.0, 26, 1, hash_ids=[3]), 0)
+    assert synth.pieces_for(out, 0)[2 * 26:] == last[:1], "the prompt starts the third id's block"
 
 
 def test_closing_line_states_the_window() -> None:

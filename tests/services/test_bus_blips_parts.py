@@ -1,20 +1,27 @@
 """The parts behind surviving bus blips: the worker's replay buffer, liveness judged only on what a
-service could hear (balancer table, planner fleet), and the Bus's view of its own outages."""
+service could hear (balancer table, planner fleet), the Bus's view of its own outages, and what
+the frontend logs of them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from moebus.services.balancer.table import WorkerTable
+from moebus.services.frontend.config import FrontendConfig
+from moebus.services.frontend.router import StreamRouter
 from moebus.services.planner.fleet import Fleet
 from moebus.services.worker.replay import ReplayBuffer
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.messages import Heartbeat, TokenChunk
 from moebus.shared.messages.generate import ReplayReply, ReplayRequest
+from moebus.shared.metrics import Metrics
 from moebus.shared.nats_server import NatsServer
+from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
 
 from .conftest import wait_for
@@ -136,3 +143,37 @@ async def test_a_bus_that_gives_up_is_down_for_good() -> None:
         assert seen == [False, False] and bus.down_for() == math.inf and bus.evidence_since == math.inf
     finally:
         await bus.drain()
+
+
+async def test_the_frontend_warns_of_a_bus_drop_only_when_streams_may_be_lost(caplog) -> None:
+    """Its own close at shutdown with no stream in flight is INFO (a clean SIGTERM logs no WARNING);
+    its own close with streams in flight, or a drop it did not ask for, stays a WARNING."""
+    caplog.set_level(logging.INFO, logger="moebus.services.frontend.router")
+    server = await asyncio.to_thread(NatsServer().start)
+    buses: list[Bus] = []
+
+    async def router() -> StreamRouter:
+        buses.append(await Bus.connect(BusConfig(servers=[server.url], reconnect_time_wait_s=0.1), Tracing("t")))
+        r = StreamRouter(buses[-1], Subjects(), "frontend-0", FrontendConfig(), Metrics("frontend"))
+        await r.start()
+        return r
+
+    def bus_down() -> list[tuple[int, str]]:
+        return [(rec.levelno, rec.getMessage()) for rec in caplog.records if rec.getMessage().startswith("bus down")]
+
+    try:
+        clean, busy, _ = await router(), await router(), await router()  # the third: the server goes
+        busy.register(SimpleNamespace(request_id="r1", queue=asyncio.Queue()))
+        await clean.bus.drain()
+        await wait_for(lambda: len(bus_down()) == 1)
+        await busy.bus.drain()
+        await wait_for(lambda: len(bus_down()) == 2)
+        await asyncio.to_thread(server.stop)
+        await wait_for(lambda: len(bus_down()) == 3)
+        assert bus_down() == [(logging.INFO, "bus down: 0 streams in flight"),
+                              (logging.WARNING, "bus down: 1 streams in flight"),
+                              (logging.WARNING, "bus down: 0 streams in flight")]
+    finally:
+        for bus in buses:
+            await bus.drain()
+        await asyncio.to_thread(server.stop)

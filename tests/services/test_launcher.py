@@ -10,7 +10,9 @@ import time
 
 import aiohttp
 import openai
+import pytest
 
+from moebus.services.launcher import Stack, StackConfig
 from moebus.shared.nats_server import NatsServer, free_port
 
 
@@ -59,6 +61,43 @@ async def test_up_serves_and_stops_everything_on_sigint() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_clean_sigterm_logs_nothing_above_info() -> None:
+    """A WARNING is for an operator to look at: stopping a healthy stack must not log one."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moebus.cli", "up", "--model", "toy", "--port", str(port),
+                             "--host", "127.0.0.1", "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        await until_healthy(f"http://127.0.0.1:{port}", proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0
+        assert " frontend INFO " in err and " worker INFO " in err, err  # the children's logs are in it
+        loud = [line for line in err.splitlines() if any(f" {lv} " in line for lv in ("WARNING", "ERROR", "CRITICAL"))]
+        assert loud == [], loud
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize(("model", "opts", "encoders"), [
+    ("smollm2", {}, 0),  # text only: no encoder process, images refused
+    ("toy", {}, 0),
+    ("vlm", {}, 1),  # a vision-language checkpoint (config.json with a vision_config)
+    ("smollm2", {"encoders": 1}, 1),  # asked for: the ImageNet classifier speaks through SmolLM2
+    ("smollm2", {"encoder": {"encoder": "mmproj.gguf"}}, 1),  # an image encoder named
+    ("vlm", {"encoders": 0}, 0),
+])
+def test_an_encoder_only_for_a_model_that_takes_images(tmp_path, model: str, opts: dict, encoders: int) -> None:
+    if model == "vlm":
+        model = str(tmp_path)
+        (tmp_path / "config.json").write_text('{"architectures": ["Idefics3ForConditionalGeneration"], '
+                                              '"vision_config": {"hidden_size": 768}, "text_config": {}}')
+    configs = Stack(StackConfig(model=model, **opts)).service_configs()
+    assert [c.instance_id for s, c in configs if s == "encoder"] == [f"encoder-{i}" for i in range(encoders)]
+    assert all(c.accept_images == (encoders > 0) for s, c in configs if s == "frontend")
 
 
 def test_serve_one_service_and_sigterm() -> None:

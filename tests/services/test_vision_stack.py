@@ -28,7 +28,7 @@ QUESTION = "What is in this image?"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     yield from real_model_stack(tmp_path_factory, workers=1, worker={"torch_threads": 1},
-                                encoder={"torch_threads": 1})
+                                encoders=1, encoder={"torch_threads": 1})  # smollm2 takes none unless asked
 
 
 def data_url(raw: bytes, media: str = "image/jpeg") -> str:
@@ -138,7 +138,7 @@ async def test_too_many_images_is_a_400_and_the_stack_still_serves(stack) -> Non
 @pytest.fixture(scope="module")
 def split_stack(tmp_path_factory):
     yield from real_model_stack(tmp_path_factory, mode="disaggregated", prefill_workers=1, decode_workers=1,
-                                worker={"torch_threads": 1}, encoder={"torch_threads": 1})
+                                worker={"torch_threads": 1}, encoders=1, encoder={"torch_threads": 1})
 
 
 async def test_disaggregated_answers_as_aggregated(stack, split_stack) -> None:

@@ -102,7 +102,10 @@ class StreamRouter:
         return reply
 
     def _on_bus(self, connected: bool) -> None:
-        log.log(logging.INFO if connected else logging.WARNING, "bus %s: %d streams in flight",
+        # Our own close at shutdown, with nothing in flight, loses nothing: INFO. A drop we did not
+        # ask for, or one that cuts streams, is a WARNING.
+        quiet = connected or (self.bus.closing and not self._gens)
+        log.log(logging.INFO if quiet else logging.WARNING, "bus %s: %d streams in flight",
                 "back" if connected else "down", len(self._gens))
         for gen in list(self._gens.values()):
             gen.queue.put_nowait(BusChanged(connected))
