@@ -18,7 +18,7 @@ def _generate(args: argparse.Namespace) -> int:
         print("error: give --prompt or --prompts-file", file=sys.stderr)
         return 2
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, num_speculative_tokens=args.speculative_tokens,
-              speculative_method=args.speculative_method, dtype=args.dtype)
+              speculative_method=args.speculative_method, dtype=args.dtype, weight_format=args.weight_format)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     t0 = time.perf_counter()
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mtp: a DeepSeek-V4 checkpoint's next-n prediction layer drafts")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="auto: bfloat16 where the CPU has AVX512-BF16 or AMX, else float32")
+    g.add_argument("--weight-format", choices=("auto", "dense", "gguf"), default="auto",
+                   help="auto: a GGUF's own blocks on AVX-512 CPUs for dtype auto, else dense "
+                        "(moebus/engine/format_choice.py)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=_generate)
     import importlib.util

@@ -16,10 +16,10 @@ class EngineConfig:
     model: str = "smollm2"  # embedded default, a .gguf path, or an HF-layout checkpoint dir
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "float32"  # "auto": chosen from the CPU's flags (the CLI's default)
-    # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 linear layers run on the file's blocks, dequantized inside the
-    # kernels (~5.6x fewer weight bytes per decoded token: single-stream latency); "dense": the
-    # weights dequantized to dtype at load (oneDNN's packed GEMMs: faster from ~16 rows a step on
-    # AVX2, so the throughput default). See BENCHMARKS.md, "Single-stream decode on the GGUF's blocks".
+    # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 linear layers run on the file's blocks (~5.6x fewer weight
+    # bytes per decoded token than float32; on AVX-512 kernels/qpanel.py at every row count);
+    # "dense": the weights dequantized to dtype at load; "auto" (the CLI's default): the blocks where
+    # they are measured faster for a lone stream and as faithful (engine/format_choice.py).
     weight_format: str = "dense"
     # weight_format "gguf": the width decode-sized calls (<= QA_MAX_ROWS rows) quantize activations
     # to for integer dot products (16, or 8 as llama.cpp does), or None for float32 activations
@@ -67,12 +67,18 @@ class EngineConfig:
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
+        if self.weight_format == "auto":  # before dtype: the blocks run float32 activations
+            from moebus.engine.format_choice import resolve_format
+            from moebus.engine.models import resolve
+
+            choice = resolve_format(resolve(self.model), "auto", self.dtype, self.device)
+            self.weight_format, self.dtype = choice.weight_format, choice.dtype
         if self.dtype == "auto":  # from the CPU's flags (bf16 with AVX512-BF16/AMX), logged: dtype_choice
             self.dtype = resolve_dtype("auto", self.device)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}")
         if self.weight_format not in ("dense", "gguf"):
-            raise ValueError("weight_format must be dense or gguf")
+            raise ValueError("weight_format must be auto, dense or gguf")
         if self.gguf_activation_bits not in (None, 8, 16):
             raise ValueError("gguf_activation_bits must be 8, 16 or null")
         if self.block_size < 1 or self.max_model_len < 1:

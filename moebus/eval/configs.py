@@ -35,7 +35,8 @@ _MTP = {**_FP32, "speculative_method": "mtp", "num_speculative_tokens": 3}
 CONFIGS: dict[str, EvalConfig] = {c.name: c for c in (
     EvalConfig("fp32", _FP32, ALONE, "dense weights, float32"),
     EvalConfig("bf16", _BF16, ALONE, "dense weights, bfloat16"),
-    EvalConfig("auto", {"dtype": "auto"}, ALONE, "dtype auto: what `moebus` picks on this CPU"),
+    EvalConfig("auto", {"dtype": "auto", "weight_format": "auto"}, ALONE,
+               "dtype and weight format auto: what `moebus` picks on this CPU"),
     EvalConfig("gguf16", {**_GGUF, "gguf_activation_bits": 16}, ALONE,
                "GGUF blocks, float32, activations quantized to 16 bits (every row count on AVX-512's panels)"),
     EvalConfig("batched-gguf16", {**_GGUF, "gguf_activation_bits": 16}, BATCHED,

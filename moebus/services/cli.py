@@ -32,6 +32,7 @@ def _up(args: argparse.Namespace) -> int:
         engine["enable_prefix_caching"] = args.enable_prefix_caching
     if args.model != "toy":  # auto: from the CPU's flags, resolved and logged by each worker's engine
         engine.setdefault("dtype", args.dtype)
+        engine.setdefault("weight_format", args.weight_format)
     shape = _shape(args, engine, worker)
     if shape.why:
         sharing = " sharing the cores" if shape.share_cores else ""
@@ -212,9 +213,12 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--decode-workers", type=int, default=1, help="disaggregated mode: decode workers")
     u.add_argument("--no-kvbroker", action="store_true", help="no KV broker (no KV-aware routing, no shared tiers)")
     u.add_argument("--encoders", type=int, default=None,
-                   help="vision encoder processes (default: 1 for a real model, 0 for toy; 0: images are refused)")
+                   help="vision encoder processes (default: 1 for a vision-language checkpoint or with "
+                        "--image-encoder, else 0: a text-only model, smollm2 included, refuses images; "
+                        "--encoders 1 gives smollm2 the ImageNet classifier encoder, docs/vision.md)")
     u.add_argument("--image-encoder", default=None,
-                   help="efficientnet-lite0 (default), a SmolVLM/Idefics3 checkpoint dir or an mmproj .gguf")
+                   help="efficientnet-lite0 (the encoder's default), a SmolVLM/Idefics3 checkpoint dir or an "
+                        "mmproj .gguf; naming one starts an encoder")
     u.add_argument("--balancer-policy", choices=("kv", "round_robin", "random"), default="kv",
                    help="routing: KV overlap + load (default), or a baseline to compare against")
     u.add_argument("--torch-threads", type=int, default=None,
@@ -225,6 +229,10 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     u.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="compute dtype of the engines; auto: bfloat16 where the CPU has AVX512-BF16 or AMX, "
                         "else float32 (moebus/engine/dtype_choice.py)")
+    u.add_argument("--weight-format", choices=("auto", "dense", "gguf"), default="auto",
+                   help="auto: a GGUF's own quantized blocks on AVX-512 CPUs when dtype is auto (float32 "
+                        "activations; the faster lone stream, batches ~15%% slower than bf16), else the "
+                        "weights dequantized to the dtype (moebus/engine/format_choice.py)")
     u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of prompt prefixes seen before (default: on)")
     u.add_argument("--worker", default="{}", help='extra WorkerConfig fields as JSON, e.g. \'{"kv_cpu_bytes": 1e9}\'')

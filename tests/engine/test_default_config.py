@@ -1,4 +1,5 @@
-"""The default configuration (dtype auto, as `./run up` and `./run generate` run it) answers the
+"""The default configuration (dtype and weight format auto, as `./run up` and `./run generate` run
+it: on AVX-512 CPUs without AMX the GGUF's blocks, engine/format_choice.py) answers the
 README's question right, and is batch invariant: a greedy request's tokens, and a seeded request's
 samples, are the same alone and batched with others (engine/cpu_linear.py: where the panel kernel is
 taken it serves every row count; engine/lm_head.py: float32 logits). Run in the dtype `auto` picks,
@@ -19,7 +20,7 @@ PROMPTS = [[{"role": "user", "content": q}] for q in (
 
 @pytest.fixture(scope="module")
 def auto_llm() -> LLM:
-    return LLM(dtype="auto")
+    return LLM(dtype="auto", weight_format="auto")
 
 
 def _needs_invariant_kernels(llm: LLM) -> None:

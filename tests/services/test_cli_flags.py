@@ -62,7 +62,8 @@ def _up_kwargs(monkeypatch, argv: list[str]) -> dict[str, Any]:
 
 
 def _engine(kw: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in kw["engine"].items() if k != "dtype"}  # --dtype (default auto) always goes in
+    # --dtype and --weight-format (default auto) always go in
+    return {k: v for k, v in kw["engine"].items() if k not in ("dtype", "weight_format")}
 
 
 def test_first_class_engine_flags(monkeypatch) -> None:
@@ -73,6 +74,10 @@ def test_first_class_engine_flags(monkeypatch) -> None:
     kw = _up_kwargs(monkeypatch, ["--enable-prefix-caching"])
     assert _engine(kw) == {"enable_prefix_caching": True}
     assert _engine(_up_kwargs(monkeypatch, [])) == {}  # the engine's own defaults
+    assert _up_kwargs(monkeypatch, [])["engine"]["weight_format"] == "auto"
+    assert _up_kwargs(monkeypatch, ["--weight-format", "dense"])["engine"]["weight_format"] == "dense"
+    kw = _up_kwargs(monkeypatch, ["--weight-format", "dense", "--engine", '{"weight_format": "gguf"}'])
+    assert kw["engine"]["weight_format"] == "gguf"  # --engine's fields win, as for dtype
 
 
 def test_workers_split_the_cores(monkeypatch) -> None:

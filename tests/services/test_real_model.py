@@ -21,10 +21,11 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    # dtype auto, as `./run up` has it: bf16 on AVX512-BF16/AMX CPUs, where the README's question
-    # was answered wrongly before the LM head's logits were float32
+    # dtype and weight format auto, as `./run up` has them (bf16 was where the README's question
+    # was answered wrongly before the LM head's logits were float32; test_default_config.py runs it)
     yield from real_model_stack(tmp_path_factory, workers=1,
-                                engine={"num_kv_blocks": 256, "max_num_seqs": 8, "dtype": "auto"},
+                                engine={"num_kv_blocks": 256, "max_num_seqs": 8, "dtype": "auto",
+                                        "weight_format": "auto"},
                                 ready_timeout_s=180)
 
 

@@ -1,0 +1,78 @@
+"""The weight format for `weight_format="auto"` (what `moebus up` and `moebus generate` run): a GGUF's
+own quantized blocks, or its weights dequantized to the compute dtype.
+
+The blocks, on a CPU with AVX-512 that runs kernels/qpanel.py, are the more faithful and the
+faster choice for a lone stream: they are the file's weights exactly (16-bit activations: KL 1.4e-7
+against HF fp32 on the dequantized weights, against bf16's 1.6e-3), every row count takes one
+formula (a request's logits the same bits alone or batched), and a decode step reads 4.5-8.5 bits a
+weight instead of 16 (SmolLM2 Q4_1 through HTTP on a 2-core Zen 4: TPOT 7.1 ms against bf16's
+17.0 and llama-server's 9.0). Batches lose ~15% of bf16's throughput there (per-block scales cost
+float work a block): BENCHMARKS.md, "A lone stream on the GGUF's blocks". So auto takes the blocks
+only where all of that was measured: a GGUF of a family QuantLinear serves, dtype auto (an
+explicit dtype asks for dense weights in it), a CPU with AVX-512 and without AMX (whose bf16 tiles
+were not measured against the panels).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from moebus.engine.dtype_choice import cpu_flags
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("auto", "dense", "gguf")
+GGUF_ARCHS = ("LlamaForCausalLM",)  # the families QuantLinear serves (load_model)
+PANEL_FLAGS = ("avx512f", "avx512bw")
+
+
+@dataclass(frozen=True, slots=True)
+class FormatChoice:
+    weight_format: str  # "dense" or "gguf"
+    dtype: str  # the compute dtype to resolve next ("auto" stays auto for dense)
+    reason: str
+
+
+def _gguf_arch(path: Path) -> str:
+    """The architecture of the HF checkpoint the GGUF converts to (converted once and cached: the
+    load that follows reads the same directory)."""
+    import json
+
+    from moebus.engine.loader.gguf_cache import converted_dir
+
+    cfg = json.loads((converted_dir(path) / "config.json").read_text())
+    return (cfg.get("architectures") or ["?"])[0]
+
+
+def choose_format(path: Path, requested: str, dtype: str, device: str = "cpu",
+                  flags: Iterable[str] | None = None) -> FormatChoice:
+    """Resolve `requested` ("auto", "dense" or "gguf") for the model file at `path`, asked to run in
+    `dtype` ("auto" or explicit). flags: the CPU's (default: read them)."""
+    if requested not in FORMATS:
+        raise ValueError(f"weight_format must be one of {FORMATS}, not {requested!r}")
+    if requested != "auto":
+        return FormatChoice(requested, dtype, "asked for")
+    have = set(cpu_flags() if flags is None else flags)
+    why_not = (f"device {device}" if not device.startswith("cpu")
+               else f"dtype {dtype} asked for" if dtype != "auto"
+               else "not a GGUF" if path.suffix != ".gguf"
+               else "no AVX-512 for the panels" if not all(f in have for f in PANEL_FLAGS)
+               else "an AMX CPU: bf16 tiles" if "amx_bf16" in have
+               else None)
+    if why_not is None:
+        arch = _gguf_arch(path)
+        if arch not in GGUF_ARCHS:
+            why_not = f"a {arch} GGUF (blocks served for {', '.join(GGUF_ARCHS)})"
+    if why_not:
+        return FormatChoice("dense", dtype, f"auto: dense weights ({why_not})")
+    return FormatChoice("gguf", "float32", "auto: the GGUF's blocks on AVX-512 panels, float32 activations")
+
+
+def resolve_format(path: Path, requested: str, dtype: str, device: str = "cpu") -> FormatChoice:
+    """choose_format, logged once at engine start."""
+    choice = choose_format(path, requested, dtype, device)
+    if requested == "auto":
+        log.info("weight format %s (%s)", choice.weight_format, choice.reason)
+    return choice

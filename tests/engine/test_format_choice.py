@@ -1,0 +1,47 @@
+"""weight_format auto (engine/format_choice.py): the GGUF's blocks only where they were measured the
+faster lone stream and as faithful; dense weights everywhere else, each with its reason."""
+from pathlib import Path
+
+import pytest
+
+from moebus.engine.config import EngineConfig
+from moebus.engine.format_choice import choose_format
+from moebus.engine.models import resolve
+
+ZEN4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}
+
+
+def test_a_llama_gguf_on_avx512_takes_its_blocks_in_float32():
+    c = choose_format(resolve("smollm2"), "auto", "auto", flags=ZEN4)
+    assert (c.weight_format, c.dtype) == ("gguf", "float32"), c
+
+
+@pytest.mark.parametrize("flags,dtype,device,why", [
+    ({"avx2", "fma"}, "auto", "cpu", "no AVX-512"),
+    (ZEN4 | {"amx_bf16", "amx_tile"}, "auto", "cpu", "AMX"),
+    (ZEN4, "bfloat16", "cpu", "dtype bfloat16 asked for"),
+    (ZEN4, "auto", "cuda", "device cuda"),
+])
+def test_dense_elsewhere(flags, dtype, device, why):
+    c = choose_format(resolve("smollm2"), "auto", dtype, device, flags=flags)
+    assert c.weight_format == "dense" and c.dtype == dtype and why in c.reason, c
+
+
+def test_a_checkpoint_directory_is_dense(tmp_path: Path):
+    c = choose_format(tmp_path, "auto", "auto", flags=ZEN4)
+    assert c.weight_format == "dense" and "not a GGUF" in c.reason
+
+
+def test_explicit_formats_pass_and_unknown_ones_fail():
+    assert choose_format(resolve("smollm2"), "dense", "auto", flags=ZEN4).weight_format == "dense"
+    assert choose_format(resolve("smollm2"), "gguf", "float32", flags=set()).weight_format == "gguf"
+    with pytest.raises(ValueError, match="weight_format"):
+        choose_format(resolve("smollm2"), "q4", "auto")
+
+
+def test_the_engine_config_resolves_auto_before_its_dtype():
+    cfg = EngineConfig(weight_format="auto", dtype="auto")
+    assert cfg.weight_format in ("dense", "gguf") and cfg.dtype in ("float32", "bfloat16")
+    if cfg.weight_format == "gguf":
+        assert cfg.dtype == "float32"
+    assert EngineConfig(weight_format="auto", dtype="bfloat16").weight_format == "dense"
