@@ -5,9 +5,9 @@ The blocks, on a CPU with AVX-512 that runs kernels/qpanel.py, are the more fait
 faster choice for a lone stream: they are the file's weights exactly (16-bit activations: KL 1.4e-7
 against HF fp32 on the dequantized weights, against bf16's 1.6e-3), every row count takes one
 formula (a request's logits the same bits alone or batched), and a decode step reads 4.5-8.5 bits a
-weight instead of 16 (SmolLM2 Q4_1 through HTTP on a 2-core Zen 4: TPOT 7.1 ms against bf16's
-17.0 and llama-server's 9.0). Batches lose ~15% of bf16's throughput there (per-block scales cost
-float work a block): BENCHMARKS.md, "A lone stream on the GGUF's blocks". So auto takes the blocks
+weight instead of 16 (BENCHMARKS.md, "A lone stream on the GGUF's blocks": the lone stream
+2.2x bf16's speed, batches of 64 ~20% below it, the per-block scales costing float work a block).
+So auto takes the blocks
 only where all of that was measured: a GGUF of a family QuantLinear serves, dtype auto (an
 explicit dtype asks for dense weights in it), a CPU with AVX-512 and without AMX (whose bf16 tiles
 were not measured against the panels).

@@ -21,11 +21,22 @@ from .startup import say_to, threads_per_worker
 ROLES = ("prefill", "decode")  # `moebus serve decode ...` = `moebus serve worker --role decode ...`
 
 
+def _json_object(flag: str, text: str) -> dict:
+    """A JSON-object flag's value, or exit with one line naming the flag (not a traceback)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"moebus: {flag} is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"moebus: {flag} must be a JSON object, not {text!r}")
+    return value
+
+
 def _up(args: argparse.Namespace) -> int:
-    worker = json.loads(args.worker)
+    worker = _json_object("--worker", args.worker)
     if args.torch_threads:
         worker["torch_threads"] = args.torch_threads
-    engine = json.loads(args.engine)
+    engine = _json_object("--engine", args.engine)
     if args.max_model_len is not None:
         engine["max_model_len"] = args.max_model_len
     if args.enable_prefix_caching is not None:
@@ -71,11 +82,11 @@ def _run_up(args: argparse.Namespace, shape: FleetShape, engine: dict, worker: d
               trace_file=args.trace_file, otlp_endpoint=args.otlp_endpoint, trace_sample=args.trace_sample,
               mode=args.mode, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
               kvbroker=False if args.no_kvbroker else None, worker=worker,
-              balancer={"policy": args.balancer_policy}, tokenizer=_tokenizer(args), autoscale=args.autoscale, planner=json.loads(args.planner),
+              balancer={"policy": args.balancer_policy}, tokenizer=_tokenizer(args), autoscale=args.autoscale, planner=_json_object("--planner", args.planner),
               nats_auth=not args.no_nats_auth, nats_tls_cert=args.nats_tls_cert, nats_tls_key=args.nats_tls_key,
               nats_tls_ca=args.nats_tls_ca, encoders=args.encoders,
               encoder={"encoder": args.image_encoder} if args.image_encoder else {},
-              frontend={**json.loads(args.frontend), **({"keys_file": args.keys_file} if args.keys_file else {})})
+              frontend={**_json_object("--frontend", args.frontend), **({"keys_file": args.keys_file} if args.keys_file else {})})
 
 
 def _tokenizer(args: argparse.Namespace) -> dict:
@@ -231,7 +242,7 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                         "else float32 (moebus/engine/dtype_choice.py)")
     u.add_argument("--weight-format", choices=("auto", "dense", "gguf"), default="auto",
                    help="auto: a GGUF's own quantized blocks on AVX-512 CPUs when dtype is auto (float32 "
-                        "activations; the faster lone stream, batches ~15%% slower than bf16), else the "
+                        "activations; the faster lone stream, batches ~20%% slower than bf16), else the "
                         "weights dequantized to the dtype (moebus/engine/format_choice.py)")
     u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of prompt prefixes seen before (default: on)")

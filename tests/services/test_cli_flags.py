@@ -99,3 +99,12 @@ def test_api_key_flags_and_listener_hosts(monkeypatch, capsys) -> None:
     assert (kw["api_keys"], kw["metrics_host"]) == (["sk-1"], "0.0.0.0")
     err = capsys.readouterr().err
     assert "`ps` shows it" in err and "sk-1" not in err
+
+
+@pytest.mark.parametrize("argv,says", [(["--engine", "{weight_format: gguf}"], "--engine is not valid JSON"),
+                                       (["--worker", "[1]"], "--worker must be a JSON object")])
+def test_a_bad_json_flag_exits_with_one_line(monkeypatch, argv, says) -> None:
+    monkeypatch.setattr(services_cli, "up", lambda **kw: pytest.fail("started"))
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--workers", "1", *argv])
+    assert says in str(e.value.code)
