@@ -222,7 +222,7 @@ class QuantLinear(nn.Module):
             flat = flat.contiguous()
         w = self.qweight
         out = None
-        if self.activation_bits == 16 and self.panels is not None and not flat.is_cuda and not w.is_cuda:
+        if self.uses_panels() and not flat.is_cuda:
             out = qpanel_matmul_unchecked(self._panel_fn, flat.float(), self.panels, self._qtype_id,
                                           self.out_features)
             if out is not None:
