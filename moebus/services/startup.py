@@ -91,10 +91,12 @@ class ModelSummary:
     trained_context: int | None  # the checkpoint's max_position_embeddings
     context: int  # the engines' max_model_len
     dtype: str  # the compute dtype on this host ("auto" resolved)
+    weight_format: str = "dense"  # "dense" or "gguf" ("auto" resolved)
 
     def __str__(self) -> str:
         trained = "" if self.trained_context in (None, self.context) else f" of {self.trained_context} trained"
-        return f"{self.architecture}, context {self.context} tokens{trained}, {self.dtype}"
+        blocks = ", on the GGUF's quantized blocks" if self.weight_format == "gguf" else ""
+        return f"{self.architecture}, context {self.context} tokens{trained}, {self.dtype}{blocks}"
 
 
 def summarize_model(model: str, engine: dict) -> ModelSummary:
@@ -103,6 +105,7 @@ def summarize_model(model: str, engine: dict) -> ModelSummary:
     EngineConfig's default."""
     from moebus.engine.config import EngineConfig
     from moebus.engine.dtype_choice import resolve_dtype
+    from moebus.engine.format_choice import choose_format
     from moebus.engine.loader.gguf_cache import converted_dir
     from moebus.engine.models import resolve
 
@@ -111,8 +114,9 @@ def summarize_model(model: str, engine: dict) -> ModelSummary:
     trained = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
     default = EngineConfig.__dataclass_fields__["max_model_len"].default
     context = engine.get("max_model_len") or min(default, trained or default)
-    return ModelSummary((cfg.get("architectures") or ["?"])[0], trained, int(context),
-                        resolve_dtype(str(engine.get("dtype", "auto"))))
+    fmt = choose_format(path, str(engine.get("weight_format", "dense")), str(engine.get("dtype", "auto")))
+    return ModelSummary((cfg.get("architectures") or ["?"])[0], trained, int(context), resolve_dtype(fmt.dtype),
+                        fmt.weight_format)
 
 
 def takes_images(model: str) -> bool:

@@ -45,3 +45,14 @@ def test_the_engine_config_resolves_auto_before_its_dtype():
     if cfg.weight_format == "gguf":
         assert cfg.dtype == "float32"
     assert EngineConfig(weight_format="auto", dtype="bfloat16").weight_format == "dense"
+
+
+def test_the_start_up_line_says_what_the_workers_will_run():
+    from moebus.services.startup import summarize_model
+
+    engine = {"dtype": "auto", "weight_format": "auto"}
+    s, cfg = summarize_model("smollm2", engine), EngineConfig(**engine)
+    assert (s.weight_format, s.dtype) == (cfg.weight_format, cfg.dtype)
+    assert ("GGUF's quantized blocks" in str(s)) == (cfg.weight_format == "gguf")
+    dense = summarize_model("smollm2", {"dtype": "float32", "weight_format": "auto"})
+    assert (dense.weight_format, dense.dtype) == ("dense", "float32") and str(dense).endswith("float32")
