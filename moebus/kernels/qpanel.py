@@ -30,8 +30,7 @@ _MATMUL_ARGS = [I32, PTR, I64, PTR, I64, I64, I64, PTR, I64]
 
 
 def panel_bytes(qtype: str, n: int, k: int) -> int:
-    """Bytes of the panels of an [n, k] weight (as many as its GGUF blocks, Q4_0 and Q8_0 a few more
-    where n is not a multiple of 16)."""
+    """Bytes of the panels of an [n, k] weight: its GGUF blocks' bytes, n padded to a multiple of 16."""
     return -(-n // PANEL) * (k // QK) * (_CODE_BYTES[qtype] + _SCALE_BYTES[qtype])
 
 

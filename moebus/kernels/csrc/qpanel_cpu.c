@@ -8,12 +8,7 @@
 /* 1 where the panels run on AVX-512 (else the plain C tile: right, but slow). */
 int qpanel_simd(void) { return MOEBUS_QP512; }
 
-/* Bytes of the panels of an [N, K] weight. */
-int64_t qpanel_bytes(int qt, int64_t N, int64_t K) {
-    return (N + QP_W - 1) / QP_W * (K / QK) * qp_block_bytes(qt);
-}
-
-/* GGUF rows w [N, K / 32 blocks] (row stride ws bytes) -> panels at dst (qpanel_bytes). Returns 1 for
+/* GGUF rows w [N, K / 32 blocks] (row stride ws bytes) -> panels at dst (qpanel.py's panel_bytes). Returns 1 for
  * an unknown type or K not a multiple of 32. */
 int qpanel_pack(int qt, const uint8_t *w, int64_t ws, int64_t N, int64_t K, uint8_t *dst) {
     if (!known_qtype(qt) || bad_k(K) || N <= 0) return 1;
@@ -31,6 +26,19 @@ int qpanel_pack(int qt, const uint8_t *w, int64_t ws, int64_t N, int64_t K, uint
     return 0;
 }
 
+/* x [M, K] (row stride xs, K % 32 == 0) quantized as quant_dot.h's quantize_row: M K int16, then at
+ * q + M K the (d, d sum q) pairs of every block (M K int16 is a multiple of 64 bytes). NULL: no
+ * memory; the caller frees it. */
+static int16_t *quantized(const float *x, int64_t xs, int64_t M, int64_t K) {
+    const int nb = (int)(K / QK);
+    int16_t *q = aligned_alloc(64, ((size_t)(M * K * 2 + 2 * M * nb * sizeof(float)) + 63) / 64 * 64);
+    if (!q) return NULL;
+    float *dd = (float *)(q + M * K);
+#pragma omp parallel for if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) quantize_row(1, 0, x + m * xs, nb, q + m * K, dd + 2 * m * nb, dd + 2 * m * nb + 1, 2);
+    return q;
+}
+
 /* out [M, N] (row stride os) = x [M, K] (row stride xs) on the panels. Returns 1 for an unknown type,
  * K not a multiple of 32 or no memory. */
 int qpanel_matmul_f32(int qt, const float *x, int64_t xs, const uint8_t *pans, int64_t M, int64_t N, int64_t K,
@@ -38,11 +46,9 @@ int qpanel_matmul_f32(int qt, const float *x, int64_t xs, const uint8_t *pans, i
     if (!known_qtype(qt) || bad_k(K)) return 1;
     if (M <= 0 || N <= 0) return 0;
     const int nb = (int)(K / QK);
-    int16_t *q = aligned_alloc(64, ((size_t)(M * K * 2 + 2 * M * nb * sizeof(float)) + 63) / 64 * 64);
+    int16_t *q = quantized(x, xs, M, K);
     if (!q) return 1;
-    float *dd = (float *)(q + M * K); /* M K int16: a multiple of 64 bytes (K % 32 == 0) */
-#pragma omp parallel for if (M * K >= 65536)
-    for (int64_t m = 0; m < M; m++) quantize_row(1, 0, x + m * xs, nb, q + m * K, dd + 2 * m * nb, dd + 2 * m * nb + 1, 2);
+    const float *dd = (const float *)(q + M * K);
     const int64_t P = (N + QP_W - 1) / QP_W;
 #pragma omp parallel if (M * N * K >= 262144)
     {
@@ -66,11 +72,11 @@ int qpanel_matmul_f32(int qt, const float *x, int64_t xs, const uint8_t *pans, i
 int qpanel_matmul_plain_f32(int qt, const float *x, int64_t xs, const uint8_t *pans, int64_t M, int64_t N,
                             int64_t K, float *out, int64_t os) {
     if (!known_qtype(qt) || bad_k(K)) return 1;
+    if (M <= 0 || N <= 0) return 0;
     const int nb = (int)(K / QK);
-    int16_t *q = malloc((size_t)(M * K * 2 + 2 * M * nb * sizeof(float)) + 1);
+    int16_t *q = quantized(x, xs, M, K);
     if (!q) return 1;
-    float *dd = (float *)(q + M * K);
-    for (int64_t m = 0; m < M; m++) quantize_row(1, 0, x + m * xs, nb, q + m * K, dd + 2 * m * nb, dd + 2 * m * nb + 1, 2);
+    const float *dd = (const float *)(q + M * K);
     const int64_t ps = (int64_t)nb * qp_block_bytes(qt);
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n += QP_W)
