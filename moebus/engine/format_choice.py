@@ -7,10 +7,9 @@ against HF fp32 on the dequantized weights, against bf16's 1.6e-3), every row co
 formula (a request's logits the same bits alone or batched), and a decode step reads 4.5-8.5 bits a
 weight instead of 16 (BENCHMARKS.md, "A lone stream on the GGUF's blocks": the lone stream
 2.2x bf16's speed, batches of 64 ~20% below it, the per-block scales costing float work a block).
-So auto takes the blocks
-only where all of that was measured: a GGUF of a family QuantLinear serves, dtype auto (an
-explicit dtype asks for dense weights in it), a CPU with AVX-512 and without AMX (whose bf16 tiles
-were not measured against the panels).
+So auto takes the blocks only where all of that was measured: a GGUF of a family QuantLinear
+serves, dtype auto (an explicit dtype asks for dense weights in it), a CPU with AVX-512 and without
+AMX (whose bf16 tiles were not measured against the panels).
 """
 from __future__ import annotations
 
