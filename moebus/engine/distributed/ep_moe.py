@@ -28,6 +28,9 @@ from moebus.kernels.fused_moe import ExpertPanels
 class EPMoE(nn.Module):
     def __init__(self, moe: MoE, placement: Placement, group: EPGroup):
         super().__init__()
+        if moe.quant_experts is not None:
+            raise ValueError("expert parallelism moves dense expert weights: serve this GGUF with weight_format "
+                             "'dense'")
         if placement.num_ranks != group.world_size or placement.num_experts != moe.num_experts:
             raise ValueError(f"placement is {placement.num_ranks} ranks x {placement.num_experts} experts; "
                              f"group has {group.world_size} ranks, the layer {moe.num_experts} experts")

@@ -58,7 +58,7 @@ def converted_dir(gguf_path: str | Path, progress: Callable[[int, int], None] | 
 
 
 # In a subfolder: checkpoint readers take every *.safetensors of the converted directory as weights.
-BLOCKS_FILE = Path("gguf_blocks") / "blocks.safetensors"
+BLOCKS_FILE = Path("gguf_blocks") / "blocks-v2.safetensors"  # v2: the experts' blocks too
 
 
 def quantized_blocks(gguf_path: str | Path) -> dict[str, tuple[str, torch.Tensor]]:

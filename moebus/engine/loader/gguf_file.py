@@ -15,6 +15,7 @@ from moebus.engine.loader.gguf_archs import MODEL_TYPES, GGUFArch, arch_of, hf_n
 
 EMBEDDED_MODEL = "smollm2"
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # GGUF types served as blocks (kernels/quant_matmul.py)
+_EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # a layer's expert tensors (3-D)
 
 
 def embedded_gguf_path() -> Path:
@@ -103,19 +104,34 @@ class GGUFCheckpoint:
         return w
 
     def quantized_blocks(self) -> dict[str, tuple[str, torch.Tensor]]:
-        """HF name -> (type, uint8 [rows, blocks bytes]) for the 2-D tensors stored in a type the
-        quant_matmul kernels take (Q4_0, Q4_1, Q8_0): the file's own bytes, q/k rows un-permuted
-        as in state_dict (a row's blocks move with it)."""
+        """HF name -> (type, uint8 blocks) for the tensors stored in a type the quant_matmul kernels
+        take (Q4_0, Q4_1, Q8_0): the file's own bytes, 2-D ones [rows, blocks bytes] with q/k rows
+        un-permuted as in state_dict (a row's blocks move with it), and a layer's experts [E, rows,
+        blocks bytes] stacked under the names state_dict gives them when gate, up and down share one type."""
         cfg, arch = self.hf_config(), arch_of(self.architecture)
         out: dict[str, tuple[str, torch.Tensor]] = {}
+        experts: dict[str, tuple[str, torch.Tensor]] = {}
         for t in self.reader.tensors:
             qtype = t.tensor_type.name
-            if qtype not in QUANT_TYPES or len(t.shape) != 2:
+            if qtype not in QUANT_TYPES or len(t.shape) not in (2, 3):
                 continue
             name = hf_name(arch, t.name)
-            w = self._unpermuted(arch, name, np.asarray(t.data, dtype=np.uint8), cfg)
+            w = np.asarray(t.data, dtype=np.uint8)
+            if len(t.shape) == 3:
+                if name.endswith(_EXPERT_STACKS):
+                    experts[name] = (qtype, torch.from_numpy(np.array(w, copy=True)))
+                continue
+            w = self._unpermuted(arch, name, w, cfg)
             out[name] = (qtype, torch.from_numpy(np.array(w, copy=True)))
+        for p in sorted({n.rsplit(".", 1)[0] for n in experts}):
+            parts = [experts.get(f"{p}.{part}") for part in _EXPERT_STACKS]
+            if any(x is None for x in parts) or len({x[0] for x in parts}) != 1:
+                continue  # in mixed types: served dense
+            stacked = {f"{p}.{part}": x[1] for part, x in zip(_EXPERT_STACKS, parts, strict=True)}
+            stack_experts(arch, stacked)
+            out.update({n: (parts[0][0], b) for n, b in stacked.items()})
         return out
+
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp's converter interleaves each head's rotary halves; HF keeps them as two halves.

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 
 from moebus.engine.loader.gguf_cache import converted_dir, quantized_blocks
@@ -44,6 +44,7 @@ def _build(arch: str, cfg: dict) -> nn.Module:
 MOE_DECODERS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM")
 MLA_DECODERS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ARCHITECTURES = ("LlamaForCausalLM", "DeepseekV4ForCausalLM", *MOE_DECODERS, *MLA_DECODERS)
+QUANTIZED_ARCHS = ("LlamaForCausalLM", *MOE_DECODERS)  # the families weight_format "gguf" serves
 
 
 # Vision-language checkpoints whose text model is a Llama under this prefix (the vision side loads
@@ -80,8 +81,8 @@ WEIGHT_FORMATS = ("dense", "gguf")
 def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                weight_format: str = "dense", activation_bits: int | None = 16) -> LoadedModel:
     """weight_format: "dense" dequantizes a GGUF's weights to `dtype`; "gguf" serves its Q4_0/Q4_1/
-    Q8_0 linear layers from the file's blocks (engine.cpu_linear.QuantLinear, with activation_bits;
-    Llama only)."""
+    Q8_0 linear layers from the file's blocks (engine.cpu_linear.QuantLinear, with activation_bits)
+    and, for the MoE decoders, its experts (models/quant_experts.py); QUANTIZED_ARCHS only."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, not {weight_format!r}")
     path = resolve(model)
@@ -95,15 +96,18 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: st
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{model}: expected `smollm2`, a .gguf file or a dir with config.json")
     cfg = json.loads((path / "config.json").read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if quantized is not None and arch not in QUANTIZED_ARCHS:
+        raise ValueError(f"{model}: weight_format 'gguf' (quantized blocks) serves {', '.join(QUANTIZED_ARCHS)}, "
+                         f"not {arch}; use weight_format 'dense'")
+    # a quantized layer's experts are read only as blocks: their dense copy is GBs on a real MoE
+    skip = {k for k, (_, b) in (quantized or {}).items() if b.dim() == 3}
     state: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
-        state.update(load_file(str(f)))
+        with safe_open(str(f), "pt") as st:
+            state.update({k: st.get_tensor(k) for k in st.keys() if k not in skip})
     if not state:
         raise FileNotFoundError(f"{model}: no *.safetensors weights in {path}")
-    arch = (cfg.get("architectures") or ["?"])[0]
-    if quantized and arch != "LlamaForCausalLM":
-        raise ValueError(f"{model}: weight_format 'gguf' (quantized blocks) serves Llama only, not {arch}; "
-                         "use weight_format 'dense'")
     if arch in _VLM_TEXT_PREFIX:
         cfg, state = _text_model_of(cfg, state, _VLM_TEXT_PREFIX[arch])
         arch = "LlamaForCausalLM"

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
-from moebus.engine.cpu_linear import QuantLinear
 from moebus.engine.lm_head import float_logits
 from moebus.engine.models.llama_decode import DecodeFastPath
+from moebus.engine.models.weights import quantize_head, quantize_linear
 from moebus.engine.multimodal import MMEmbeds
 from moebus.kernels import fused_add_rms_norm, rms_norm, rotary_cos_sin, silu_and_mul
 from moebus.kernels.rotary import apply_rotary_
@@ -188,14 +188,7 @@ class LlamaForCausalLM(nn.Module):
     def _quantize_linears(self, sd: dict[str, torch.Tensor], quantized: dict[str, tuple[str, torch.Tensor]],
                           activation_bits: int | None) -> None:
         def swap(parent: nn.Module, attr: str, names: list[str]) -> None:
-            parts = [quantized.get(n) for n in names]
-            if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
-                return  # not all quantized, or in mixed types: stays dense
-            layer = getattr(parent, attr)
-            blocks = torch.cat([p[1] for p in parts]).to(layer.weight.device)
-            setattr(parent, attr, QuantLinear(blocks, parts[0][0], layer.in_features, activation_bits=activation_bits))
-            for n in names:
-                sd.pop(n, None)
+            quantize_linear(parent, attr, names, quantized, sd, activation_bits)
 
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -203,9 +196,4 @@ class LlamaForCausalLM(nn.Module):
             swap(layer.self_attn, "o_proj", [p + "self_attn.o_proj.weight"])
             swap(layer.mlp, "gate_up_proj", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")])
             swap(layer.mlp, "down_proj", [p + "mlp.down_proj.weight"])
-        if self.lm_head is not None:
-            swap(self, "lm_head", ["lm_head.weight"])
-        elif "model.embed_tokens.weight" in quantized:
-            qtype, blocks = quantized["model.embed_tokens.weight"]
-            self.lm_head = QuantLinear(blocks.to(self.embed_tokens.weight.device), qtype, self.args.hidden_size,
-                                       activation_bits=activation_bits)
+        quantize_head(self, quantized, sd, activation_bits)

@@ -14,8 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moebus.engine.batch_invariant import invariant_linear, tiled
+from moebus.engine.cpu_linear import panels_wanted
+from moebus.engine.models.quant_experts import QuantExperts
 from moebus.kernels import fused_moe, silu_and_mul
 from moebus.kernels.fused_moe import ExpertPanels
+from moebus.kernels.lm_head_argmax import pack_panels
+from moebus.kernels.panel_linear import PanelLinear
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
@@ -97,28 +101,41 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
 
     def _float_weight(self) -> torch.Tensor:
-        """The gate in float32, converted once (again only if the weight is written)."""
+        """The gate in float32, converted once (again only if the weight is written), and where the
+        CPU runs the panel kernel its panels, padded to whole panels of 16 experts."""
         key = (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
         if getattr(self, "_w32_key", None) != key:
             self._w32, self._w32_key = self.weight.detach().float(), key
+            e, h = self._w32.shape
+            self._panel = (PanelLinear(pack_panels(self._w32), -(-e // 16) * 16, h)
+                           if self._w32.device.type == "cpu" and panels_wanted(torch.float32) else None)
         return self._w32
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 router logits [T, E]. On the panel kernel where it runs: each row summed in one
+        order whatever the batch, so a token's experts and weights never depend on its neighbours
+        (torch's GEMM picks its blocking by row count)."""
+        w = self._float_weight()
+        x = x.float()
+        if self._panel is not None and (out := self._panel(x if x.stride(-1) == 1 else x.contiguous())) is not None:
+            return out[:, :w.shape[0]]
+        return F.linear(x, w)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
         # Router math in float32 so expert choice does not flip with the activation dtype.
-        w = self._float_weight()
         if (self.scoring_func == "softmax" and self.norm_topk_prob and not self.is_hash and self.groups is None
                 and self.e_score_correction_bias is None and not self.batch_invariant):
             # softmax, top-k, renormalise == top-k of the logits, softmax over those k (one
             # softmax over k values instead of E, no gather or sum): a decode step's 24 routers
             # ran ~8 small ops each
-            top, ids = torch.topk(F.linear(x.float(), w), self.top_k, dim=-1)
+            top, ids = torch.topk(self._logits(x), self.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
             return (weights if self.routed_scaling_factor == 1.0 else weights * self.routed_scaling_factor), ids
         if self.batch_invariant:  # torch's scalar tail and SIMD body round softplus/exp differently:
-            scores = tiled(lambda c: router_scores(F.linear(c, w), self.scoring_func), x.float())  # fixed tiles
+            scores = tiled(lambda c: router_scores(self._logits(c), self.scoring_func), x.float())  # fixed tiles
         else:
-            scores = router_scores(F.linear(x.float(), w), self.scoring_func)
+            scores = router_scores(self._logits(x), self.scoring_func)
         if self.is_hash:
             ids = self.tid2eid[input_ids].long()
         else:
@@ -172,6 +189,18 @@ class MoE(nn.Module):
                                if num_shared_experts > 0 else None)
         self.load_counter: torch.Tensor | None = None
         self.panels = ExpertPanels()  # the CPU panel kernel's packed copy of w13 / w2, made on first use
+        self.quant_experts: QuantExperts | None = None  # set by use_quantized_experts
+
+    def use_quantized_experts(self, experts: QuantExperts) -> None:
+        """Serve the routed experts from GGUF blocks: w13 / w2 become empty, non-loaded buffers."""
+        if experts.num_experts != self.num_experts:
+            raise ValueError(f"{experts.num_experts} quantized experts, the layer has {self.num_experts}")
+        dev = self.w13.device
+        e, two_i, h = self.w13.shape
+        del self.w13, self.w2
+        self.register_buffer("w13", torch.empty(e, 0, h, device=dev), persistent=False)
+        self.register_buffer("w2", torch.empty(e, h, 0, device=dev), persistent=False)
+        self.quant_experts = experts
 
     def enable_load_counting(self) -> None:
         self.load_counter = torch.zeros(self.num_experts, dtype=torch.int64, device=self.w13.device)
@@ -180,8 +209,11 @@ class MoE(nn.Module):
         topk_weights, topk_ids = self.gate(x, input_ids)
         if self.load_counter is not None:
             self.load_counter += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
-        out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, swiglu_limit=self.swiglu_limit,
-                        batch_invariant=self.batch_invariant, panels=self.panels)
+        if self.quant_experts is not None:  # one formula at every batch: batch invariant as it is
+            out = self.quant_experts(x, topk_weights, topk_ids, self.swiglu_limit)
+        else:
+            out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, swiglu_limit=self.swiglu_limit,
+                            batch_invariant=self.batch_invariant, panels=self.panels)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

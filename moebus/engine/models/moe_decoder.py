@@ -24,7 +24,9 @@ from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
 from moebus.engine.lm_head import float_logits
 from moebus.engine.models.llama import LlamaMLP, RMSNorm
 from moebus.engine.models.moe import MoE
-from moebus.engine.models.weights import assign, fuse, stack_experts, take
+from moebus.engine.cpu_linear import QuantLinear
+from moebus.engine.models.quant_experts import QuantExperts
+from moebus.engine.models.weights import assign, fuse, quantize_head, quantize_linear, stack_experts, take
 from moebus.kernels import rms_norm, rotary_cos_sin
 from moebus.kernels.rotary import apply_rotary_
 
@@ -158,6 +160,7 @@ class MoEDecoderAttention(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(self.hd if a.qk_norm == "head" else self.nkv * self.hd))
         self.scale = a.attention_multiplier if a.attention_multiplier is not None else self.hd ** -0.5
         self.sliding_window = a.sliding_window
+        self.out_scale = 1.0  # Granite's residual multiplier where o_proj is quantized (else folded in)
 
     def forward(self, x, cos, sin, meta, kv_cache):
         T = x.shape[0]
@@ -172,7 +175,8 @@ class MoEDecoderAttention(nn.Module):
         q, k = apply_rotary_(q.reshape(T, self.nh, self.hd), k.reshape(T, self.nkv, self.hd), cos, sin)
         o = attend(q, k, v.reshape(T, self.nkv, self.hd), kv_cache, meta, self.scale,
                    sliding_window=self.sliding_window)
-        return self.o_proj(o.flatten(1))
+        out = self.o_proj(o.flatten(1))
+        return out if self.out_scale == 1.0 else out * self.out_scale
 
 
 class MoEDecoderLayer(nn.Module):
@@ -229,10 +233,15 @@ class MoEDecoderForCausalLM(nn.Module):
         return float_logits(self.lm_head, self.embed_tokens, hidden)
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor],
+                     quantized: dict[str, tuple[str, torch.Tensor]] | None = None,
+                     activation_bits: int | None = 16) -> None:
         """HF on-disk names (module docstring); fails naming the first unexpected, misshaped or
-        missing tensor, before any layer serves."""
-        a, sd = self.args, dict(state_dict)
+        missing tensor, before any layer serves. `quantized` (HF name -> (GGUF type, blocks), a
+        GGUF's Q4_0/Q4_1/Q8_0 tensors): the routed experts whose gate/up/down share a type run on
+        those blocks (QuantExperts), and so do the bias-free linear layers and the LM head
+        (QuantLinear, with activation_bits)."""
+        a, sd, q = self.args, dict(state_dict), quantized or {}
         if a.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         for i, layer in enumerate(self.layers):
@@ -244,33 +253,65 @@ class MoEDecoderForCausalLM(nn.Module):
                 if p + f"self_attn.{n}.weight" in sd:
                     sd[p + f"self_attn.{n}"] = sd.pop(p + f"self_attn.{n}.weight")
             if layer.is_moe:
-                self._rename_moe(sd, p)
+                self._rename_moe(sd, p, q)
             else:
                 fuse(sd, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up_proj.weight")
         assign(self, sd)
-        if a.residual_multiplier != 1.0:  # residual + f(x) * m == residual + (m * f)(x): f's last linear
+        if q:
+            self._quantize_linears(q, activation_bits)
+        m = a.residual_multiplier
+        if m != 1.0:  # residual + f(x) * m == residual + (m * f)(x): f's last linear, or its output
             for layer in self.layers:
-                layer.self_attn.o_proj.weight.mul_(a.residual_multiplier)
-                if layer.self_attn.o_proj.bias is not None:
-                    layer.self_attn.o_proj.bias.mul_(a.residual_multiplier)
-                down = layer.mlp.w2 if layer.is_moe else layer.mlp.down_proj.weight
-                down.mul_(a.residual_multiplier)
+                attn = layer.self_attn
+                if isinstance(attn.o_proj, QuantLinear):  # blocks are not rescaled: scale the output
+                    attn.out_scale = m
+                else:
+                    attn.o_proj.weight.mul_(m)
+                    if attn.o_proj.bias is not None:
+                        attn.o_proj.bias.mul_(m)
+                if not layer.is_moe:
+                    layer.mlp.down_proj.weight.mul_(m)
+                elif layer.mlp.quant_experts is not None:  # the combine weights carry it
+                    layer.mlp.gate.routed_scaling_factor *= m
+                else:
+                    layer.mlp.w2.mul_(m)
         if a.logits_scaling != 1.0:  # logits / s == head(norm(x) / s): the final norm's gain
             self.norm.weight.div_(a.logits_scaling)
 
-    def _rename_moe(self, sd: dict[str, torch.Tensor], p: str) -> None:
-        """One MoE layer's tensors to our names: mlp.gate.weight, mlp.w13 [E, 2I, H], mlp.w2 [E, H, I]."""
-        e = self.args.num_experts
-        if self.args.family == "GraniteMoeForCausalLM":
-            m = p + "block_sparse_moe."
-            sd[p + "mlp.gate.weight"] = take(sd, m + "router.layer.weight")
-            sd[p + "mlp.w13"] = take(sd, m + "input_linear.weight")  # [E, 2I, H], gate rows first
-            sd[p + "mlp.w2"] = take(sd, m + "output_linear.weight")
-            return
-        if self.args.family == "MixtralForCausalLM":
-            m, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
-        else:
-            m, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
-        sd[p + "mlp.gate.weight"] = take(sd, m + "gate.weight")
-        sd[p + "mlp.w13"], sd[p + "mlp.w2"] = stack_experts(sd, m + "experts", *names, num_experts=e)
+    def _quantize_linears(self, quantized: dict[str, tuple[str, torch.Tensor]], activation_bits: int | None) -> None:
+        """The attention projections, dense MLPs and LM head on their GGUF blocks where whole."""
+        sd: dict[str, torch.Tensor] = {}  # loaded already: nothing left to pop
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            quantize_linear(attn, "qkv_proj", [p + f"self_attn.{n}_proj.weight" for n in "qkv"], quantized, sd,
+                            activation_bits)
+            quantize_linear(attn, "o_proj", [p + "self_attn.o_proj.weight"], quantized, sd, activation_bits)
+            if not layer.is_moe:
+                quantize_linear(layer.mlp, "gate_up_proj", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")],
+                                quantized, sd, activation_bits)
+                quantize_linear(layer.mlp, "down_proj", [p + "mlp.down_proj.weight"], quantized, sd, activation_bits)
+        quantize_head(self, quantized, sd, activation_bits)
 
+    def _rename_moe(self, sd: dict[str, torch.Tensor], p: str, quantized: dict[str, tuple[str, torch.Tensor]]) -> None:
+        """One MoE layer's tensors to our names: mlp.gate.weight, mlp.w13 [E, 2I, H], mlp.w2 [E, H, I];
+        or, where `quantized` holds the layer's stacked experts in one type, QuantExperts on them."""
+        a, e = self.args, self.args.num_experts
+        if a.family == "GraniteMoeForCausalLM":
+            m = p + "block_sparse_moe."
+            router, w13, w2 = m + "router.layer.weight", m + "input_linear.weight", m + "output_linear.weight"
+        else:
+            m = p + ("block_sparse_moe." if a.family == "MixtralForCausalLM" else "mlp.")
+            router, w13, w2 = m + "gate.weight", m + "experts.gate_up_proj", m + "experts.down_proj"
+        sd[p + "mlp.gate.weight"] = take(sd, router)
+        q13, q2 = quantized.get(w13), quantized.get(w2)
+        if q13 is not None and q2 is not None and q13[0] == q2[0]:
+            sd.pop(w13, None), sd.pop(w2, None)
+            mlp = self.layers[int(p.split(".")[2])].mlp
+            mlp.use_quantized_experts(QuantExperts(q13[1], q2[1], q13[0], a.hidden_size, a.moe_intermediate_size))
+        elif a.family == "GraniteMoeForCausalLM":
+            sd[p + "mlp.w13"] = take(sd, w13)  # [E, 2I, H], gate rows first
+            sd[p + "mlp.w2"] = take(sd, w2)
+        else:
+            names = ("w1", "w3", "w2") if a.family == "MixtralForCausalLM" else ("gate_proj", "up_proj", "down_proj")
+            sd[p + "mlp.w13"], sd[p + "mlp.w2"] = stack_experts(sd, m + "experts", *names, num_experts=e)

@@ -17,6 +17,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from moebus.engine.cpu_linear import QuantLinear
+
 
 def take(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """Pops `name` out of sd; a checkpoint without it fails naming it."""
@@ -90,3 +92,31 @@ def assign(module: nn.Module, sd: dict[str, torch.Tensor], strip: str = "model."
     if missing:
         raise KeyError(f"missing weight {strip}{missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
 
+
+
+def quantize_linear(parent: nn.Module, attr: str, names: list[str], quantized: dict[str, tuple[str, torch.Tensor]],
+                    sd: dict[str, torch.Tensor], activation_bits: int | None) -> bool:
+    """Replaces the bias-free linear `parent.attr` by a QuantLinear on the GGUF blocks of `names`
+    (its row blocks, in order) when all of them are quantized in one type, popping their dense
+    copies from sd; else leaves it dense. Returns whether it did."""
+    parts = [quantized.get(n) for n in names]
+    layer = getattr(parent, attr)
+    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1 or getattr(layer, "bias", None) is not None:
+        return False
+    blocks = torch.cat([p[1] for p in parts]).to(layer.weight.device)
+    setattr(parent, attr, QuantLinear(blocks, parts[0][0], layer.in_features, activation_bits=activation_bits))
+    for n in names:
+        sd.pop(n, None)
+    return True
+
+
+def quantize_head(model: nn.Module, quantized: dict[str, tuple[str, torch.Tensor]], sd: dict[str, torch.Tensor],
+                  activation_bits: int | None) -> None:
+    """model.lm_head on its GGUF blocks; a tied head (lm_head None) on the embedding's blocks (the
+    dense embedding stays for lookups)."""
+    if model.lm_head is not None:
+        quantize_linear(model, "lm_head", ["lm_head.weight"], quantized, sd, activation_bits)
+    elif "model.embed_tokens.weight" in quantized:
+        qtype, blocks = quantized["model.embed_tokens.weight"]
+        emb = model.embed_tokens.weight
+        model.lm_head = QuantLinear(blocks.to(emb.device), qtype, emb.shape[1], activation_bits=activation_bits)

@@ -1,0 +1,81 @@
+"""weight_format "gguf" on the MoE decoder families: a Q8_0 GGUF written by llama.cpp's own converter
+served on its blocks (experts on kernels/qmoe.py's panels, attention and head on QuantLinear)
+against the same file dequantized to float32. The weights are the same numbers; the blocks' path
+quantizes activations to int16 blocks, so logits move by that rounding only (QUANT_LOGIT_ATOL),
+greedy tokens are the same, and a request's logprobs are the same bits alone and batched."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from moebus.engine.cpu_linear import QuantLinear
+from moebus.engine.llm import LLM
+from moebus.engine.loader.gguf_cache import converted_dir
+from moebus.engine.loader.gguf_file import embedded_gguf_path
+from moebus.engine.models import load_model
+from moebus.engine.models.moe import MoE
+from moebus.engine.models.tiny_checkpoints import write_tiny
+from moebus.engine.sampling import SamplingParams
+from moebus.kernels.qmoe import available
+from moebus.loadtest.llamacpp_convert import convert
+
+from .paged_steps import caches, prompt, run
+
+pytestmark = pytest.mark.skipif(not available(), reason="no C compiler")
+
+# int16 activation blocks (rounding <= max|x| / 65534 an element) through 3 tiny layers; the
+# logits here are O(1): measured max 1.1e-4 over these families
+QUANT_LOGIT_ATOL = 2e-3
+# as llama.cpp's converter needs them (test_moe_families_gguf.py says why)
+_GGUF_SAFE = {"qwen3_moe": {"mlp_only_layers": []}, "olmoe": {"clip_qkv": None, "rms_norm_eps": 1e-5}}
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "granite_moe")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def q8_gguf(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    hf = write_tiny(request.param, tmp_path_factory.mktemp(request.param), seed=0, vocab_size=49152,
+                    **_GGUF_SAFE.get(request.param, {}))
+    src = converted_dir(embedded_gguf_path())
+    shutil.copy(src / "tokenizer.json", hf / "tokenizer.json")
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (hf / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return convert(hf, tmp_path_factory.mktemp("gguf") / "model-q8_0.gguf", "q8_0")
+
+
+def test_the_blocks_are_served_and_match_the_dequantized_model(q8_gguf):
+    ours, ref = load_model(q8_gguf, weight_format="gguf").model, load_model(q8_gguf).model
+    moes = [m for m in ours.modules() if isinstance(m, MoE)]
+    assert moes and all(m.quant_experts is not None and m.w13.numel() == 0 for m in moes)  # no dense copy
+    assert all(isinstance(ly.self_attn.qkv_proj, QuantLinear) for ly in ours.layers)
+    assert isinstance(ours.lm_head, QuantLinear)
+    ids = prompt(40, seed=1, vocab=49152)
+    got, want = run(ours, ids, [0], [40], caches(ours, 1)), run(ref, ids, [0], [40], caches(ref, 1))
+    diff = (got - want).abs().max().item()
+    print(f"max abs logit diff {diff:.3e} (logits up to {want.abs().max().item():.2f})")
+    assert diff < QUANT_LOGIT_ATOL
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_greedy_tokens_equal_and_batch_invariant(q8_gguf):
+    ps = [prompt(n, seed=n, vocab=49152).tolist() for n in (9, 33, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    gguf = LLM(str(q8_gguf), num_kv_blocks=32, weight_format="gguf")
+    alone = gguf.generate([ps[0]], params)[0].outputs[0]
+    together = gguf.generate(ps, params)
+    dense = LLM(str(q8_gguf), num_kv_blocks=32).generate(ps, params)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in dense]
+    assert together[0].outputs[0].token_ids == alone.token_ids
+    assert together[0].outputs[0].logprobs == alone.logprobs  # bit for bit, every step
+
+
+def test_expert_parallelism_refuses_quantized_experts(q8_gguf):
+    from moebus.engine.distributed.ep_moe import EPMoE
+
+    moe = next(m for m in load_model(q8_gguf, weight_format="gguf").model.modules() if isinstance(m, MoE))
+    with pytest.raises(ValueError, match="weight_format 'dense'"):
+        EPMoE(moe, placement=None, group=None)
