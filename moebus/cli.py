@@ -1,4 +1,4 @@
-"""`moebus` command line: generate (offline engine), up / serve (services), loadtest, trace, eval."""
+"""`moebus` command line: generate (offline engine), up / serve / keys / status (services), loadtest, trace, eval."""
 from __future__ import annotations
 
 import argparse

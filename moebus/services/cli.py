@@ -1,4 +1,5 @@
-"""`moebus up`, `moebus serve <service>` and `moebus keys`: registered on the main CLI by add_cli_commands()."""
+"""`moebus up`, `moebus serve <service>`, `moebus keys` and `moebus status`: registered on the main CLI by
+add_cli_commands()."""
 from __future__ import annotations
 
 import argparse
@@ -280,3 +281,7 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--burst", type=int, default=None, help="add: requests at once above the rate")
     k.add_argument("--max-tokens-in-flight", type=int, default=None, help="add: its token budget")
     k.set_defaults(func=_keys)
+
+    from .status import add_cli_command as add_status
+
+    add_status(subparsers)

@@ -45,7 +45,7 @@ from moebus.shared.messages import HealthReply
 from moebus.shared.nats_cluster import NatsCluster
 from moebus.shared.nats_server import NatsServer
 from moebus.shared.ports import free_port
-from moebus.shared.service import Empty, ServiceConfig, Stats
+from moebus.shared.service import RESTARTS_ENV, Empty, ServiceConfig, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.trace_export import TraceConfig
 from moebus.shared.tracing import Tracing
@@ -170,6 +170,7 @@ class Stack:
         self._private: tempfile.TemporaryDirectory | None = None  # 0700: NATS credentials, the API keys
         self._api_keys_file: Path | None = None  # the frontend's keys, in _private
         self.metrics_ports: dict[str, tuple[str, int]] = {}  # instance id -> (service, its /metrics port)
+        self.restarts: dict[str, int] = {}  # instance id -> times respawn() started it again
 
     @property
     def nats(self) -> NatsServer | None:
@@ -361,8 +362,11 @@ class Stack:
         return self._popen(scfg.instance_id, service, cmd, env)
 
     def _popen(self, instance_id: str, service: str, cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+        env = dict(os.environ if env is None else env)
+        env.pop(RESTARTS_ENV, None)  # its own count, never one this launcher inherited
+        if restarts := self.restarts.get(instance_id, 0):
+            env[RESTARTS_ENV] = str(restarts)  # in its heartbeats (`moebus status`)
         if self.nats is not None:  # its credentials by file, its TLS trust by path: never on the command line
-            env = dict(os.environ if env is None else env)
             if self.users is not None:
                 if any(p in arg for arg in cmd for p in self.users.passwords()):
                     raise ValueError(f"a NATS password would be on the command line of {instance_id}")
@@ -387,6 +391,7 @@ class Stack:
             assert self.bus_nodes is not None
             self.bus_nodes.restart(int(instance_id.removeprefix("nats-")))
             return
+        self.restarts[instance_id] = self.restarts.get(instance_id, 0) + 1
         service, cmd, env = self._launches[instance_id]
         self._popen(instance_id, service, cmd, env)
 

@@ -296,6 +296,9 @@ class Bus:
                         concurrent: bool = True, endpoint: str | None = None, traced: bool = True) -> Subscription:
         """`traced=False` for high-volume streams (token chunks), where a span per message is noise."""
         name = endpoint or subject
+        if self.metrics:  # both outcomes exported from the start: an error rate reads 0, not "no data"
+            for outcome in ("ok", "error"):
+                self.metrics.bus_messages.labels(name, outcome)
 
         async def run(msg: Msg) -> None:
             with self.tracing.consume(name, msg.headers) if traced else nullcontext():

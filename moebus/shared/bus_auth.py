@@ -40,9 +40,10 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
         case "frontend":  # chat requests in; token streams of its own requests back (replayed on request)
             return ([s.tokenizer_render, s.tokenizer_detokenize, s.encoder_encode, s.encoder_encode_on(ANY),
                      s.balancer_route, s.worker_abort(ANY), s.worker_abort_all, s.worker_replay(ANY)],
-                    [s.frontend_stream_all(i), s.frontend_chunks(i), s.balancer_worker_lost, s.heartbeat_all("encoder"),
-                     s.heartbeat_all("worker"),  # worker beats: its /ready
-                     s.heartbeat_all("frontend")])  # the other frontends: each enforces 1/N of a tenant's limits
+                    [s.frontend_stream_all(i), s.frontend_chunks(i), s.balancer_worker_lost,
+                     # every service's beats: workers for /ready, encoders to pick one, the other frontends
+                     # (each enforces 1/N of a tenant's limits), all of them for the fleet view (`moebus status`)
+                     s.heartbeat(ANY, ANY)])
         case "tokenizer":
             return [], [s.tokenizer_render, s.tokenizer_detokenize]
         case "encoder":

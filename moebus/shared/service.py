@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any, ClassVar, Self
 
 from nats.aio.msg import Msg
@@ -29,6 +30,17 @@ from .trace_export import build_provider, flush_provider
 from .tracing import Tracing
 
 log = logging.getLogger(__name__)
+# Set by a supervisor (`moebus up`) on a process it started again: how many times it did, for the
+# heartbeat (operators see it in `moebus status`). An environment variable, not a config field:
+# it describes the process, not the service it runs.
+RESTARTS_ENV = "MOEBUS_RESTARTS"
+
+
+def restarts_from_env(environ: Mapping[str, str] = os.environ) -> int:
+    try:
+        return max(0, int(environ.get(RESTARTS_ENV, "0")))
+    except ValueError:
+        return 0
 
 
 class ServiceConfig(BaseModel):
@@ -70,6 +82,7 @@ class Service:
         self._bus: Bus | None = None
         self._started = time.monotonic()
         self.incarnation = uuid.uuid4().hex[:12]  # this process's life (see Heartbeat.incarnation)
+        self.restarts = restarts_from_env()
         self._tasks: set[asyncio.Task] = set()
         self._probes = None
         self._closed = False
@@ -227,7 +240,8 @@ class Service:
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(service=self.name, instance_id=self.instance_id, ts=time.time(),
                          interval_s=self.cfg.heartbeat_interval_s, ready=self.ready and self.healthy,
-                         draining=self.draining, model=self.model(), load=self.load(), incarnation=self.incarnation)
+                         draining=self.draining, model=self.model(), load=self.load(), incarnation=self.incarnation,
+                         restarts=self.restarts)
 
     async def publish_heartbeat(self) -> None:
         await self.bus.publish(self.subjects.heartbeat(self.name, self.instance_id), self.heartbeat())

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,17 +102,64 @@ async def stack(nats_server: NatsServer) -> AsyncIterator[ToyStack]:
         yield s
 
 
-def real_model_stack(tmp_path_factory: pytest.TempPathFactory, **cfg: Any) -> Iterator[Stack]:
-    """The whole stack as real processes on the embedded SmolLM2 (skipped without it); for module
-    fixtures: `yield from real_model_stack(tmp_path_factory, workers=2, ...)`."""
+def skip_without_smollm2() -> None:
     try:
         from moebus.engine.loader.gguf_file import embedded_gguf_path
 
         embedded_gguf_path()
     except Exception:
         pytest.skip("the embedded SmolLM2 GGUF is not available")
+
+
+def real_model_stack(tmp_path_factory: pytest.TempPathFactory, **cfg: Any) -> Iterator[Stack]:
+    """The whole stack as real processes on the embedded SmolLM2 (skipped without it); for module
+    fixtures: `yield from real_model_stack(tmp_path_factory, workers=2, ...)`."""
+    skip_without_smollm2()
     stack_cfg = StackConfig(**{"port": free_port(), "host": "127.0.0.1", "model": "smollm2",
                                "heartbeat_interval_s": 0.25, "log_dir": str(tmp_path_factory.mktemp("logs")),
                                **cfg})
     with Stack(stack_cfg) as s:
         yield s
+
+
+@dataclass
+class UpProcess:
+    """A `moebus up` process and where it serves and writes."""
+
+    proc: subprocess.Popen
+    url: str  # the API, as its ready line prints it (.../v1)
+    log_dir: Path  # every process's log, and prometheus_targets.json
+
+    @property
+    def base_url(self) -> str:
+        return self.url.removesuffix("/v1")
+
+
+@contextmanager
+def moebus_up(log_dir: Path, *args: str, ready_timeout_s: float = 300) -> Iterator[UpProcess]:
+    """`moebus up` as an operator runs it (the real CLI, with its supervisor) on the embedded SmolLM2,
+    until it prints its ready line; SIGTERM (then SIGKILL) at the end. Skipped without the model."""
+    skip_without_smollm2()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out_path, err_path = log_dir / "up.stdout", log_dir / "up.stderr"
+    port = free_port()
+    with out_path.open("wb") as out, err_path.open("wb") as err:  # files: a pipe nobody reads would block it
+        proc = subprocess.Popen([sys.executable, "-m", "moebus.cli", "up", "--port", str(port), "--host", "127.0.0.1",
+                                 "--log-dir", str(log_dir), "--heartbeat-interval", "0.25", *args],
+                                stdout=out, stderr=err)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while not (ready := [line for line in out_path.read_text().splitlines() if line.startswith("moebus up: http")]):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"moebus up is not ready (exit code {proc.poll()}): "
+                                     f"{err_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield UpProcess(proc, ready[0].split()[2], log_dir)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -179,10 +179,10 @@ async def ready(request: web.Request) -> web.Response:
     """Readiness (the k8s readinessProbe, deploy/frontend.yaml): 200 once every served model has a ready
     (warmed-up) worker; else 503 with an OpenAI-style `error` saying what is missing, beside the details."""
     fe = request.app[FRONTEND]
-    missing = fe.workers.missing(fe.cfg.models) if fe.workers is not None else list(fe.cfg.models)
+    missing = fe.workers.missing(fe.cfg.models)
     body = {"status": "ready", "nats_connected": fe.bus.connected, "draining": fe.draining,
             "models_without_workers": missing,
-            "workers": fe.workers.ready_workers() if fe.workers is not None else {}}
+            "workers": fe.workers.ready_workers()}
     reason = ("not connected to the bus" if not fe.bus.connected else "draining" if fe.draining
               else f"no ready worker serves {', '.join(map(repr, missing))}" if missing else None)
     if reason is None:

@@ -22,7 +22,7 @@ from moebus.shared.messages import Heartbeat
 from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
 
-from .readiness import MISSED_BEATS
+from .fleet import MISSED_BEATS
 
 
 class FrontendPeers:

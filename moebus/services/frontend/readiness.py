@@ -7,40 +7,21 @@ plain liveness (this process and its bus connection).
 """
 from __future__ import annotations
 
-import time
-
-from nats.aio.msg import Msg
-
-from moebus.shared.bus import Bus
-from moebus.shared.messages import Heartbeat
-from moebus.shared.subjects import Subjects
-
-MISSED_BEATS = 3  # a worker silent this many intervals no longer counts
+from .fleet import FleetView
 
 
 class WorkerWatch:
-    """Ready workers per model, from their heartbeats."""
+    """Ready workers per model, from the workers' heartbeats in the fleet view (fleet.py)."""
 
-    def __init__(self, bus: Bus, subjects: Subjects) -> None:
-        self.bus, self.subjects = bus, subjects
-        self._seen: dict[str, tuple[str, float, float]] = {}  # instance -> (model, last beat, interval)
-
-    async def start(self) -> None:
-        await self.bus.subscribe(self.subjects.heartbeat_all("worker"), Heartbeat, self._on_beat,
-                                 concurrent=False, traced=False, endpoint="worker_heartbeat")
-
-    async def _on_beat(self, beat: Heartbeat, _: Msg) -> None:
-        if beat.draining or not beat.ready or beat.model is None:
-            self._seen.pop(beat.instance_id, None)
-        else:
-            self._seen[beat.instance_id] = (beat.model, time.monotonic(), beat.interval_s)
+    def __init__(self, fleet: FleetView) -> None:
+        self.fleet = fleet
 
     def ready_workers(self) -> dict[str, list[str]]:
         """model -> its live, ready workers."""
-        now, out = time.monotonic(), {}
-        for instance, (model, ts, interval) in self._seen.items():
-            if now - ts <= MISSED_BEATS * interval:
-                out.setdefault(model, []).append(instance)
+        out: dict[str, list[str]] = {}
+        for beat in self.fleet.live("worker"):
+            if beat.ready and not beat.draining and beat.model is not None:
+                out.setdefault(beat.model, []).append(beat.instance_id)
         return out
 
     def missing(self, models: list[str]) -> list[str]:

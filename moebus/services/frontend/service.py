@@ -25,6 +25,7 @@ from .choice import ChoiceState, Detok
 from .config import FrontendConfig
 from .encoders import EncoderPicker
 from .errors import APIError
+from .fleet import FleetView
 from .generation import Generation
 from .images import image_input
 from .latency import Latencies, TimedChoice
@@ -45,7 +46,9 @@ class FrontendService(Service):
         self.cfg: FrontendConfig = cfg
         self.router: StreamRouter | None = None
         self.encoders: EncoderPicker | None = None  # when images are accepted
-        self.workers: WorkerWatch | None = None  # which models have a ready worker (/ready)
+        self.fleet = FleetView()  # every instance's heartbeats: `moebus status`, the fleet gauges
+        self.fleet.export(self.metrics)
+        self.workers = WorkerWatch(self.fleet)  # which models have a ready worker (/ready)
         self.local: LocalRenderer | None = None  # prompts rendered in this process (cfg.local_render)
         m = self.metrics
         self.m_http = m.counter("http_requests_total", "HTTP requests", ["route", "status"])
@@ -65,8 +68,7 @@ class FrontendService(Service):
                                    incarnation=self.incarnation)
         await self.router.start()
         await self.peers.start(self.bus, self.subjects)
-        self.workers = WorkerWatch(self.bus, self.subjects)
-        await self.workers.start()
+        await self.fleet.start(self.bus, self.subjects)
         if self.cfg.accept_images:
             self.encoders = EncoderPicker(self.bus, self.subjects)
             await self.encoders.start()

@@ -1,15 +1,15 @@
 """What the planner knows of the workers: their last heartbeats, turned into per-pool observations.
 
-Rates come from the cumulative counters of each worker's beats within `rate_window_s` (a counter
-that goes down means a restart: its history starts over); latency is the worst worker's recent p90.
+Rates come from the cumulative counters of each worker's beats within `rate_window_s`
+(shared/load_rates.py); latency is the worst worker's recent p90.
 Pure: the service feeds beats and the time in.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from moebus.shared.load_rates import LoadRates
 from moebus.shared.messages import Heartbeat, Load
 from moebus.shared.messages.planner import PoolName, PoolObservation
 
@@ -29,19 +29,12 @@ class WorkerView:
 class _Worker:
     beat: Heartbeat
     seen: float  # monotonic time of the last beat
-    counters: deque[tuple[float, int, int, int]] = field(default_factory=deque)  # (ts, requests, prompt, output)
+    rates: LoadRates
 
     @property
     def pool(self) -> PoolName:
         role = self.beat.role or "both"
         return role if role in ("prefill", "decode") else "both"
-
-    def rates(self) -> tuple[float, float, float]:
-        if len(self.counters) < 2:
-            return 0.0, 0.0, 0.0
-        (t0, r0, p0, o0), (t1, r1, p1, o1) = self.counters[0], self.counters[-1]
-        dt = t1 - t0
-        return ((r1 - r0) / dt, (p1 - p0) / dt, (o1 - o0) / dt) if dt > 0 else (0.0, 0.0, 0.0)
 
 
 class Fleet:
@@ -53,17 +46,10 @@ class Fleet:
     def observe(self, beat: Heartbeat, now: float) -> None:
         w = self._workers.get(beat.instance_id)
         if w is None:
-            w = self._workers[beat.instance_id] = _Worker(beat, now)
+            w = self._workers[beat.instance_id] = _Worker(beat, now, LoadRates(self.rate_window_s))
         w.beat, w.seen = beat, now
-        if beat.load is None:
-            return
-        sample = (beat.ts, beat.load.requests_total, beat.load.prompt_tokens_total, beat.load.output_tokens_total)
-        if w.counters and (sample[0] <= w.counters[-1][0] or any(a < b for a, b in zip(sample[1:], w.counters[-1][1:],
-                                                                                        strict=True))):
-            w.counters.clear()  # a restarted worker (or a clock step): rates start over
-        w.counters.append(sample)
-        while len(w.counters) > 2 and sample[0] - w.counters[1][0] >= self.rate_window_s:
-            w.counters.popleft()
+        if beat.load is not None:
+            w.rates.add(beat.ts, beat.load)
 
     def silent(self, now: float, since: float = -math.inf) -> list[str]:
         """Workers that missed their heartbeats. since: silence before this does not count (the
@@ -103,7 +89,7 @@ class Fleet:
             if load.kv_blocks_total > 0:
                 kv.setdefault(w.pool, []).append(1 - load.kv_blocks_free / load.kv_blocks_total)
             # Draining workers' demand is real: it moves to the others.
-            r, p, t = w.rates()
+            r, p, t = w.rates.rates()
             o.request_rate += r
             o.prompt_tokens_rate += p
             o.output_tokens_rate += t

@@ -12,9 +12,7 @@ from moebus.shared.metrics import Metrics
 
 def kv_usage(load: Load) -> float:
     """Fraction of KV blocks in use (0..1); 0 before the engine reports its blocks."""
-    if not load.kv_blocks_total:
-        return 0.0
-    return 1.0 - load.kv_blocks_free / load.kv_blocks_total
+    return load.kv_usage()
 
 
 class EngineMetrics:
@@ -41,6 +39,7 @@ class EngineMetrics:
                                         (*labels, "finished_reason"))
         self._values = values
         self.prompt_total = self.generated_total = 0  # plain counts for the stats line (stats_log.py)
+        self.queries_total = self.hits_total = 0  # prefix cache tokens, for the heartbeat's Load
 
     def first_chunk(self, chunk: TokenChunk, *, prefilled_here: bool) -> None:
         """A request's first chunk: its prompt was prefilled (unless elsewhere: a decode half or a resume)."""
@@ -49,6 +48,8 @@ class EngineMetrics:
             self._hits.inc(chunk.num_cached_tokens)
             self._prompt.inc(chunk.num_prompt_tokens)  # all of them, cached or not, as vLLM counts
             self.prompt_total += chunk.num_prompt_tokens
+            self.queries_total += chunk.num_prompt_tokens
+            self.hits_total += chunk.num_cached_tokens
 
     def chunk(self, chunk: TokenChunk) -> None:
         self._generated.inc(len(chunk.token_ids))

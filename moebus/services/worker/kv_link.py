@@ -62,6 +62,9 @@ class WorkerKVLink:
                                         "workers", ["direction"]) if metrics else None
         self._m_seconds = metrics.histogram("kv_transfer_seconds", "KV transfer time (receive: from waiting for "
                                             "it to its arrival)", ["direction"]) if metrics else None
+        if self._m_bytes is not None:  # exported from the start: an aggregated stack's transfer rate reads 0
+            for direction in ("send", "receive"):
+                self._m_bytes.labels(direction)
         self.counters = {"kv_sent": 0, "kv_send_failed": 0, "kv_received": 0, "kv_receive_failed": 0,
                          "tier_fetched_blocks": 0, "tier_shared_blocks": 0,
                          "kv_corrupt_blocks": 0}  # failed their checksum on arrival: dropped, recomputed

@@ -126,7 +126,9 @@ class WorkerService(Service):
         s = self._loop.stats if self._loop else {}
         return Load(num_running=int(s.get("num_running", 0)), num_waiting=self.queued(),
                     max_waiting=self.cfg.max_queued, kv_blocks_free=int(s.get("kv_blocks_free", 0)),
-                    kv_blocks_total=int(s.get("kv_blocks_total", 0)), **self.demand.fields())
+                    kv_blocks_total=int(s.get("kv_blocks_total", 0)),
+                    prefix_cache_queries_total=self.engine_metrics.queries_total,
+                    prefix_cache_hits_total=self.engine_metrics.hits_total, **self.demand.fields())
 
     def stats(self) -> dict[str, Any]:
         engine = dict(self._loop.stats) if self._loop else {}

@@ -15,11 +15,22 @@ class Load(Message):
     requests_total: int = 0  # requests accepted
     prompt_tokens_total: int = 0  # prompt tokens of accepted requests
     output_tokens_total: int = 0  # tokens generated
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache (as moebus:prefix_cache_queries)
+    prefix_cache_hits_total: int = 0  # of them, found cached (hit rate = hits / queries)
     ttft_p50_s: float | None = None  # accept -> first token (queueing included)
     ttft_p90_s: float | None = None
     itl_p50_s: float | None = None  # gaps between a request's successive chunks
     itl_p90_s: float | None = None
     window_s: float = 0.0
+
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use (0..1); 0 before the engine reports its blocks."""
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Prompt tokens found cached / looked up since the process started; None before any prompt."""
+        q = self.prefix_cache_queries_total
+        return self.prefix_cache_hits_total / q if q else None
 
 
 class KVInfo(Message):
@@ -44,6 +55,7 @@ class Heartbeat(Message):
     # Random per process: the same instance id with a new incarnation is a restart, and whatever the
     # old process held is lost (a supervisor can restart it within the missed-heartbeat window).
     incarnation: str = ""
+    restarts: int = 0  # times a supervisor (`moebus up`) restarted this instance id after it crashed
 
 
 class HealthReply(Message):
