@@ -1,11 +1,14 @@
-"""A llama decoder stack's batch-1 decode step in one C call (csrc/decode_stack_cpu.c), CPU only.
+"""A llama-style decoder stack's batch-1 decode step in one C call (csrc/decode_stack_cpu.c), CPU only.
 
 One token: per layer RMSNorm -> QKV -> neox rotary -> K/V into the paged cache -> attention over
 the sequence -> O + residual -> RMSNorm -> gate/up -> SiLU * up -> down + residual; then the final
-RMSNorm. Linear weights are float32 [N, K] or GGUF blocks (quant_matmul.py's layout) taken on
+RMSNorm. MoE decoder layers add their knobs (q/k norms, clipping, a softmax scale, an O scale) and
+take routed experts in place of gate/up and down (StackExperts: a float32 router, experts on
+kernels/qmoe.py's panels). Linear weights are float32 [N, K] or GGUF blocks (quant_matmul.py's layout) taken on
 integer activations of `act_bits` (quant_matmul_qa_ref) or on float ones (quant_matmul_ref).
 Caches float32 [blocks, block_size, Hkv, D], contiguous. `decode_stack_ref` is the same step on
-the kernels' torch references (the spec); engine/models/llama_decode.py decides when it applies.
+the kernels' torch references (the spec); engine/models/llama_decode.py (and moe_decode.py) decide
+when it applies.
 
 Why: at batch 1 the module path's host work (~270 module calls and ~360 allocations a token on
 SmolLM2) cost about as much as the GEMVs; no batch amortises it.
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 
 from .cpu_build import I64, PTR, library
 from .paged_attention import paged_attention_decode_ref
+from .qmoe import qmoe_cpu
 from .qpanel import panel_bytes
 from .quant_matmul import GGML_TYPES, check_weight, quant_matmul_qa_ref, quant_matmul_ref
 from .rmsnorm import rms_norm_ref
@@ -28,6 +32,7 @@ from .rotary import apply_rotary_ref, rotary_cos_sin
 from .silu_mul import silu_and_mul_ref
 
 _SOURCE = "decode_stack_cpu.c"
+_QK_NORMS = ("none", "head", "full")  # decode_stack_cpu.c's dlayer.qk_norm codes
 _I32 = ctypes.c_int32
 _W_PANEL = 64  # decode_stack_cpu.c's W_PANEL: kind = it + the GGUF type id for panels
 
@@ -36,15 +41,22 @@ class _Linear(ctypes.Structure):
     _fields_ = [("w", PTR), ("ws", I64), ("kind", _I32), ("bits", _I32), ("n", _I32), ("k", _I32)]
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = [("router", PTR), ("p13", PTR), ("p2", PTR), ("qt", _I32), ("n_experts", _I32), ("top_k", _I32),
+                ("inter", _I32), ("renorm", _I32), ("route_scale", ctypes.c_float)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", PTR), ("post_norm", PTR), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear)]
+                ("down", _Linear), ("q_norm", PTR), ("k_norm", PTR), ("qk_norm", _I32), ("clip", ctypes.c_float),
+                ("o_scale", ctypes.c_float), ("moe", _Moe)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("n_layers", _I32), ("hidden", _I32), ("inter", _I32), ("nh", _I32), ("nkv", _I32), ("hd", _I32),
                 ("block_size", _I32), ("max_pos", _I32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("final_norm", PTR), ("cos", PTR), ("sin", PTR), ("layers", ctypes.POINTER(_Layer))]
+                ("final_norm", PTR), ("cos", PTR), ("sin", PTR), ("layers", ctypes.POINTER(_Layer)),
+                ("emb_scale", ctypes.c_float), ("max_experts", _I32), ("max_k", _I32), ("max_moe_inter", _I32)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +98,70 @@ class StackLinear:
 
 
 @dataclass(frozen=True, slots=True)
+class StackExperts:
+    """An MoE layer's router and routed experts (kernels/qmoe.py's panels of GGUF blocks)."""
+    router: torch.Tensor  # float32 [E, hidden]
+    router_panels: torch.Tensor  # the same in lm_head_argmax.pack_panels' float32 layout (what the step reads)
+    top_k: int
+    renorm: bool  # softmax over the top-k logits (== softmax, top-k, renormalise); else softmax over all E
+    route_scale: float
+    qtype: str
+    p13: torch.Tensor  # uint8 [E, panel bytes of 2I x hidden]
+    p2: torch.Tensor  # uint8 [E, panel bytes of hidden x I]
+    inter: int
+
+    def __post_init__(self) -> None:
+        e, hidden = self.router.shape
+        assert self.router_panels.shape == (-(-e // 16), hidden, 16), self.router_panels.shape
+        assert self.p13.shape == (e, panel_bytes(self.qtype, 2 * self.inter, hidden)), self.p13.shape
+        assert self.p2.shape == (e, panel_bytes(self.qtype, hidden, self.inter)), self.p2.shape
+        assert 1 <= self.top_k <= e and hidden % 32 == 0 and self.inter % 32 == 0
+
+    def ref(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, hidden]: the router in float32, then the experts on kernels/qmoe.py's kernel (its
+        tests hold it to qmoe_ref)."""
+        logits = F.linear(x, self.router)
+        if self.renorm:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        out = qmoe_cpu(x, self.p13, self.p2, self.qtype, weights * self.route_scale, ids, self.inter)
+        assert out is not None, "csrc/qmoe_cpu.c"
+        return out
+
+    def struct(self) -> _Moe:
+        return _Moe(self.router_panels.data_ptr(), self.p13.data_ptr(), self.p2.data_ptr(), GGML_TYPES[self.qtype],
+                    self.router.shape[0], self.top_k, self.inter, int(self.renorm), self.route_scale)
+
+
+@dataclass(frozen=True, slots=True)
 class StackLayer:
     in_norm: torch.Tensor  # float32 [hidden]
     post_norm: torch.Tensor
     qkv: StackLinear  # [(Hq + 2 Hkv) D, hidden]: q, k, v rows in that order
     o: StackLinear
-    gate_up: StackLinear  # [2 I, hidden]: gate rows, then up rows
-    down: StackLinear
+    gate_up: StackLinear | None  # [2 I, hidden]: gate rows, then up rows (None: experts)
+    down: StackLinear | None
+    q_norm: torch.Tensor | None = None  # float32: [D] (qk_norm "head") or [Hq D] ("full")
+    k_norm: torch.Tensor | None = None  # [D] or [Hkv D]
+    qk_norm: str = "none"  # "none" | "head" (RMSNorm per head) | "full" (over the whole projection)
+    clip: float | None = None  # q, k, v clamped to [-clip, clip] after the norms
+    o_scale: float = 1.0  # O's output times this before the residual add
+    experts: StackExperts | None = None  # in place of gate_up / down
+
+    def __post_init__(self) -> None:
+        assert (self.experts is None) == (self.gate_up is not None and self.down is not None), "an MLP or experts"
+        assert self.qk_norm in _QK_NORMS and (self.qk_norm == "none") == (self.q_norm is None is self.k_norm)
+
+    def struct(self) -> _Layer:
+        empty = _Linear(None, 0, 0, 0, 0, 0)
+        mlp = (self.gate_up.struct(), self.down.struct()) if self.experts is None else (empty, empty)
+        return _Layer(self.in_norm.data_ptr(), self.post_norm.data_ptr(), self.qkv.struct(), self.o.struct(), *mlp,
+                      None if self.q_norm is None else self.q_norm.data_ptr(),
+                      None if self.k_norm is None else self.k_norm.data_ptr(), _QK_NORMS.index(self.qk_norm),
+                      self.clip or 0.0, self.o_scale, _Moe() if self.experts is None else self.experts.struct())
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,20 +180,32 @@ class StackShape:
 
 def decode_stack_ref(layers: list[StackLayer], final_norm: torch.Tensor, shape: StackShape, h: torch.Tensor,
                      pos: int, slot: int, seq_len: int, table: torch.Tensor,
-                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step on the torch references: (final_norm(h'), h') for h [hidden], the residual stream h'."""
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step on the torch references: (final_norm(h'), h') for h [hidden], the residual stream h'.
+    scale: the softmax scale (default head_dim ** -0.5)."""
     nh, nkv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
     cos, sin = rotary_cos_sin(torch.tensor([pos]), hd, shape.rope_theta)
     h = h[None].float()
     for layer, (kc, vc) in zip(layers, kv_caches, strict=True):
         q, k, v = layer.qkv.ref(rms_norm_ref(h, layer.in_norm, shape.eps)).split([nh * hd, nkv * hd, nkv * hd], -1)
+        if layer.qk_norm == "full":
+            q, k = rms_norm_ref(q, layer.q_norm, shape.eps), rms_norm_ref(k, layer.k_norm, shape.eps)
+        elif layer.qk_norm == "head":
+            q = rms_norm_ref(q.reshape(nh, hd), layer.q_norm, shape.eps).reshape(1, -1)
+            k = rms_norm_ref(k.reshape(nkv, hd), layer.k_norm, shape.eps).reshape(1, -1)
+        if layer.clip is not None:
+            q, k, v = (t.clamp(-layer.clip, layer.clip) for t in (q, k, v))
         q, k = apply_rotary_ref(q.view(1, nh, hd), k.view(1, nkv, hd), cos, sin)
         kc.view(-1, nkv, hd)[slot], vc.view(-1, nkv, hd)[slot] = k[0], v.view(nkv, hd)
         o = paged_attention_decode_ref(q, kc, vc, table[None], torch.tensor([seq_len], dtype=torch.int32),
-                                       hd**-0.5)
-        h = h + layer.o.ref(o.flatten(1))
+                                       hd**-0.5 if scale is None else scale)
+        h = h + layer.o.ref(o.flatten(1)) * layer.o_scale
         x = rms_norm_ref(h, layer.post_norm, shape.eps)
-        h = h + layer.down.ref(silu_and_mul_ref(layer.gate_up.ref(x)))
+        if layer.experts is not None:
+            h = h + layer.experts.ref(x)
+        else:
+            h = h + layer.down.ref(silu_and_mul_ref(layer.gate_up.ref(x)))
     return rms_norm_ref(h, final_norm, shape.eps)[0], h[0]
 
 
@@ -139,9 +220,11 @@ class DecodeStack:
     instance per model; not thread-safe."""
 
     def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor, shape: StackShape, *,
-                 embed: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> None:
-        """embed: the float32 [vocab, hidden] token embedding step_ids looks tokens up in. lib: a
-        build of csrc/decode_stack_cpu.c (tests pass cpu_build.build_variant's); default the cached one."""
+                 embed: torch.Tensor | None = None, lib: ctypes.CDLL | None = None, scale: float | None = None,
+                 emb_scale: float = 1.0) -> None:
+        """embed: the float32 [vocab, hidden] token embedding step_ids looks tokens up in (its rows
+        times emb_scale). scale: the softmax scale (default head_dim ** -0.5). lib: a build of
+        csrc/decode_stack_cpu.c (tests pass cpu_build.build_variant's); default the cached one."""
         lib = lib or library(_SOURCE).get()
         if lib is None:
             raise RuntimeError("decode_stack_cpu.c could not be built")
@@ -155,19 +238,21 @@ class DecodeStack:
             assert embed.shape[1] == final_norm.shape[0], embed.shape
         self._embed = embed
         self._scratch_fn.argtypes, self._scratch_fn.restype = [PTR, I64], I64
-        hidden, inter = final_norm.shape[0], layers[0].down.in_features
+        hidden = final_norm.shape[0]
+        inter = max((ly.down.in_features for ly in layers if ly.down is not None), default=0)
+        moes = [ly.experts for ly in layers if ly.experts is not None]
         self.shape, self.hidden = shape, hidden
         self._keep = (layers, final_norm.float().contiguous())
         self._cos, self._sin = rotary_cos_sin(torch.arange(shape.max_positions), shape.head_dim, shape.rope_theta)
-        self._layers = (_Layer * len(layers))(*[
-            _Layer(ly.in_norm.data_ptr(), ly.post_norm.data_ptr(), ly.qkv.struct(), ly.o.struct(),
-                   ly.gate_up.struct(), ly.down.struct()) for ly in layers])
+        self._layers = (_Layer * len(layers))(*[ly.struct() for ly in layers])
         for ly in layers:
             assert ly.in_norm.dtype == ly.post_norm.dtype == torch.float32 and ly.in_norm.is_contiguous()
         self._model = _Model(len(layers), hidden, inter, shape.num_heads, shape.num_kv_heads, shape.head_dim, 0,
-                             shape.max_positions, shape.eps, shape.head_dim**-0.5, self._keep[1].data_ptr(),
-                             self._cos.data_ptr(), self._sin.data_ptr(),
-                             ctypes.cast(self._layers, ctypes.POINTER(_Layer)))
+                             shape.max_positions, shape.eps, shape.head_dim**-0.5 if scale is None else scale,
+                             self._keep[1].data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(),
+                             ctypes.cast(self._layers, ctypes.POINTER(_Layer)), emb_scale,
+                             max((x.router.shape[0] for x in moes), default=0),
+                             max((x.top_k for x in moes), default=0), max((x.inter for x in moes), default=0))
         self._model_ref = ctypes.byref(self._model)
         self._scratch = torch.empty(0)
         self._h = torch.empty(hidden)  # step_ids' residual stream

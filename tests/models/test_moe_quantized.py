@@ -2,7 +2,8 @@
 served on its blocks (experts on kernels/qmoe.py's panels, attention and head on QuantLinear)
 against the same file dequantized to float32. The weights are the same numbers; the blocks' path
 quantizes activations to int16 blocks, so logits move by that rounding only (QUANT_LOGIT_ATOL),
-greedy tokens are the same, and a request's logprobs are the same bits alone and batched."""
+greedy tokens are the same, a request's logprobs are the same bits alone and batched through the
+modules, and the batch-1 C step (moe_decode.py) gives the same tokens."""
 from __future__ import annotations
 
 import json
@@ -62,15 +63,26 @@ def test_the_blocks_are_served_and_match_the_dequantized_model(q8_gguf):
 
 
 def test_greedy_tokens_equal_and_batch_invariant(q8_gguf):
+    """Through the modules a request's logprobs are the same bits alone and batched; the batch-1 C
+    step (moe_decode.py) gives its tokens, and its logprobs to float32 rounding."""
     ps = [prompt(n, seed=n, vocab=49152).tolist() for n in (9, 33, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     gguf = LLM(str(q8_gguf), num_kv_blocks=32, weight_format="gguf")
-    alone = gguf.generate([ps[0]], params)[0].outputs[0]
-    together = gguf.generate(ps, params)
+    model = gguf.engine.model
+    fast = gguf.generate([ps[0]], params)[0].outputs[0]
+    assert model.decode_fast_path._plan is not None  # the C step ran
+    hook = model.norm.register_forward_hook(lambda *a: None)  # a hook: the module path
+    try:
+        alone = gguf.generate([ps[0]], params)[0].outputs[0]
+        together = gguf.generate(ps, params)
+    finally:
+        hook.remove()
     dense = LLM(str(q8_gguf), num_kv_blocks=32).generate(ps, params)
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in dense]
-    assert together[0].outputs[0].token_ids == alone.token_ids
+    assert together[0].outputs[0].token_ids == alone.token_ids == fast.token_ids
     assert together[0].outputs[0].logprobs == alone.logprobs  # bit for bit, every step
+    for a, b in zip(fast.logprobs, alone.logprobs, strict=True):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-3 for t in a)
 
 
 def test_expert_parallelism_refuses_quantized_experts(q8_gguf):

@@ -15,6 +15,7 @@ and slot are read from the step's int64 tensors and the embedding row looked up 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -50,7 +51,8 @@ def _hooked(model: nn.Module) -> bool:
 
 
 
-def _stack_linear(m: nn.Module) -> StackLinear | None:
+def stack_linear(m: nn.Module) -> StackLinear | None:
+    """The C step's view of a linear module, or None where it takes no such layer."""
     if type(m) is QuantLinear:
         w = m.qweight
         if w.device.type != "cpu":
@@ -67,8 +69,8 @@ def _stack_linear(m: nn.Module) -> StackLinear | None:
     return None
 
 
-def _norm_ok(n: nn.Module) -> bool:
-    w = n.weight
+def float_ok(w: torch.Tensor) -> bool:
+    """A float32 CPU contiguous tensor (a norm's gain, an embedding): what the C step reads."""
     return w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous()
 
 
@@ -76,15 +78,15 @@ def build_plan(model: nn.Module) -> DecodeStack | None:
     """The C step over this model's weights, or None when some part of it is not supported."""
     a = model.args
     emb = model.embed_tokens.weight
-    if not cpu_kernel_available() or emb.device.type != "cpu" or emb.dtype != torch.float32 or not _norm_ok(
-            model.norm):
+    if not cpu_kernel_available() or emb.device.type != "cpu" or emb.dtype != torch.float32 or not float_ok(
+            model.norm.weight):
         return None
     layers = []
     for ly in model.layers:
-        lins = [_stack_linear(m) for m in (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj,
+        lins = [stack_linear(m) for m in (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj,
                                            ly.mlp.down_proj)]
-        if any(x is None for x in lins) or not (_norm_ok(ly.input_layernorm) and _norm_ok(
-                ly.post_attention_layernorm)) or ly.self_attn.scale != a.head_dim**-0.5:
+        if any(x is None for x in lins) or not (float_ok(ly.input_layernorm.weight) and float_ok(
+                ly.post_attention_layernorm.weight)) or ly.self_attn.scale != a.head_dim**-0.5:
             return None
         layers.append(StackLayer(ly.input_layernorm.weight.detach(), ly.post_attention_layernorm.weight.detach(),
                                  *lins))
@@ -95,11 +97,15 @@ def build_plan(model: nn.Module) -> DecodeStack | None:
 
 class DecodeFastPath:
     """Per model: the plan for its current state, rebuilt when that state changes. The state is the
-    linear modules and the embedding weight (by identity), the QuantLinear ones' activation widths
-    and whether anything is hooked; hooks are rescanned only when torch has handed out a hook handle since the last scan
-    (RemovableHandle.next_id), or while one was found (so a removed hook gives the fast path back)."""
+    model's weight-holding parts (`parts`: for a llama its linear modules) and the embedding weight
+    (by identity), the QuantLinear ones' activation widths and whether anything is hooked; hooks
+    are rescanned only when torch has handed out a hook handle since the last scan
+    (RemovableHandle.next_id), or while one was found (so a removed hook gives the fast path back).
+    `build` makes the plan (None: this model's state is not supported)."""
 
-    def __init__(self) -> None:
+    def __init__(self, build: Callable[[nn.Module], DecodeStack | None] = build_plan,
+                 parts: Callable[[nn.Module], list] = _linears) -> None:
+        self._build, self._parts = build, parts
         self._lins: list[nn.Module] = []
         self._quants: list[QuantLinear] = []
         self._widths: list[tuple] = []
@@ -114,12 +120,12 @@ class DecodeFastPath:
             if hooked != self._hooked:
                 self._lins = []  # rebuild (or drop) below
             self._hook_id, self._hooked = RemovableHandle.next_id, hooked
-        lins, emb = _linears(model), model._modules["embed_tokens"]._parameters["weight"]
+        lins, emb = self._parts(model), model._modules["embed_tokens"]._parameters["weight"]
         if (len(lins) != len(self._lins) or any(map(operator.is_not, lins, self._lins))
                 or list(map(_WIDTH, self._quants)) != self._widths or emb is not self._emb):
             self._lins, self._quants, self._emb = lins, [m for m in lins if type(m) is QuantLinear], emb
             self._widths = list(map(_WIDTH, self._quants))
-            self._plan = None if self._hooked else build_plan(model)
+            self._plan = None if self._hooked else self._build(model)
         return self._plan
 
     def __call__(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

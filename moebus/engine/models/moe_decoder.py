@@ -23,7 +23,9 @@ from torch import nn
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
 from moebus.engine.lm_head import float_logits
 from moebus.engine.models.llama import LlamaMLP, RMSNorm
+from moebus.engine.models.llama_decode import DecodeFastPath
 from moebus.engine.models.moe import MoE
+from moebus.engine.models.moe_decode import moe_decode_fast_path
 from moebus.engine.cpu_linear import QuantLinear
 from moebus.engine.models.quant_experts import QuantExperts
 from moebus.engine.models.weights import assign, fuse, quantize_head, quantize_linear, stack_experts, take
@@ -211,6 +213,8 @@ class MoEDecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(MoEDecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # One sequence, one new token on CPU: the whole stack in one C call (moe_decode.py says when).
+        self.decode_fast_path: DecodeFastPath | None = moe_decode_fast_path()
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         a = self.args
@@ -219,6 +223,10 @@ class MoEDecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if self.decode_fast_path is not None:
+            hidden = self.decode_fast_path(self, input_ids, positions, meta, kv_caches)
+            if hidden is not None:
+                return hidden
         cos, sin = rotary_cos_sin(positions, self.args.head_dim, self.args.rope_theta, torch.float32)
         x, residual = self.embed_tokens(input_ids), None
         if self.args.embedding_multiplier != 1.0:

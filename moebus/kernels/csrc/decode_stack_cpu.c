@@ -12,6 +12,13 @@
  * (quant_direct.h), float32 weights on cpu_dot.h's tiles (the module path there is torch's GEMM:
  * results differ by summation order). Layouts: caches float32 [blocks, bs, Hkv, D], contiguous;
  * cos / sin float32 [max_pos, D / 2] (neox rotary over the whole head); norms float32 [hidden].
+ *
+ * MoE decoder layers (engine/models/moe_decoder.py: Qwen3-MoE, Mixtral, OLMoE, GraniteMoE) take the
+ * same chain with their knobs (q/k RMSNorm per head or over the projection, QKV clipping, a
+ * softmax scale, an output scale on O) and, in place of gate/up and down, the routed experts:
+ * a float32 router GEMV and top-k, then each chosen expert's gate|up and down on qpanel.h's
+ * panels with the arithmetic of kernels/qmoe.py's kernel (csrc/qmoe_cpu.c), combined in float32
+ * in top-k order.
  */
 #include <omp.h>
 #include <sched.h>
@@ -33,9 +40,23 @@ struct dlinear {
     int32_t n, k;
 };
 
+/* A layer's routed experts (n_experts 0: the layer has a dense gate/up, down MLP instead). */
+struct dmoe {
+    const float *router;      /* float32 [n_experts, hidden] */
+    const uint8_t *p13, *p2;  /* each expert's [2 inter, hidden] / [hidden, inter] panels, back to back */
+    int32_t qt, n_experts, top_k, inter;
+    int32_t renorm;           /* 1: softmax over the top-k logits; 0: softmax over all, top-k of it */
+    float route_scale;        /* times every combine weight */
+};
+
 struct dlayer {
     const float *in_norm, *post_norm;
     struct dlinear qkv, o, gate_up, down;
+    const float *q_norm, *k_norm; /* qk_norm 1: [hd] shared by the heads; 2: [nh hd] / [nkv hd] */
+    int32_t qk_norm;              /* 0 none, 1 per head, 2 over the whole projection */
+    float clip;                   /* > 0: q, k, v clamped to [-clip, clip] */
+    float o_scale;                /* O's output times this before the residual add */
+    struct dmoe moe;
 };
 
 struct dmodel {
@@ -43,6 +64,8 @@ struct dmodel {
     float eps, scale;
     const float *final_norm, *cos, *sin;
     const struct dlayer *layers;
+    float emb_scale;             /* the token's embedding row times this */
+    int32_t max_experts, max_k, max_moe_inter; /* over the MoE layers (0: none), for the scratch */
 };
 
 /* Scratch floats. Shared: the layer's activations (qkv, attention out, projection out, gate/up);
@@ -51,12 +74,17 @@ struct dmodel {
 static int64_t per_thread(const struct dmodel *m, int64_t ctx) {
     int64_t kmax = m->hidden > m->inter ? m->hidden : m->inter;
     kmax = kmax > (int64_t)m->nh * m->hd ? kmax : (int64_t)m->nh * m->hd;
-    return (m->hidden + 2 * (int64_t)m->nkv * m->hd + ctx + kmax / 2 + 2 * (kmax / QK) + 4 * 16 + 15) & ~15;
+    const int64_t ka = (int64_t)m->max_k * m->max_moe_inter; /* the chosen experts' quantized act rows */
+    kmax = kmax > ka ? kmax : ka;
+    return (m->hidden + 2 * (int64_t)m->nkv * m->hd + ctx + kmax / 2 + 2 * (kmax / QK) + 2 * m->max_experts +
+            6 * 16 + 15) & ~15;
 }
 
 static int64_t shared_floats(const struct dmodel *m) {
     const int64_t qkv = (int64_t)(m->nh + 2 * m->nkv) * m->hd;
-    return (qkv + (int64_t)m->nh * m->hd + m->hidden + 3 * (int64_t)m->inter + 16 + 15) & ~15;
+    const int64_t moe = (int64_t)m->max_k * (3 * (int64_t)m->max_moe_inter + m->hidden + 2); /* gate|up, act, y, routing */
+    const int64_t mlp = 3 * (int64_t)m->inter > moe ? 3 * (int64_t)m->inter : moe;
+    return (qkv + (int64_t)m->nh * m->hd + m->hidden + mlp + 16 + 15) & ~15;
 }
 
 int64_t decode_stack_scratch(const struct dmodel *m, int64_t max_ctx) {
@@ -279,12 +307,98 @@ static void attend_head(const struct dmodel *m, const float *q, const float *kc,
     weighted_v(vc, table, bs, row, off, cached, s, v, hd, 1.f / sum /* >= 1: the maximum's term */, o);
 }
 
+static void clip_row(float *x, int64_t n, float c) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] = x[i] > c ? c : (x[i] < -c ? -c : x[i]);
+}
+
+/* x * rsqrt(ss / n + eps) * w for a row whose sum of squares ss was taken already. */
+static void scale_row(const float *x, const float *w, int64_t n, float r, float *out) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static float sum_sq(const float *x, int64_t n) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    return ss;
+}
+
+/* The router's logits [E] of the normed row xn: its weight in pack_panels' float32 layout ([E / 16]
+ * panels of [hidden][16]), each logit a float32 fma chain over k in order: the panel kernel's
+ * arithmetic (kernels/panel_linear.py), so the module path's logits to the bit. */
+static void router_logits(const struct dmoe *M, const float *xn, int H, float *logits) {
+    const int P = (M->n_experts + 15) / 16;
+    for (int p = 0; p < P; p++) {
+        const float *w = M->router + (int64_t)p * H * 16;
+        float acc[16] = {0};
+#if defined(__AVX512F__)
+        __m512 a = _mm512_setzero_ps();
+        for (int k = 0; k < H; k++) a = _mm512_fmadd_ps(_mm512_set1_ps(xn[k]), _mm512_loadu_ps(w + k * 16), a);
+        _mm512_storeu_ps(acc, a);
+#else
+        for (int k = 0; k < H; k++)
+            for (int c = 0; c < 16; c++) acc[c] = fmaf(xn[k], w[k * 16 + c], acc[c]);
+#endif
+        for (int c = 0; c < 16 && p * 16 + c < M->n_experts; c++) logits[p * 16 + c] = acc[c];
+    }
+}
+
+/* The top_k experts of the logits (sel, best first; ties to the lower id) and their combine weights:
+ * renorm, a softmax over the chosen logits (== softmax, top-k, renormalise); else the softmax over
+ * all experts at the chosen ones. Both times route_scale. */
+static void route(const struct dmoe *M, const float *logits, int *sel, float *w) {
+    const int E = M->n_experts, K = M->top_k;
+    for (int j = 0; j < K; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= sel[i] == e;
+            if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+        }
+        sel[j] = best;
+    }
+    const float mx = logits[sel[0]];
+    float sum = 0.f;
+    if (M->renorm) {
+        for (int j = 0; j < K; j++) sum += w[j] = expf(logits[sel[j]] - mx);
+    } else {
+        for (int e = 0; e < E; e++) sum += expf(logits[e] - mx);
+        for (int j = 0; j < K; j++) w[j] = expf(logits[sel[j]] - mx);
+    }
+    for (int j = 0; j < K; j++) w[j] = w[j] / sum * M->route_scale;
+}
+
+/* Rows [n0, n1) of expert e's panels (p: the experts' panels, each `stride` bytes) on the prepared row. */
+static void expert_rows(int qt, const uint8_t *p, int64_t stride, int e, int64_t K, const int16_t *xq,
+                        const float *dd, int64_t n0, int64_t n1, float *out) {
+    const uint8_t *w = p + e * stride;
+    const int nb = (int)(K / QK);
+    switch (qt) {
+    case Q4_0: qp_rows(Q4_0, w, nb, xq, dd, K, 1, n0, n1, out, 0); break;
+    case Q4_1: qp_rows(Q4_1, w, nb, xq, dd, K, 1, n0, n1, out, 0); break;
+    default: qp_rows(Q8_0, w, nb, xq, dd, K, 1, n0, n1, out, 0);
+    }
+}
+
+static int64_t expert_bytes(int qt, int64_t n, int64_t k) { return (n + QP_W - 1) / QP_W * (k / QK) * qp_block_bytes(qt); }
+
+/* Chunks of the layer's phases: QKV rows, heads, O rows, then gate/up rows and down rows (dense) or
+ * (chosen expert, gate|up rows) and down rows over the chosen experts (MoE). */
+static void layer_totals(const struct dmodel *m, const struct dlayer *L, int *total) {
+    total[0] = chunks((int64_t)(m->nh + 2 * m->nkv) * m->hd), total[1] = m->nh, total[2] = chunks(m->hidden);
+    total[3] = L->moe.n_experts ? L->moe.top_k * chunks(L->moe.inter) : chunks(m->inter);
+    total[4] = chunks(m->hidden);
+}
+
 /* h [hidden]: this token's embedding in, the residual stream after the last layer out; out
  * [hidden] = final_norm(h). The token sits at position pos = seq_len - 1 in cache slot `slot`
  * (its place in `table`) and attends to positions [0, seq_len). k_caches / v_caches: one per
  * layer. One parallel region for the whole step, phases as above; before claiming a phase's chunks
  * a thread recomputes that phase's cheap shared input itself (the normed, quantized row; this
- * token's rotated K/V). Returns 0; 1 when the arguments do not fit (the caller falls back). */
+ * token's rotated K/V; an MoE layer's routing). Returns 0; 1 when the arguments do not fit (the
+ * caller falls back). */
 int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, int64_t slot, int64_t seq_len,
                      const int32_t *table, float *const *k_caches, float *const *v_caches, float *scratch,
                      int64_t scratch_len) {
@@ -295,23 +409,27 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
     const int H = m->hidden, I = m->inter, hd = m->hd, g = m->nh / m->nkv, len = (int)seq_len;
     const int64_t nq = (int64_t)m->nh * hd, nk = (int64_t)m->nkv * hd, pt = per_thread(m, seq_len);
     float *qkv = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63), *att = qkv + nq + 2 * nk;
-    float *tmp = att + nq, *gu = tmp + H, *act = gu + 2 * (int64_t)I, *priv = qkv + shared_floats(m);
+    float *tmp = att + nq, *gu = tmp + H, *priv = qkv + shared_floats(m);
     const float *c = m->cos + pos * (hd / 2), *s = m->sin + pos * (hd / 2);
     struct phase *ph = malloc(sizeof(struct phase) * 5 * (size_t)m->n_layers);
-    if (!ph) return 1;
+    int *totals = malloc(sizeof(int) * 5 * (size_t)m->n_layers);
+    if (!ph || !totals) return free(ph), free(totals), 1;
     for (int i = 0; i < 5 * m->n_layers; i++) atomic_init(&ph[i].claimed, 0), atomic_init(&ph[i].done, 0);
-    const int nqkv = chunks((int64_t)(m->nh + 2 * m->nkv) * hd), nh_ = chunks(H), ni = chunks(I);
-    const int total[5] = {nqkv, m->nh, nh_, ni, nh_};
+    for (int l = 0; l < m->n_layers; l++) layer_totals(m, m->layers + l, totals + 5 * l);
 #pragma omp parallel
     {
         const int tid = omp_get_thread_num();
         float *xn = priv + tid * pt, *kv = xn + ((H + 15) & ~15), *sc = kv + 2 * nk;
-        void *qbuf = sc + ((len + 15) & ~15);
+        float *logits = sc + ((len + 15) & ~15), *wsel = logits + ((m->max_experts + 15) & ~15);
+        int *sel = (int *)(wsel + 16 * ((m->max_k + 15) / 16));
+        void *qbuf = (float *)sel + 16 * ((m->max_k + 15) / 16);
         for (int l = 0; l < m->n_layers; l++) {
             const struct dlayer *L = m->layers + l;
+            const struct dmoe *M = &L->moe;
+            const int *total = totals + 5 * l;
             struct phase *P = ph + 5 * l;
             int k;
-            if (l > 0) wait_done(P - 1, total[4]);
+            if (l > 0) wait_done(P - 1, totals[5 * l - 1]);
             if (atomic_load_explicit(&P[0].claimed, memory_order_relaxed) < total[0]) { /* QKV */
                 rms_norm(h, L->in_norm, H, m->eps, xn);
                 prepare(&L->qkv, xn, qbuf);
@@ -323,9 +441,18 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
             }
             wait_done(&P[0], total[0]);
             if (atomic_load_explicit(&P[1].claimed, memory_order_relaxed) < total[1]) { /* attention */
-                for (int j = 0; j < m->nkv; j++) { /* this token's K (rotated) and V, every thread its copy */
-                    rotate(qkv + nq + j * hd, kv + j * hd, hd, c, s);
-                    memcpy(kv + nk + j * hd, qkv + nq + nk + j * hd, (size_t)hd * sizeof(float));
+                float qr = 0.f; /* qk_norm 2: the whole q projection's rsqrt(mean square + eps) */
+                if (L->qk_norm == 2) {
+                    qr = 1.f / sqrtf(sum_sq(qkv, nq) / (float)nq + m->eps);
+                    scale_row(qkv + nq, L->k_norm, nk, 1.f / sqrtf(sum_sq(qkv + nq, nk) / (float)nk + m->eps), kv);
+                } else {
+                    memcpy(kv, qkv + nq, (size_t)nk * sizeof(float));
+                }
+                memcpy(kv + nk, qkv + nq + nk, (size_t)nk * sizeof(float));
+                for (int j = 0; j < m->nkv; j++) { /* this token's K (normed, clipped, rotated) and V, every thread its copy */
+                    if (L->qk_norm == 1) rms_norm(kv + j * hd, L->k_norm, hd, m->eps, kv + j * hd);
+                    if (L->clip > 0.f) clip_row(kv + j * hd, hd, L->clip), clip_row(kv + nk + j * hd, hd, L->clip);
+                    rotate(kv + j * hd, kv + j * hd, hd, c, s);
                 }
                 while ((k = claim(&P[1], total[1])) >= 0) {
                     if (k == 0) { /* the slot is read by no one this step: attention takes kv */
@@ -333,7 +460,12 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                         memcpy(v_caches[l] + slot * nk, kv + nk, (size_t)nk * sizeof(float));
                     }
                     const int64_t off = (int64_t)(k / g) * hd;
-                    rotate(qkv + (int64_t)k * hd, xn, hd, c, s); /* xn is free until the next norm */
+                    const float *q = qkv + (int64_t)k * hd; /* xn is free until the next norm */
+                    if (L->qk_norm == 1) rms_norm(q, L->q_norm, hd, m->eps, xn);
+                    else if (L->qk_norm == 2) scale_row(q, L->q_norm + (int64_t)k * hd, hd, qr, xn);
+                    else memcpy(xn, q, (size_t)hd * sizeof(float));
+                    if (L->clip > 0.f) clip_row(xn, hd, L->clip);
+                    rotate(xn, xn, hd, c, s);
                     attend_head(m, xn, k_caches[l], v_caches[l], table, len, off, kv + off, kv + nk + off, sc,
                                 att + (int64_t)k * hd);
                     finish(&P[1]);
@@ -345,11 +477,62 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                 while ((k = claim(&P[2], total[2])) >= 0) {
                     const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < H ? n0 + CHUNK : H;
                     linear_rows(&L->o, att, qbuf, n0, n1, tmp);
-                    for (int64_t i = n0; i < n1; i++) h[i] += tmp[i];
+                    if (L->o_scale != 1.f)
+                        for (int64_t i = n0; i < n1; i++) h[i] += tmp[i] * L->o_scale;
+                    else
+                        for (int64_t i = n0; i < n1; i++) h[i] += tmp[i];
                     finish(&P[2]);
                 }
             }
             wait_done(&P[2], total[2]);
+            if (M->n_experts) { /* routed experts: gate|up of each chosen expert, then down over all of them */
+                const int Ie = M->inter, K = M->top_k, ci = chunks(Ie);
+                const int64_t s13 = expert_bytes(M->qt, 2 * (int64_t)Ie, H), s2 = expert_bytes(M->qt, H, Ie);
+                float *act = gu + 2 * (int64_t)K * Ie, *y = act + (int64_t)K * Ie, *rw = y + (int64_t)K * H;
+                int *rsel = (int *)(rw + K); /* the routing, shared */
+                int16_t *xq = qbuf;
+                float *xd = (float *)(xq + H);
+                if (atomic_load_explicit(&P[3].claimed, memory_order_relaxed) < total[3]) {
+                    rms_norm(h, L->post_norm, H, m->eps, xn);
+                    router_logits(M, xn, H, logits);
+                    route(M, logits, sel, wsel);
+                    quantize_row(1, 0, xn, H / QK, xq, xd, xd + 1, 2);
+                    while ((k = claim(&P[3], total[3])) >= 0) {
+                        const int j = k / ci;
+                        const int64_t n0 = (int64_t)(k % ci) * CHUNK, n1 = n0 + CHUNK < Ie ? n0 + CHUNK : Ie;
+                        float *gj = gu + 2 * (int64_t)j * Ie, *aj = act + (int64_t)j * Ie;
+                        expert_rows(M->qt, M->p13, s13, sel[j], H, xq, xd, n0, n1, gj);
+                        expert_rows(M->qt, M->p13, s13, sel[j], H, xq, xd, Ie + n0, Ie + n1, gj);
+#pragma omp simd
+                        for (int64_t i = n0; i < n1; i++) aj[i] = gj[i] / (1.f + fast_exp(-gj[i])) * gj[Ie + i];
+                        if (k == 0) /* for the down phase, whose threads may not have routed: h moves then */
+                            memcpy(rsel, sel, (size_t)K * sizeof(int)), memcpy(rw, wsel, (size_t)K * sizeof(float));
+                        finish(&P[3]);
+                    }
+                }
+                wait_done(&P[3], total[3]);
+                if (atomic_load_explicit(&P[4].claimed, memory_order_relaxed) < total[4]) {
+                    int16_t *aq = qbuf;
+                    float *ad = (float *)(aq + (int64_t)K * Ie);
+                    for (int j = 0; j < K; j++)
+                        quantize_row(1, 0, act + (int64_t)j * Ie, Ie / QK, aq + (int64_t)j * Ie,
+                                     ad + 2 * (int64_t)j * (Ie / QK), ad + 2 * (int64_t)j * (Ie / QK) + 1, 2);
+                    while ((k = claim(&P[4], total[4])) >= 0) {
+                        const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < H ? n0 + CHUNK : H;
+                        for (int j = 0; j < K; j++)
+                            expert_rows(M->qt, M->p2, s2, rsel[j], Ie, aq + (int64_t)j * Ie,
+                                        ad + 2 * (int64_t)j * (Ie / QK), n0, n1, y + (int64_t)j * H);
+                        for (int64_t i = n0; i < n1; i++) { /* sum_j w_j y_j in float32, j in order */
+                            float acc = 0.f;
+                            for (int j = 0; j < K; j++) acc += rw[j] * y[(int64_t)j * H + i];
+                            h[i] += acc;
+                        }
+                        finish(&P[4]);
+                    }
+                }
+                continue;
+            }
+            float *act = gu + 2 * (int64_t)I;
             if (atomic_load_explicit(&P[3].claimed, memory_order_relaxed) < total[3]) { /* gate/up, SiLU * up */
                 rms_norm(h, L->post_norm, H, m->eps, xn);
                 prepare(&L->gate_up, xn, qbuf);
@@ -374,11 +557,11 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
             }
         }
         if (tid == 0) {
-            wait_done(ph + 5 * m->n_layers - 1, total[4]);
+            wait_done(ph + 5 * m->n_layers - 1, totals[5 * m->n_layers - 1]);
             rms_norm(h, m->final_norm, H, m->eps, out);
         }
     }
-    free(ph);
+    free(ph), free(totals);
     return 0;
 }
 
@@ -393,6 +576,8 @@ int decode_stack_ids(const struct dmodel *m, const float *embed, int64_t es, int
     const int64_t tok = ids[0];
     if (tok < 0 || tok >= vocab) return 1;
     memcpy(h, embed + tok * es, (size_t)m->hidden * sizeof(float));
+    if (m->emb_scale != 1.f)
+        for (int i = 0; i < m->hidden; i++) h[i] *= m->emb_scale;
     return decode_stack_f32(m, h, out, positions[0], slots[0], seq_len, table, k_caches, v_caches, scratch,
                             scratch_len);
 }

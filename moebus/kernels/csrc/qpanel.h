@@ -124,7 +124,11 @@ INLINE void qp_tile512(int qt, const uint8_t *pan, int64_t ps, int P, int nb, co
         const int32_t *xp[RM];
         for (int r = 0; r < R; r++) xp[r] = (const int32_t *)(xq + r * K + (int64_t)b * QK);
         const uint8_t *blk = pan + (int64_t)b * bb;
-        for (int p = 0; p < P; p++) __builtin_prefetch(blk + p * ps + 6 * bb, 0, 3);
+        /* Q4: a line 6 blocks ahead a panel. Q8_0's 544-byte blocks stream faster on the hardware
+         * prefetcher alone (Zen 4, one row: SmolLM2-shaped layers 5.07 -> 4.64 ms, 24 MoE layers'
+         * experts 12.7 -> 11.8 ms; Q4_1 unchanged within 2%) */
+        if (qt != Q8_0)
+            for (int p = 0; p < P; p++) __builtin_prefetch(blk + p * ps + 6 * bb, 0, 3);
         if (qt == Q8_0) {
             for (int g = 0; g < 8; g++) {
                 __m512i x[PM];

@@ -1,0 +1,89 @@
+"""The batch-1 decode fast path of the MoE decoder families (models/moe_decoder.py: Qwen3-MoE,
+Mixtral, OLMoE, GraniteMoE): one sequence, one new token on CPU, in kernels/decode_stack.py's one
+C call with its MoE layers, where the module path pays ~10 ms a token of host work at the shape of
+Granite-3.0-1B-A400M (issue 35: c=1 TPOT against llama-server on the same GGUF).
+
+It applies where the C step computes what the module path computes: the weight_format "gguf"
+model (experts on their GGUF blocks, QuantExperts; attention and dense MLPs on linear layers the
+step takes, llama_decode.stack_linear), float32 activations and caches, a softmax router with no
+score bias, group limit or hash, no shared experts or SwiGLU clamp, no attention bias, no sliding
+window. Anything else keeps the module path. The router's logits are the module path's bits (the
+same float32 fma chain as its panel kernel); the experts, SiLU and combine are kernels/qmoe.py's
+arithmetic; the softmax over the chosen logits and the attention sum in their own order, so
+logprobs agree to float32 rounding and tokens are the same (tests/models/test_moe_decode.py).
+llama_decode.DecodeFastPath re-reads the model's state each step and rebuilds or drops the plan.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from moebus.engine.models.llama_decode import DecodeFastPath, float_ok, stack_linear
+from moebus.kernels.decode_stack import DecodeStack, StackExperts, StackLayer, StackShape, cpu_kernel_available
+from moebus.kernels.lm_head_argmax import pack_panels
+
+
+def moe_parts(model: nn.Module) -> list:
+    """What the plan is built from, by identity: each layer's attention projections and its experts
+    and router weight (or dense MLP)."""
+    out: list = []
+    for ly in model.layers._modules.values():
+        attn, mlp = ly._modules["self_attn"]._modules, ly._modules["mlp"]
+        out += (attn["qkv_proj"], attn["o_proj"])
+        if ly.is_moe:
+            out += (mlp.quant_experts, mlp._modules["gate"]._parameters["weight"])
+        else:
+            out += (mlp._modules["gate_up_proj"], mlp._modules["down_proj"])
+    return out
+
+
+def _experts(mlp: nn.Module) -> StackExperts | None:
+    q, gate = mlp.quant_experts, mlp.gate
+    if (q is None or mlp.shared_experts is not None or mlp.swiglu_limit is not None or gate.is_hash
+            or gate.groups is not None or gate.e_score_correction_bias is not None or gate.scoring_func != "softmax"
+            or q.p13.device.type != "cpu"):
+        return None
+    w = gate.weight.detach().float().contiguous()
+    return StackExperts(w, pack_panels(w), gate.top_k, gate.norm_topk_prob, float(gate.routed_scaling_factor),
+                        q.qtype, q.p13, q.p2, q.intermediate)
+
+
+def _layer(ly: nn.Module) -> StackLayer | None:
+    attn = ly.self_attn
+    qkv, o = stack_linear(attn.qkv_proj), stack_linear(attn.o_proj)
+    norms = (ly.input_layernorm.weight, ly.post_attention_layernorm.weight)
+    if qkv is None or o is None or attn.sliding_window is not None or not all(map(float_ok, norms)):
+        return None
+    qk = (attn.q_norm.detach(), attn.k_norm.detach()) if attn.qk_norm != "none" else (None, None)
+    if not all(float_ok(t) for t in qk if t is not None):
+        return None
+    mlp: tuple = (None, None)
+    experts = None
+    if ly.is_moe:
+        if (experts := _experts(ly.mlp)) is None:
+            return None
+    else:
+        mlp = (stack_linear(ly.mlp.gate_up_proj), stack_linear(ly.mlp.down_proj))
+        if any(x is None for x in mlp):
+            return None
+    return StackLayer(norms[0].detach(), norms[1].detach(), qkv, o, *mlp, q_norm=qk[0], k_norm=qk[1],
+                      qk_norm=attn.qk_norm, clip=attn.clip, o_scale=float(attn.out_scale), experts=experts)
+
+
+def build_moe_plan(model: nn.Module) -> DecodeStack | None:
+    """The C step over this MoE decoder's weights, or None when some part of it is not supported."""
+    a = model.args
+    emb = model.embed_tokens.weight
+    if not (cpu_kernel_available() and float_ok(emb) and float_ok(model.norm.weight)):
+        return None
+    layers = [_layer(ly) for ly in model.layers]
+    scales = {ly.self_attn.scale for ly in model.layers}
+    if any(x is None for x in layers) or len(scales) != 1:
+        return None
+    shape = StackShape(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps, a.rope_theta,
+                       a.max_position_embeddings)
+    return DecodeStack(layers, model.norm.weight.detach(), shape, embed=emb.detach(), scale=scales.pop(),
+                       emb_scale=a.embedding_multiplier)
+
+
+def moe_decode_fast_path() -> DecodeFastPath:
+    return DecodeFastPath(build_moe_plan, moe_parts)
