@@ -7,9 +7,14 @@ against HF fp32 on the dequantized weights, against bf16's 1.6e-3), every row co
 formula (a request's logits the same bits alone or batched), and a decode step reads 4.5-8.5 bits a
 weight instead of 16 (BENCHMARKS.md, "A lone stream on the GGUF's blocks": the lone stream
 2.2x bf16's speed, batches of 64 ~20% below it, the per-block scales costing float work a block).
-So auto takes the blocks only where all of that was measured: a GGUF of a family QuantLinear
-serves, dtype auto (an explicit dtype asks for dense weights in it), a CPU with AVX-512 and without
-AMX (whose bf16 tiles were not measured against the panels).
+The MoE decoder families (Qwen3-MoE, Mixtral, OLMoE, GraniteMoE) take their experts on the blocks
+too (models/quant_experts.py) and a lone stream the batch-1 C step (models/moe_decode.py): on a
+Granite-3.0-1B-A400M-shaped Q8_0 file a lone stream 2x bf16's speed and faster than llama-server on
+the same file, batches of 64 slower than bf16 (BENCHMARKS.md, "An MoE on its GGUF's blocks").
+So auto takes the blocks only where all of that was measured: a GGUF of a family they serve whose
+weights are mostly in a block type (a bf16 or f32 file has none to serve), dtype auto (an explicit
+dtype asks for dense weights in it), a CPU with AVX-512 and without AMX (whose bf16 tiles were not
+measured against the panels).
 """
 from __future__ import annotations
 
@@ -19,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moebus.engine.dtype_choice import cpu_flags
+from moebus.engine.models import QUANTIZED_ARCHS
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("auto", "dense", "gguf")
-GGUF_ARCHS = ("LlamaForCausalLM",)  # the families QuantLinear serves (load_model)
+QUANTIZED_SHARE = 0.5  # of the file's weights (elements) in Q4_0 / Q4_1 / Q8_0 blocks
 PANEL_FLAGS = ("avx512f", "avx512bw")
 
 
@@ -45,6 +51,18 @@ def _gguf_arch(path: Path) -> str:
     return (cfg.get("architectures") or ["?"])[0]
 
 
+def _quantized_share(path: Path) -> float:
+    """The share of the GGUF's weight elements stored in a type the blocks' kernels take (the
+    tensor directory only: the data stays mapped, unread)."""
+    from gguf import GGUFReader
+
+    from moebus.engine.loader.gguf_file import QUANT_TYPES
+
+    sizes = [(t.tensor_type.name, int(t.n_elements)) for t in GGUFReader(str(path)).tensors]
+    total = sum(n for _, n in sizes)
+    return sum(n for name, n in sizes if name in QUANT_TYPES) / max(total, 1)
+
+
 def choose_format(path: Path, requested: str, dtype: str, device: str = "cpu",
                   flags: Iterable[str] | None = None) -> FormatChoice:
     """Resolve `requested` ("auto", "dense" or "gguf") for the model file at `path`, asked to run in
@@ -61,9 +79,11 @@ def choose_format(path: Path, requested: str, dtype: str, device: str = "cpu",
                else "an AMX CPU: bf16 tiles" if "amx_bf16" in have
                else None)
     if why_not is None:
-        arch = _gguf_arch(path)
-        if arch not in GGUF_ARCHS:
-            why_not = f"a {arch} GGUF (blocks served for {', '.join(GGUF_ARCHS)})"
+        arch, share = _gguf_arch(path), _quantized_share(path)
+        if arch not in QUANTIZED_ARCHS:
+            why_not = f"a {arch} GGUF (blocks served for {', '.join(QUANTIZED_ARCHS)})"
+        elif share < QUANTIZED_SHARE:
+            why_not = f"{share:.0%} of the GGUF's weights in Q4_0/Q4_1/Q8_0 blocks"
     if why_not:
         return FormatChoice("dense", dtype, f"auto: dense weights ({why_not})")
     return FormatChoice("gguf", "float32", "auto: the GGUF's blocks on AVX-512 panels, float32 activations")

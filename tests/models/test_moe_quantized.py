@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moebus.engine.cpu_linear import QuantLinear
+from moebus.engine.format_choice import choose_format
 from moebus.engine.llm import LLM
 from moebus.engine.loader.gguf_cache import converted_dir
 from moebus.engine.loader.gguf_file import embedded_gguf_path
@@ -36,15 +37,19 @@ _GGUF_SAFE = {"qwen3_moe": {"mlp_only_layers": []}, "olmoe": {"clip_qkv": None, 
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "granite_moe")
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def q8_gguf(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    hf = write_tiny(request.param, tmp_path_factory.mktemp(request.param), seed=0, vocab_size=49152,
-                    **_GGUF_SAFE.get(request.param, {}))
+def _tiny(family: str, out: Path) -> Path:
+    hf = write_tiny(family, out, seed=0, vocab_size=49152, **_GGUF_SAFE.get(family, {}))
     src = converted_dir(embedded_gguf_path())
     shutil.copy(src / "tokenizer.json", hf / "tokenizer.json")
     tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
     tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     (hf / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return hf
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def q8_gguf(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    hf = _tiny(request.param, tmp_path_factory.mktemp(request.param))
     return convert(hf, tmp_path_factory.mktemp("gguf") / "model-q8_0.gguf", "q8_0")
 
 
@@ -91,3 +96,17 @@ def test_expert_parallelism_refuses_quantized_experts(q8_gguf):
     moe = next(m for m in load_model(q8_gguf, weight_format="gguf").model.modules() if isinstance(m, MoE))
     with pytest.raises(ValueError, match="weight_format 'dense'"):
         EPMoE(moe, placement=None, group=None)
+
+
+ZEN4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}
+
+
+def test_auto_takes_the_blocks_of_a_quantized_moe_gguf_only(tmp_path):
+    """weight_format auto (engine/format_choice.py): an MoE GGUF in Q8_0 runs on its blocks in
+    float32; the same checkpoint as a bf16 GGUF has no blocks to serve and stays dense."""
+    hf = _tiny("granite_moe", tmp_path / "hf")
+    q8, bf16 = convert(hf, tmp_path / "q8_0.gguf", "q8_0"), convert(hf, tmp_path / "bf16.gguf", "bf16")
+    c = choose_format(q8, "auto", "auto", flags=ZEN4)
+    assert (c.weight_format, c.dtype) == ("gguf", "float32"), c
+    c = choose_format(bf16, "auto", "auto", flags=ZEN4)
+    assert (c.weight_format, c.dtype) == ("dense", "auto") and "0% of the GGUF's weights" in c.reason, c
