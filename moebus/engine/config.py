@@ -67,11 +67,11 @@ class EngineConfig:
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
-        if self.weight_format == "auto":  # before dtype: the blocks run float32 activations
+        if self.weight_format in ("auto", "gguf"):  # before dtype: the blocks run float32 activations
             from moebus.engine.format_choice import resolve_format
             from moebus.engine.models import resolve
 
-            choice = resolve_format(resolve(self.model), "auto", self.dtype, self.device)
+            choice = resolve_format(resolve(self.model), self.weight_format, self.dtype, self.device)
             self.weight_format, self.dtype = choice.weight_format, choice.dtype
         if self.dtype == "auto":  # from the CPU's flags (bf16 with AVX512-BF16/AMX), logged: dtype_choice
             self.dtype = resolve_dtype("auto", self.device)

@@ -7,14 +7,14 @@ against HF fp32 on the dequantized weights, against bf16's 1.6e-3), every row co
 formula (a request's logits the same bits alone or batched), and a decode step reads 4.5-8.5 bits a
 weight instead of 16 (BENCHMARKS.md, "A lone stream on the GGUF's blocks": the lone stream
 2.2x bf16's speed, batches of 64 ~20% below it, the per-block scales costing float work a block).
-The MoE decoder families (Qwen3-MoE, Mixtral, OLMoE, GraniteMoE) take their experts on the blocks
-too (models/quant_experts.py) and a lone stream the batch-1 C step (models/moe_decode.py): on a
-Granite-3.0-1B-A400M-shaped Q8_0 file a lone stream 2x bf16's speed and faster than llama-server on
-the same file, batches of 64 slower than bf16 (BENCHMARKS.md, "An MoE on its GGUF's blocks").
-So auto takes the blocks only where all of that was measured: a GGUF of a family they serve whose
-weights are mostly in a block type (a bf16 or f32 file has none to serve), dtype auto (an explicit
-dtype asks for dense weights in it), a CPU with AVX-512 and without AMX (whose bf16 tiles were not
-measured against the panels).
+So auto takes the blocks only where all of that was measured: a Llama GGUF whose weights are
+mostly in a block type (a bf16 or f32 file has none to serve), dtype auto (an explicit dtype asks
+for dense weights in it), a CPU with AVX-512 and without AMX (whose bf16 tiles were not measured
+against the panels). The MoE decoder families serve their blocks only when asked (`weight_format
+gguf`): on a Granite-3.0-1B-A400M-shaped Q8_0 file the lone stream is twice bf16's speed and ahead
+of llama-server on the same file, but prefill and batches run on the integer panels' 16-bit dots
+at 0.6x bf16's prefill rate, and the float32 KV cache holds half the tokens (BENCHMARKS.md, "An MoE
+on its GGUF's blocks"): a latency choice, not a default.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from moebus.engine.models import QUANTIZED_ARCHS
 log = logging.getLogger(__name__)
 
 FORMATS = ("auto", "dense", "gguf")
+GGUF_ARCHS = ("LlamaForCausalLM",)  # the families auto serves on their blocks (QUANTIZED_ARCHS: when asked)
 QUANTIZED_SHARE = 0.5  # of the file's weights (elements) in Q4_0 / Q4_1 / Q8_0 blocks
 PANEL_FLAGS = ("avx512f", "avx512bw")
 
@@ -69,8 +70,8 @@ def choose_format(path: Path, requested: str, dtype: str, device: str = "cpu",
     `dtype` ("auto" or explicit). flags: the CPU's (default: read them)."""
     if requested not in FORMATS:
         raise ValueError(f"weight_format must be one of {FORMATS}, not {requested!r}")
-    if requested != "auto":
-        return FormatChoice(requested, dtype, "asked for")
+    if requested != "auto":  # the blocks' kernels take float32 activations: gguf's dtype auto is float32
+        return FormatChoice(requested, "float32" if requested == "gguf" and dtype == "auto" else dtype, "asked for")
     have = set(cpu_flags() if flags is None else flags)
     why_not = (f"device {device}" if not device.startswith("cpu")
                else f"dtype {dtype} asked for" if dtype != "auto"
@@ -80,10 +81,12 @@ def choose_format(path: Path, requested: str, dtype: str, device: str = "cpu",
                else None)
     if why_not is None:
         arch, share = _gguf_arch(path), _quantized_share(path)
-        if arch not in QUANTIZED_ARCHS:
-            why_not = f"a {arch} GGUF (blocks served for {', '.join(QUANTIZED_ARCHS)})"
-        elif share < QUANTIZED_SHARE:
+        if share < QUANTIZED_SHARE:
             why_not = f"{share:.0%} of the GGUF's weights in Q4_0/Q4_1/Q8_0 blocks"
+        elif arch in QUANTIZED_ARCHS and arch not in GGUF_ARCHS:
+            why_not = f"a {arch} GGUF: its blocks are a latency choice (weight_format gguf)"
+        elif arch not in GGUF_ARCHS:
+            why_not = f"a {arch} GGUF (blocks served for {', '.join(QUANTIZED_ARCHS)})"
     if why_not:
         return FormatChoice("dense", dtype, f"auto: dense weights ({why_not})")
     return FormatChoice("gguf", "float32", "auto: the GGUF's blocks on AVX-512 panels, float32 activations")

@@ -101,12 +101,13 @@ def test_expert_parallelism_refuses_quantized_experts(q8_gguf):
 ZEN4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}
 
 
-def test_auto_takes_the_blocks_of_a_quantized_moe_gguf_only(tmp_path):
-    """weight_format auto (engine/format_choice.py): an MoE GGUF in Q8_0 runs on its blocks in
-    float32; the same checkpoint as a bf16 GGUF has no blocks to serve and stays dense."""
+def test_auto_keeps_an_moe_gguf_dense_and_gguf_serves_its_blocks_when_asked(tmp_path):
+    """weight_format auto (engine/format_choice.py): an MoE GGUF in Q8_0 stays dense (its blocks
+    are a latency choice), and so does a bf16 GGUF, which has no blocks to serve; asked for, gguf."""
     hf = _tiny("granite_moe", tmp_path / "hf")
     q8, bf16 = convert(hf, tmp_path / "q8_0.gguf", "q8_0"), convert(hf, tmp_path / "bf16.gguf", "bf16")
     c = choose_format(q8, "auto", "auto", flags=ZEN4)
-    assert (c.weight_format, c.dtype) == ("gguf", "float32"), c
+    assert (c.weight_format, c.dtype) == ("dense", "auto") and "latency choice" in c.reason, c
+    assert choose_format(q8, "gguf", "float32", flags=ZEN4).weight_format == "gguf"
     c = choose_format(bf16, "auto", "auto", flags=ZEN4)
     assert (c.weight_format, c.dtype) == ("dense", "auto") and "0% of the GGUF's weights" in c.reason, c

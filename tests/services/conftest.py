@@ -135,6 +135,17 @@ class UpProcess:
         return self.url.removesuffix("/v1")
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after timeout_s: a clean stop where the process allows one."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @contextmanager
 def moebus_up(log_dir: Path, *args: str, ready_timeout_s: float = 300) -> Iterator[UpProcess]:
     """`moebus up` as an operator runs it (the real CLI, with its supervisor) on the embedded SmolLM2,
@@ -156,10 +167,4 @@ def moebus_up(log_dir: Path, *args: str, ready_timeout_s: float = 300) -> Iterat
             time.sleep(0.2)
         yield UpProcess(proc, ready[0].split()[2], log_dir)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 60)

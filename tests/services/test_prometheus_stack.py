@@ -9,7 +9,6 @@ import asyncio
 import json
 import re
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import yaml  # (transformers' dependency)
 
 from moebus.shared.nats_server import free_port
 
-from .conftest import UpProcess, moebus_up
+from .conftest import UpProcess, moebus_up, stop_process
 from .test_dashboard import DEPLOY, expressions
 
 pytest.importorskip("torch")
@@ -61,12 +60,7 @@ def prometheus(up: UpProcess, tmp_path_factory: pytest.TempPathFactory) -> Itera
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 30)
 
 
 async def api(http: aiohttp.ClientSession, url: str, path: str, **params: str) -> object:

@@ -18,7 +18,13 @@ from __future__ import annotations
 from torch import nn
 
 from moebus.engine.models.llama_decode import DecodeFastPath, float_ok, stack_linear
-from moebus.kernels.decode_stack import DecodeStack, StackExperts, StackLayer, StackShape, cpu_kernel_available
+from moebus.kernels.decode_stack import (
+    DecodeStack,
+    StackExperts,
+    StackLayer,
+    StackShape,
+    cpu_kernel_available,
+)
 from moebus.kernels.lm_head_argmax import pack_panels
 
 

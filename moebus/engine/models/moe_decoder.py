@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
+from moebus.engine.cpu_linear import QuantLinear
 from moebus.engine.lm_head import float_logits
 from moebus.engine.models.llama import LlamaMLP, RMSNorm
 from moebus.engine.models.llama_decode import DecodeFastPath
 from moebus.engine.models.moe import MoE
 from moebus.engine.models.moe_decode import moe_decode_fast_path
-from moebus.engine.cpu_linear import QuantLinear
 from moebus.engine.models.quant_experts import QuantExperts
 from moebus.engine.models.weights import assign, fuse, quantize_head, quantize_linear, stack_experts, take
 from moebus.kernels import rms_norm, rotary_cos_sin
