@@ -35,15 +35,15 @@ def moe_parts(model: nn.Module) -> list:
     for ly in model.layers._modules.values():
         attn, mlp = ly._modules["self_attn"]._modules, ly._modules["mlp"]
         out += (attn["qkv_proj"], attn["o_proj"])
-        if ly.is_moe:
-            out += (mlp.quant_experts, mlp._modules["gate"]._parameters["weight"])
+        if ly.is_moe:  # an expert-parallel layer (EPMoE) has no quant_experts: no plan
+            out += (getattr(mlp, "quant_experts", None), mlp._modules["gate"]._parameters["weight"])
         else:
             out += (mlp._modules["gate_up_proj"], mlp._modules["down_proj"])
     return out
 
 
 def _experts(mlp: nn.Module) -> StackExperts | None:
-    q, gate = mlp.quant_experts, mlp.gate
+    q, gate = getattr(mlp, "quant_experts", None), mlp.gate
     if (q is None or mlp.shared_experts is not None or mlp.swiglu_limit is not None or gate.is_hash
             or gate.groups is not None or gate.e_score_correction_bias is not None or gate.scoring_func != "softmax"
             or q.p13.device.type != "cpu"):
