@@ -69,13 +69,19 @@ def test_step_matches_reference(qtype, bits, pos, hd):
     want_out, want_h = decode_stack_ref(layers, norm, shape, h0, pos, slot, pos + 1, table, ref_caches)
     h = h0.clone()
     out = DecodeStack(layers, norm, shape).step(h, pos, slot, pos + 1, table, caches)
+    assert_same_step((out, h, caches), (want_out, want_h, ref_caches), h0, TOL)
+
+
+def assert_same_step(got: tuple, want: tuple, h0: torch.Tensor, tol: dict) -> None:
+    """(out, residual stream, caches) of the C step against the reference's, and the layers did something."""
+    (out, h, caches), (want_out, want_h, ref_caches) = got, want
     assert out is not None
-    torch.testing.assert_close(out, want_out, **TOL)
-    torch.testing.assert_close(h, want_h, **TOL)
+    torch.testing.assert_close(out, want_out, **tol)
+    torch.testing.assert_close(h, want_h, **tol)
     for (kc, vc), (rk, rv) in zip(caches, ref_caches, strict=True):
-        torch.testing.assert_close(kc, rk, **TOL)
-        torch.testing.assert_close(vc, rv, **TOL)
-    assert (h - h0).abs().max() > 0.1  # the layers did something
+        torch.testing.assert_close(kc, rk, **tol)
+        torch.testing.assert_close(vc, rv, **tol)
+    assert (h - h0).abs().max() > 0.1
 
 
 def test_step_ids_looks_the_token_up_and_follows_new_caches():

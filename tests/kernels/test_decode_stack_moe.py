@@ -7,6 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
+from test_decode_stack import assert_same_step  # tests/kernels is on sys.path (no package)
 
 from moebus.kernels import cpu_build
 from moebus.kernels.decode_stack import (
@@ -81,14 +82,7 @@ def _check(layers, shape, pos, scale, lib=None):
     want_out, want_h = decode_stack_ref(layers, norm, shape, h0, pos, slot, pos + 1, table, ref_caches, scale)
     h = h0.clone()
     out = DecodeStack(layers, norm, shape, scale=scale, lib=lib).step(h, pos, slot, pos + 1, table, caches)
-    assert out is not None
-    torch.testing.assert_close(out, want_out, **TOL)
-    torch.testing.assert_close(h, want_h, **TOL)
-    for (kc, vc), (rk, rv) in zip(caches, ref_caches, strict=True):
-        torch.testing.assert_close(kc, rk, **TOL)
-        torch.testing.assert_close(vc, rv, **TOL)
-    assert (h - h0).abs().max() > 0.1
-    return out
+    assert_same_step((out, h, caches), (want_out, want_h, ref_caches), h0, TOL)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
