@@ -196,7 +196,7 @@ class MoE(nn.Module):
         if experts.num_experts != self.num_experts:
             raise ValueError(f"{experts.num_experts} quantized experts, the layer has {self.num_experts}")
         dev = self.w13.device
-        e, two_i, h = self.w13.shape
+        e, _, h = self.w13.shape
         del self.w13, self.w2
         self.register_buffer("w13", torch.empty(e, 0, h, device=dev), persistent=False)
         self.register_buffer("w2", torch.empty(e, h, 0, device=dev), persistent=False)
