@@ -223,6 +223,12 @@ class Bus:
     def connected(self) -> bool:
         return self.nc.is_connected
 
+    @property
+    def node(self) -> str | None:
+        """The server we are connected to, "host:port" as its URL names it (None while down)."""
+        url = self.nc.connected_url if self.nc.is_connected else None
+        return None if url is None else f"{url.hostname}:{url.port or 4222}"
+
     def check_size(self, data: bytes, headers: dict[str, str] | None, what: str) -> None:
         """PAYLOAD_TOO_LARGE for a message the server would refuse (it counts headers too)."""
         limit = self.nc.max_payload

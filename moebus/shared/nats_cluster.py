@@ -62,7 +62,7 @@ class NatsCluster:
                 log_file = str(Path(self.log_dir) / f"nats-{i}.log") if self.log_dir else None
                 cluster = None if self.size == 1 else ClusterRoutes(  # one node: a plain server
                     name=CLUSTER_NAME, server_name=f"nats-{i}", port=routes[i],
-                    peers=tuple(p for j, p in enumerate(routes) if j != i), password=password)
+                    peers=tuple(f"{self.host}:{p}" for j, p in enumerate(routes) if j != i), password=password)
                 self.nodes.append(NatsServer(
                     port=ports[i], host=self.host, jetstream=self.jetstream, log_file=log_file,
                     max_payload=self.max_payload, authorization=self.authorization, tls_cert=self.tls_cert,

@@ -49,15 +49,17 @@ class ClusterRoutes:
     name: str
     server_name: str
     port: int
-    peers: tuple[int, ...]  # the other nodes' route ports (same host)
+    peers: tuple[str, ...]  # the other nodes' route addresses, "host:port"
     user: str = "route"
     password: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+    pool_size: int | None = None  # connections per pair of nodes (None: the server's default; -1: one route)
 
     def config(self, host: str) -> str:
         auth = {"user": self.user, "password": self.password}
-        routes = [f"nats://{self.user}:{self.password}@{host}:{p}" for p in self.peers]
+        routes = [f"nats://{self.user}:{self.password}@{p}" for p in self.peers]
+        pool = "" if self.pool_size is None else f", pool_size: {self.pool_size}"
         return (f"cluster: {{name: {json.dumps(self.name)}, listen: {json.dumps(f'{host}:{self.port}')}, "
-                f"authorization: {json.dumps(auth)}, routes: {json.dumps(routes)}, connect_retries: 120}}")
+                f"authorization: {json.dumps(auth)}, routes: {json.dumps(routes)}, connect_retries: 120{pool}}}")
 
 
 @dataclass

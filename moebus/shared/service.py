@@ -18,9 +18,10 @@ from typing import Any, ClassVar, Self
 
 from nats.aio.msg import Msg
 from opentelemetry.trace import TracerProvider
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .bus import Bus, BusConfig
+from .cluster_view import ClusterView
 from .codec import Message
 from .errors import ErrorCode, NoResponders, ServiceError
 from .messages import HealthReply, Heartbeat, Load
@@ -55,6 +56,11 @@ class ServiceConfig(BaseModel):
     # probes its IP: deploy/ sets 0.0.0.0).
     http_host: str = "127.0.0.1"
     drain_timeout_s: float = 10.0  # on shutdown, how long the bus connection may take to drain
+    # Monitoring URL of the NATS node on this host (nats-server's `http`, e.g. http://127.0.0.1:8222):
+    # a silent peer on a node ours no longer routes to is waited for, not given up (shared/liveness.py).
+    nats_monitor_url: str | None = None
+    # ...for this long after its last sign of life (then its host is taken as gone).
+    partition_grace_s: float = Field(120.0, ge=0)
 
 
 class Empty(Message):
@@ -80,6 +86,7 @@ class Service:
         self.metrics = Metrics(self.name)
         self.draining = False
         self._bus: Bus | None = None
+        self.cluster_view = ClusterView(cfg.nats_monitor_url)  # which bus nodes ours routes to (partitions)
         self._started = time.monotonic()
         self.incarnation = uuid.uuid4().hex[:12]  # this process's life (see Heartbeat.incarnation)
         self.restarts = restarts_from_env()
@@ -241,7 +248,7 @@ class Service:
         return Heartbeat(service=self.name, instance_id=self.instance_id, ts=time.time(),
                          interval_s=self.cfg.heartbeat_interval_s, ready=self.ready and self.healthy,
                          draining=self.draining, model=self.model(), load=self.load(), incarnation=self.incarnation,
-                         restarts=self.restarts)
+                         restarts=self.restarts, bus_node=self.bus.node)
 
     async def publish_heartbeat(self) -> None:
         await self.bus.publish(self.subjects.heartbeat(self.name, self.instance_id), self.heartbeat())

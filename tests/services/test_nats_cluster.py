@@ -73,7 +73,7 @@ async def test_a_cluster_routes_messages_between_nodes_and_keeps_strangers_out()
             await nats.connect(nodes[1].url, max_reconnect_attempts=0, allow_reconnect=False)
         # A server that knows the route port but not the routes' password does not join.
         routes = nodes[0].cluster
-        stranger = ClusterRoutes(name=routes.name, server_name="stranger", port=free_port(), peers=(routes.port,),
+        stranger = ClusterRoutes(name=routes.name, server_name="stranger", port=free_port(), peers=(f"127.0.0.1:{routes.port}",),
                                  password="wrong")
         with NatsServer(jetstream=False, cluster=stranger, monitor_port=0) as s:
             await asyncio.sleep(1.5)  # several route attempts

@@ -20,6 +20,7 @@ it has a worker.
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import time
 from dataclasses import dataclass, field
@@ -120,8 +121,11 @@ class BalancerService(Service):
             self._m_workers.set(len(self.table))
 
     async def _probe(self, worker_id: str) -> Verdict:
+        entry = self.table.get(worker_id)
         return await probe(self.bus, self.subjects, "worker", worker_id,
-                           max(self.cfg.heartbeat_interval_s, self.cfg.probe_timeout_s))
+                           max(self.cfg.heartbeat_interval_s, self.cfg.probe_timeout_s),
+                           node=entry.beat.bus_node if entry else None, view=self.cluster_view,
+                           silent_since=entry.last_seen if entry else -math.inf, grace_s=self.cfg.partition_grace_s)
 
     async def _judge(self, worker_id: str, verdict: Verdict) -> None:
         now = time.monotonic()
@@ -130,8 +134,10 @@ class BalancerService(Service):
                 await self._announce_lost(worker_id, "missed heartbeats, connection closed")
         elif verdict == "alive":  # it answers: its beats are late, not stopped
             self.table.heard(worker_id, now)
-        else:  # paused: no new work until it beats again, but its requests wait for it rather than move
-            self.table.skip(worker_id, now)
+        else:  # paused or unreachable: no new work until it beats again, its requests wait for it
+            if verdict == "unreachable" and self.table.skip(worker_id, now):
+                log.warning("%s: worker %s is across a partition: its requests wait for it", self.instance_id,
+                            worker_id)
 
     async def _hearing(self) -> bool:
         """Whether the bus carries our traffic right now (a round trip to the server): silence is

@@ -102,10 +102,14 @@ class WorkerTable:
     def remove(self, worker_id: str) -> bool:
         return self._workers.pop(worker_id, None) is not None
 
-    def skip(self, worker_id: str, now: float) -> None:
+    def skip(self, worker_id: str, now: float) -> bool:
+        """No new work for it a while; True when it was taking work until now."""
         entry = self._workers.get(worker_id)
-        if entry is not None:
-            entry.skip_until = now + 1.5 * entry.beat.interval_s
+        if entry is None:
+            return False
+        first = entry.skip_until < entry.last_seen
+        entry.skip_until = now + 1.5 * entry.beat.interval_s
+        return first
 
     def candidates(self, model: str, now: float, exclude: set[str] = frozenset(),
                    roles: tuple[str, ...] | None = None) -> list[WorkerEntry]:

@@ -4,7 +4,8 @@ all of them), kept with their load and turned into rows of `moebus status` and t
 
 An instance silent for MISSED_BEATS intervals is `missing` (SIGKILLed, hung, cut off) until it
 beats again (the supervisor's restart: same id, `restarts` one more) or `forget_after_s` passes;
-one whose last beat said draining left on purpose and is dropped once silent. Pure but for
+one whose last beat said draining left on purpose and is dropped once silent. A missing instance
+heard again (same process: a partition healed, a pause ended) is told to `on_return`. Pure but for
 `start()`: beats and the time come in, so it is tested without a bus.
 """
 from __future__ import annotations
@@ -37,8 +38,9 @@ class _Seen:
 
 
 class FleetView:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, forget_after_s: float = FORGET_AFTER_S) -> None:
-        self.clock, self.forget_after_s = clock, forget_after_s
+    def __init__(self, clock: Callable[[], float] = time.monotonic, forget_after_s: float = FORGET_AFTER_S,
+                 on_return: Callable[[Heartbeat], None] = lambda _: None) -> None:
+        self.clock, self.forget_after_s, self.on_return = clock, forget_after_s, on_return
         self._seen: dict[str, _Seen] = {}  # instance id -> what we last heard
 
     async def start(self, bus: Bus, subjects: Subjects) -> None:
@@ -53,12 +55,15 @@ class FleetView:
         self.observe(beat)
 
     def observe(self, beat: Heartbeat) -> None:
-        seen = self._seen.get(beat.instance_id)
+        seen, now = self._seen.get(beat.instance_id), self.clock()
+        back = seen is not None and self._silent(seen, now) and seen.beat.incarnation == beat.incarnation
         if seen is None or seen.beat.service != beat.service:
             seen = self._seen[beat.instance_id] = _Seen(beat, 0.0, LoadRates(RATE_WINDOW_S))
-        seen.beat, seen.at = beat, self.clock()
+        seen.beat, seen.at = beat, now
         if beat.load is not None:
             seen.rates.add(beat.ts, beat.load)
+        if back:
+            self.on_return(beat)
 
     def live(self, service: str) -> Iterator[Heartbeat]:
         """The last beats of the instances of `service` that are not missing."""

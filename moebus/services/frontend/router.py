@@ -3,7 +3,8 @@
 Chunks arrive on ``frontend.chunks.<instance>`` (a worker's engine step, every stream's chunks
 together) or ``frontend.stream.<instance>.<request_id>`` (one chunk) and go to their request's queue;
 ``balancer.worker_lost`` events go to every request running on the lost worker; the bus going down
-or coming back goes to every request (after a reconnect each asks its worker for what it missed).
+or coming back goes to every request (after a reconnect each asks its worker for what it missed),
+and so does a worker heard again after a silence to the requests it holds.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from moebus.shared.bus import Bus
 from moebus.shared.errors import NoResponders, RequestTimeout, ServiceError
 from moebus.shared.messages import (
     GenerateRequest,
+    Heartbeat,
     ImageEmbedding,
     SamplingOptions,
     TokenChunk,
@@ -109,6 +111,14 @@ class StreamRouter:
                 "back" if connected else "down", len(self._gens))
         for gen in list(self._gens.values()):
             gen.queue.put_nowait(BusChanged(connected))
+
+    def heard_again(self, beat: Heartbeat) -> None:
+        """A worker silent for a while beats again (a partition healed, a pause ended): the chunks it
+        sent meanwhile went nowhere, and a stream it finished shows no gap, so each of its requests
+        asks for what it missed, as after our own reconnect."""
+        for gen in list(self._gens.values()):
+            if beat.service == "worker" and gen.watches(beat.instance_id):
+                gen.queue.put_nowait(BusChanged(True))
 
     async def _on_lost(self, event: WorkerLost, _: Msg) -> None:
         for gen in list(self._gens.values()):

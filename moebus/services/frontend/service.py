@@ -66,6 +66,7 @@ class FrontendService(Service):
             self.local = await LocalRenderer.load(self.cfg.local_render, self.tracing)
         self.router = StreamRouter(self.bus, self.subjects, self.instance_id, self.cfg, self.metrics,
                                    incarnation=self.incarnation)
+        self.fleet.on_return = self.router.heard_again
         await self.router.start()
         await self.peers.start(self.bus, self.subjects)
         await self.fleet.start(self.bus, self.subjects)

@@ -57,6 +57,16 @@ class Fleet:
         return [i for i, w in self._workers.items()
                 if now - max(w.seen, since) > self.missed_heartbeats * max(w.beat.interval_s, 1e-3)]
 
+    def node(self, worker_id: str) -> str | None:
+        """The bus node its last heartbeat named."""
+        w = self._workers.get(worker_id)
+        return w.beat.bus_node if w else None
+
+    def seen(self, worker_id: str) -> float:
+        """When its last heartbeat came (monotonic)."""
+        w = self._workers.get(worker_id)
+        return w.seen if w else -math.inf
+
     def forget(self, worker_ids: list[str]) -> None:
         for i in worker_ids:
             self._workers.pop(i, None)

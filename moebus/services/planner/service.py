@@ -112,9 +112,11 @@ class PlannerService(Service):
 
     async def tick(self) -> PlannerDecision:
         now = time.monotonic()
-        # a planner cut off itself forgets nobody; a paused worker is kept (no replacement for it)
+        # a planner cut off itself forgets nobody; a paused worker, or one across a partition, is kept
         silent = self.fleet.silent(now, self.bus.evidence_since)
-        verdicts = await asyncio.gather(*(probe(self.bus, self.subjects, "worker", w, self.cfg.probe_timeout_s)
+        verdicts = await asyncio.gather(*(probe(self.bus, self.subjects, "worker", w, self.cfg.probe_timeout_s,
+                                                node=self.fleet.node(w), view=self.cluster_view,
+                                                silent_since=self.fleet.seen(w), grace_s=self.cfg.partition_grace_s)
                                           for w in silent))
         self.fleet.forget([w for w, v in zip(silent, verdicts, strict=True) if v == "gone"])
         now = time.monotonic()

@@ -7,7 +7,9 @@ frontend_incarnation). The lease is lost when
 - nothing was heard of it for `lease_s` while we could hear (Bus.evidence_since: a worker that was
   cut off itself judges nobody for its own outage, nor for `settle_s` after it), and its health
   subject has no responders: the server closed its connection (shared/liveness.py). A frontend
-  that is only paused (or a machine that froze with all of us) keeps its lease.
+  that is only paused (or a machine that froze with all of us) keeps its lease, and so does one
+  whose bus node ours no longer routes to (a partition: its streams are replayed after the heal),
+  until it has been silent `grace_s`.
 The first request from a frontend not heard yet counts as hearing from it. Draining frontends keep
 their lease (they finish their streams). `run()` aborts what lost its lease (the worker's abort:
 engine request gone, KV blocks freed, replay dropped).
@@ -22,6 +24,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from moebus.shared.bus import Bus
+from moebus.shared.cluster_view import ClusterView
 from moebus.shared.liveness import probe
 from moebus.shared.messages import GenerateRequest, Heartbeat
 from moebus.shared.subjects import Subjects
@@ -35,19 +38,22 @@ Owner = tuple[str, str]  # (frontend instance id, its incarnation)
 class _Lease:
     incarnation: str
     last_seen: float
+    node: str | None = None  # the bus node of its latest beat
 
 
 class FrontendLeases:
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, view: ClusterView | None = None, grace_s: float = math.inf) -> None:
         self.lease_s = lease_s  # 0: leases off (nothing is ever lost)
+        self.view = view
+        self.grace_s = grace_s
         self._frontends: dict[str, _Lease] = {}
 
     def observe(self, beat: Heartbeat, now: float) -> None:
         lease = self._frontends.get(beat.instance_id)
         if lease is None or lease.incarnation != beat.incarnation:
-            self._frontends[beat.instance_id] = _Lease(beat.incarnation, now)
+            self._frontends[beat.instance_id] = _Lease(beat.incarnation, now, beat.bus_node)
         else:
-            lease.last_seen = now
+            lease.last_seen, lease.node = now, beat.bus_node
 
     def hold(self, owner: Owner, now: float) -> None:
         """A request from `owner` arrived: that process was alive just now (if it names another
@@ -80,12 +86,13 @@ class FrontendLeases:
 
     async def _gone(self, bus: Bus, subjects: Subjects, lost: set[Owner], timeout_s: float) -> set[Owner]:
         """Of the owners whose lease lapsed, those really gone: restarted, or no longer on the bus."""
-        silent = sorted({f for f, inc in lost if (lease := self._frontends.get(f)) and lease.incarnation == inc})
-        verdicts = dict(zip(silent, await asyncio.gather(*(probe(bus, subjects, "frontend", f, timeout_s)
-                                                            for f in silent)), strict=True))
+        silent = {f: lease for f, inc in lost if (lease := self._frontends.get(f)) and lease.incarnation == inc}
+        verdicts = dict(zip(silent, await asyncio.gather(*(
+            probe(bus, subjects, "frontend", f, timeout_s, node=lease.node, view=self.view,
+                  silent_since=lease.last_seen, grace_s=self.grace_s) for f, lease in silent.items())), strict=True))
         now = time.monotonic()
         for f, v in verdicts.items():
-            if v != "gone":
+            if v in ("alive", "paused"):  # (unreachable: its silence goes on counting toward grace_s)
                 self.renew(f, now)
         return {o for o in lost if verdicts.get(o[0], "gone") == "gone"}
 

@@ -91,7 +91,8 @@ class WorkerService(Service):
         self._outbox: asyncio.Queue[tuple[str, bytes, dict[str, str], str] | None] = asyncio.Queue()
         self._queued = self._published = 0  # outbox items put / published (first-token hand-off)
         self.replay = ReplayBuffer(cfg.replay_max_bytes, cfg.replay_grace_s)
-        self.leases = FrontendLeases(cfg.frontend_lease_s)  # a dead frontend's requests are aborted
+        # a dead frontend's requests are aborted; one across a partition keeps them (partition_grace_s)
+        self.leases = FrontendLeases(cfg.frontend_lease_s, self.cluster_view, cfg.partition_grace_s)
         self._loop: EngineLoop | None = None
         self._generate_sub: Subscription | None = None
         m = self.metrics

@@ -56,6 +56,7 @@ class Heartbeat(Message):
     # old process held is lost (a supervisor can restart it within the missed-heartbeat window).
     incarnation: str = ""
     restarts: int = 0  # times a supervisor (`moebus up`) restarted this instance id after it crashed
+    bus_node: str | None = None  # the NATS node it is connected to ("host:port"): shared/cluster_view.py
 
 
 class HealthReply(Message):
