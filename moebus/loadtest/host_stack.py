@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from moebus.shared.tracing import Tracing
 from .netns import Hosts
 
 T = TypeVar("T")
+METRICS_PORT = 9100  # + the process's index: each service's /metrics on its host's loopback
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class HostStack:
     layout: BusLayout = field(init=False)
     files: dict[str, Path] = field(default_factory=dict, init=False)
     procs: dict[str, Any] = field(default_factory=dict, init=False)  # instance id -> Popen
+    configs: dict[str, BaseModel] = field(default_factory=dict, init=False)  # instance id -> config as started
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -71,12 +74,31 @@ class HostStack:
     def node_url(self, host: str) -> str:
         return self.layout.url(host)
 
+    def process(self, instance_id: str) -> Process:
+        return next(p for p in self.processes if p.instance_id == instance_id)
+
     def frontend_url(self, instance_id: str) -> str:
-        cfg = next(p.config for p in self.processes if p.instance_id == instance_id)
+        cfg = self.configs[instance_id]
         return f"http://{cfg.host}:{cfg.port}"  # type: ignore[attr-defined]
 
+    def metrics_url(self, instance_id: str) -> str:
+        if self.process(instance_id).service == "frontend":  # on its API port
+            return self.frontend_url(instance_id) + "/metrics"
+        return f"http://127.0.0.1:{self.configs[instance_id].http_port}/metrics"  # type: ignore[attr-defined]
+
+    def metric(self, instance_id: str, name: str, labels: str = "") -> float:
+        """The sum of a metric's series whose labels contain `labels`, read on the instance's host."""
+        url = self.metrics_url(instance_id)
+
+        def get() -> str:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return r.read().decode()
+
+        text = self.net.run_in(self.host_of(instance_id), get)
+        return sum(float(v) for lb, v in re.findall(rf"^{name}(?:{{(.*)}})? (\S+)$", text, re.M) if labels in lb)
+
     def host_of(self, instance_id: str) -> str:
-        return next(p.host for p in self.processes if p.instance_id == instance_id)
+        return self.process(instance_id).host
 
     # -- life -----------------------------------------------------------------------------------------
     def start(self) -> Self:
@@ -100,8 +122,13 @@ class HostStack:
         return self
 
     def spawn(self, p: Process) -> None:
-        cfg = p.config.model_copy(update={"nats_url": self.node_url(p.host),
-                                          "nats_monitor_url": f"http://127.0.0.1:{self.layout.monitor_port}"})
+        update = {"nats_url": self.node_url(p.host), "nats_monitor_url": f"http://127.0.0.1:{self.layout.monitor_port}"}
+        if p.service == "frontend":  # the API on its host's address
+            update["host"] = self.net.address(p.host)
+        elif getattr(p.config, "http_port", None) is None:  # its /metrics, on its host's loopback
+            update |= {"http_port": METRICS_PORT + list(self.processes).index(p), "http_host": "127.0.0.1"}
+        cfg = p.config.model_copy(update=update)
+        self.configs[p.instance_id] = cfg
         role = p.service if p.service in ("frontend", "tokenizer", "encoder", "balancer", "kvbroker", "planner") \
             else "worker"
         env = {**os.environ, CREDS_ENV: str(self.files[role])}
