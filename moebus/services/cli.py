@@ -149,6 +149,20 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bus_files(args: argparse.Namespace) -> int:
+    from moebus.shared.bus_hosts import BusHost, BusLayout, bus_files
+    from moebus.shared.subjects import Subjects
+
+    try:
+        layout = BusLayout([BusHost.parse(h) for h in args.host], Subjects(args.subject_prefix),
+                           client_port=args.client_port, route_port=args.route_port, monitor_port=args.monitor_port)
+    except ValueError as e:
+        raise SystemExit(f"moebus bus-files: {e}") from None
+    for name, path in bus_files(layout, args.out).items():
+        print(f"{name}: {path}")
+    return 0
+
+
 def _keys(args: argparse.Namespace) -> int:
     from .frontend.config import TenantLimits
     from .frontend.tenants import KeysFile, add_key, describe
@@ -268,6 +282,18 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--nats-url", default=None, help="the NATS to join (default: the service's, nats://127.0.0.1:4222)")
     s.add_argument("options", nargs=argparse.REMAINDER, help="the service's own flags (its config fields)")
     s.set_defaults(func=_serve)
+
+    b = subparsers.add_parser("bus-files", help="one bus across hosts: each host's nats.conf and each role's "
+                              "bus credentials (docs: deploy/multihost.md)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("--out", required=True, help="folder for the files (made 0700; every file 0600: passwords)")
+    b.add_argument("--host", action="append", required=True, metavar="NAME=ADDRESS",
+                   help="a host of the stack and the address the others reach it at (repeat: one per host)")
+    b.add_argument("--client-port", type=int, default=4222, help="each node's client port")
+    b.add_argument("--route-port", type=int, default=6222, help="each node's cluster route port")
+    b.add_argument("--monitor-port", type=int, default=8222, help="each node's monitoring port (host loopback)")
+    b.add_argument("--subject-prefix", default="moebus.v1", help="the services' --subject-prefix")
+    b.set_defaults(func=_bus_files)
 
     k = subparsers.add_parser("keys", help="API keys and tenants in a keys file (docs/tenants.md)")
     k.add_argument("action", choices=("add", "list"), help="add: a new key, printed once (only its hash is "

@@ -57,8 +57,7 @@ def processes() -> list[Process]:
     policy = {"pools": {"both": {"min_replicas": 2, "max_replicas": 2}}}
     return [Process("a", "tokenizer", TokenizerConfig(instance_id="tokenizer-a", model="toy", **HB)),
             Process("a", "balancer", BalancerConfig(instance_id="balancer-a", **HB)),
-            Process("a", "frontend", FrontendConfig(instance_id="frontend-a", port=8000, models=["toy"],
-                                                    max_concurrent_per_client=0, **HB)),
+            Process("a", "frontend", FrontendConfig(instance_id="frontend-a", port=8000, models=["toy"], **HB)),
             Process("a", "planner", PlannerConfig(instance_id="planner-a", interval_s=1, warmup_s=0, policy=policy,
                                                   **HB)),
             Process("b", "kvbroker", KVBrokerConfig(instance_id="kvbroker-b", **HB)),

@@ -20,8 +20,8 @@ it has a worker.
 from __future__ import annotations
 
 import asyncio
-import math
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
