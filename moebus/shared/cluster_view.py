@@ -4,9 +4,11 @@ A silent instance whose health subject has no responders is gone (its connection
 the node it was connected to (its heartbeat's `bus_node`) is on a host our node no longer has a
 route to: then the cluster is split, or that host is down, and the instance may well be alive on
 the other side (shared/liveness.py: "unreachable"). The route table is the server's own: its
-monitoring endpoint's /routez (each route's peer address; /varz says which node answers). It is
-read only while we are connected to that very node; otherwise, and on one host (every node at
-the same address), nothing is ever cut off and silence is judged as before.
+monitoring endpoint's /routez (each route's peer address; /varz says which node answers). A route
+younger than ROUTE_SETTLE_S does not count yet: right after a heal the route is up before the
+peer's subscriptions have crossed it, and a "no responders" then is the partition's, not a death.
+The table is read only while we are connected to that very node; otherwise, and on one host
+(every node at the same address), nothing is ever cut off and silence is judged as before.
 """
 from __future__ import annotations
 
@@ -17,17 +19,19 @@ import socket
 import time
 import urllib.request
 from dataclasses import dataclass
+from datetime import datetime
 
 from .bus import Bus
 
 log = logging.getLogger(__name__)
 ANY_ADDRESS = ("0.0.0.0", "::", "")
+ROUTE_SETTLE_S = 2.0  # a new route carries its peer's interest within this long (measured: milliseconds)
 
 
 @dataclass(frozen=True, slots=True)
 class Routes:
     node: tuple[str, int]  # the monitored node's client listener (host, port)
-    peers: frozenset[str]  # IP addresses of the nodes it has a route to
+    peers: frozenset[str]  # IP addresses of the nodes it has had a route to for ROUTE_SETTLE_S
 
 
 class ClusterView:
@@ -60,7 +64,10 @@ class ClusterView:
             varz = json.loads(r.read())
         with urllib.request.urlopen(f"{self.monitor_url}/routez", timeout=1) as r:
             routez = json.loads(r.read())
-        return Routes((varz["host"], int(varz["port"])), frozenset(x["ip"] for x in routez.get("routes") or ()))
+        now = datetime.fromisoformat(routez["now"])
+        settled = (x["ip"] for x in routez.get("routes") or ()
+                   if (now - datetime.fromisoformat(x["start"])).total_seconds() >= ROUTE_SETTLE_S)
+        return Routes((varz["host"], int(varz["port"])), frozenset(settled))
 
     async def cut_off(self, bus: Bus, node: str | None, seen_at: float) -> bool:
         """True when `node` ("host:port", a heartbeat's bus_node) is on another host than ours and

@@ -28,14 +28,18 @@ class Monitor:
 
     def __init__(self) -> None:
         self.peers = ["10.9.2.2", "10.9.3.2"]
+        self.new = ""  # a peer whose route was made just now
         self.reads = 0
         monitor = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 monitor.reads += 1
+                routes = [{"remote_name": p, "ip": p, "port": 6222,
+                           "start": "2026-12-07T00:23:34.3Z" if p == monitor.new else "2026-12-07T00:20:00.0Z"}
+                          for p in monitor.peers]
                 body = ({"host": "10.9.1.2", "port": 4222, "server_name": "a"} if self.path == "/varz" else
-                        {"routes": [{"remote_name": p, "ip": p, "port": 6222} for p in monitor.peers]})
+                        {"now": "2026-12-07T00:23:35.301985941Z", "routes": routes})
                 data = json.dumps(body).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
@@ -75,6 +79,8 @@ async def test_a_peer_on_a_host_our_node_routes_to_is_not_cut_off(monitor: Monit
     monitor.peers = ["10.9.3.2"]  # the route to b went
     assert await view.cut_off(bus, "10.9.2.2:4222", time.monotonic())
     assert not await view.cut_off(bus, "10.9.3.2:4222", time.monotonic())
+    monitor.peers, monitor.new = ["10.9.2.2", "10.9.3.2"], "10.9.2.2"  # back 1 s ago: b's interest may not be here yet
+    assert await view.cut_off(bus, "10.9.2.2:4222", time.monotonic())
 
 
 async def test_the_view_is_unknown_off_its_node_or_without_an_answer(monitor: Monitor) -> None:
