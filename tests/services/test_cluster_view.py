@@ -2,6 +2,7 @@
 nats-server's monitoring endpoint, and the files `moebus bus-files` writes (shared/bus_hosts.py)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import stat
@@ -14,12 +15,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from moebus.services.frontend.fleet import FleetView
+from moebus.services.worker.leases import FrontendLeases
 from moebus.shared.bus_auth import load_credentials
 from moebus.shared.bus_hosts import BusHost, BusLayout, bus_files
 from moebus.shared.cluster_view import ClusterView
 from moebus.shared.errors import NoResponders
 from moebus.shared.liveness import probe
-from moebus.shared.messages import Heartbeat
+from moebus.shared.messages import GenerateRequest, Heartbeat, SamplingOptions
 from moebus.shared.subjects import Subjects
 
 
@@ -62,13 +64,18 @@ def monitor():
 
 
 class FakeBus:
-    """What the view and probe use of a Bus: the node we are on, and a request that finds nobody."""
+    """What the view, probe and leases use of a Bus: the node we are on, a request that finds nobody."""
+
+    evidence_since = -math.inf  # we hear fine
 
     def __init__(self, node: str | None = "10.9.1.2:4222") -> None:
         self.node = node
 
     async def request(self, *_: object, **__: object) -> None:
         raise NoResponders("no responders")
+
+    async def flush(self, timeout: float) -> None:
+        pass
 
 
 async def test_a_peer_on_a_host_our_node_routes_to_is_not_cut_off(monitor: Monitor) -> None:
@@ -115,8 +122,31 @@ async def test_probe_says_unreachable_across_a_partition_until_the_grace_ends(mo
     assert await probe(bus, s, "worker", "w", 0.1, node="10.9.2.2:4222") == "gone"  # no view: as before
 
 
-def _beat(instance: str, incarnation: str = "one") -> Heartbeat:
-    return Heartbeat(service="worker", instance_id=instance, ts=0, interval_s=1.0, incarnation=incarnation)
+def _beat(instance: str, incarnation: str = "one", service: str = "worker", node: str | None = None) -> Heartbeat:
+    return Heartbeat(service=service, instance_id=instance, ts=0, interval_s=1.0, incarnation=incarnation,
+                     bus_node=node)
+
+
+async def test_a_worker_keeps_the_requests_of_a_frontend_across_a_partition(monitor: Monitor) -> None:
+    """Its lease lapses, its health has no responders, but its node is on a host ours lost: kept
+    (replayed after the heal); the same silence from a frontend on a routed host aborts."""
+    monitor.peers = ["10.9.3.2"]
+    aborted: list[str] = []
+
+    async def abort(rid: str) -> None:
+        aborted.append(rid)
+
+    for node, grace, want in (("10.9.2.2:4222", 60.0, []), ("10.9.3.2:4222", 60.0, ["r"]),
+                              ("10.9.2.2:4222", 0.0, ["r"])):
+        aborted.clear()
+        leases = FrontendLeases(lease_s=0.05, view=ClusterView(monitor.url, ttl_s=0), grace_s=grace)
+        leases.observe(_beat("frontend-0", "f", "frontend", node), time.monotonic())
+        req = GenerateRequest(request_id="r", model="m", prompt_token_ids=[1], params=SamplingOptions(),
+                              reply_to="x", frontend_id="frontend-0", frontend_incarnation="f")
+        task = asyncio.create_task(leases.run(FakeBus(), Subjects(), lambda r=req: [r], abort, 0.05))
+        await asyncio.sleep(0.4)
+        task.cancel()
+        assert aborted[:1] == want, (node, grace)
 
 
 def test_a_worker_heard_again_after_a_silence_is_told_once() -> None:

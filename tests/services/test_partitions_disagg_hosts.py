@@ -65,16 +65,19 @@ def run(stack: HostStack, seconds: float) -> dict:
             await asyncio.to_thread(stack.net.unsplit, "b", "c")
             healed_at = time.monotonic()
             await asyncio.to_thread(stack.until_routed)
+            healed = await asyncio.to_thread(outcomes, stack)
             after = await asyncio.gather(*(r.rest() for r in await asyncio.gather(*(_open(c, t) for t in TOPICS))))
+            later = await asyncio.to_thread(outcomes, stack)
             return {"reference": reference, "during": done, "after": after, "done_s": done_s,
-                    "after_s": time.monotonic() - healed_at}
+                    "after_s": time.monotonic() - healed_at, "after_heal": {k: later[k] - healed[k] for k in later}}
         finally:
             await c.close()
 
     return stack.run_async("a", go)
 
 
-@pytest.mark.parametrize("seconds", [5])
+@pytest.mark.slow  # the real model: ~45 s a case
+@pytest.mark.parametrize("seconds", [5, 20, 60])
 def test_a_split_between_prefill_and_decode_hosts_loses_nothing(stack: HostStack, seconds: float) -> None:
     before = outcomes(stack)
     try:
@@ -87,3 +90,11 @@ def test_a_split_between_prefill_and_decode_hosts_loses_nothing(stack: HostStack
     for ref, during, after in zip(got["reference"], got["during"], got["after"], strict=True):
         assert during.text == ref.text and after.text == ref.text
         assert during.usage.completion_tokens == after.usage.completion_tokens == MAX_TOKENS
+    n = len(TOPICS)
+    # before, in and after the cut: each request finished once, all on the decode worker (a split
+    # request whose KV cannot reach it is taken over there: its prompt recomputed)
+    assert delta["decode-c:finished"] == 3 * n and delta["prefill-b:finished"] == 0
+    assert delta["prefill-b:failed"] == delta["prefill-b:aborted"] == delta["decode-c:aborted"] == 0
+    # after the heal: the split path again, nothing failed
+    after = got["after_heal"]
+    assert after["prefill-b:handed_off"] == after["decode-c:finished"] == n and after["decode-c:failed"] == 0
