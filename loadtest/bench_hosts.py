@@ -3,16 +3,16 @@
     python loadtest/bench_hosts.py --rounds 2
 
 Every service is `moebus serve` with its NATS node on its own host (network namespaces joined by a
-router namespace: moebus/loadtest/netns.py, host_stack.py); the real model (SmolLM2, the worker's
-defaults), one worker with both cores.
+router namespace: moebus/loadtest/netns.py, host_stack.py); the real model (SmolLM2, dtype and
+weight format auto as `moebus up` has them), one worker with both cores.
 - tokens: tokenizer, balancer and frontend on host a; the worker on host a (`one-host`: one NATS
   node, the loopback path) or on host b (`two-hosts`: every request and every token crosses a route
   between two nodes and the veth links). `vllm bench serve` on host a: random 128 in / 128 out,
   greedy, ignore EOS, at c=1 and c=16; fresh stacks, order rotated each round, one warm-up request.
 - KV: disaggregated, the prefill and decode workers on host b (`kv-one-host`) or on b and c
-  (`kv-two-hosts`); prompts of --kv-prompt-len tokens one at a time; the decode worker's
-  `moebus_worker_kv_transfer_bytes_total` / `kv_transfer_seconds_sum` (receive: from waiting for
-  the KV to its arrival) and the requests' TTFT.
+  (`kv-two-hosts`); prompts of --kv-prompt-len tokens one at a time; the prefill worker's
+  `moebus_worker_kv_transfer_bytes_total` / `kv_transfer_seconds_sum` (send: its push of a request's
+  KV, paced by the decode worker's credit grants, to the last grant) and the requests' TTFT.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from moebus.services.worker.config import WorkerConfig  # noqa: E402
 HF_DIR = pb.PEERS / "smollm2-hf"  # the client's tokenizer
 MODEL = "smollm2"
 PORT = 8000
+ENGINE = {"dtype": "auto", "weight_format": "auto"}  # what `moebus up` picks (EngineConfig's own: float32 dense)
 
 
 def placement(name: str) -> tuple[tuple[str, ...], list[Process]]:
@@ -48,9 +49,10 @@ def placement(name: str) -> tuple[tuple[str, ...], list[Process]]:
         host = "a" if name == "one-host" else "b"
         return (("a",) if name == "one-host" else ("a", "b")), [
             *front, Process("a", "balancer", BalancerConfig(instance_id="balancer-a")),
-            Process(host, "worker", WorkerConfig(instance_id=f"worker-{host}", model=MODEL, torch_threads=2))]
+            Process(host, "worker", WorkerConfig(instance_id=f"worker-{host}", model=MODEL, engine=ENGINE,
+                                                 torch_threads=2))]
     decode_host = "b" if name == "kv-one-host" else "c"
-    worker = {"model": MODEL, "torch_threads": 1}
+    worker = {"model": MODEL, "engine": ENGINE, "torch_threads": 1}
     return (("a", "b") if name == "kv-one-host" else ("a", "b", "c")), [
         *front, Process("a", "balancer", BalancerConfig(instance_id="balancer-a", mode="disaggregated")),
         Process("b", "worker", WorkerConfig(instance_id="prefill-b", role="prefill", **worker)),
@@ -94,12 +96,11 @@ def main() -> None:
                 base = out / name / f"r{rnd}"
                 client(stack, pb.Level(args.prompt_len, 16, 1, 1), 999_999, base / "warm.json")
                 if name.startswith("kv"):
-                    decode = next(p.instance_id for p in procs if p.instance_id.startswith("decode"))
-                    b0 = stack.metric(decode, "moebus_worker_kv_transfer_bytes_total", 'direction="receive"')
-                    s0 = stack.metric(decode, "moebus_worker_kv_transfer_seconds_sum", 'direction="receive"')
+                    b0 = stack.metric("prefill-b", "moebus_worker_kv_transfer_bytes_total", 'direction="send"')
+                    s0 = stack.metric("prefill-b", "moebus_worker_kv_transfer_seconds_sum", 'direction="send"')
                     res = client(stack, kv_level, rnd, base / "kv.json")
-                    b1 = stack.metric(decode, "moebus_worker_kv_transfer_bytes_total", 'direction="receive"')
-                    s1 = stack.metric(decode, "moebus_worker_kv_transfer_seconds_sum", 'direction="receive"')
+                    b1 = stack.metric("prefill-b", "moebus_worker_kv_transfer_bytes_total", 'direction="send"')
+                    s1 = stack.metric("prefill-b", "moebus_worker_kv_transfer_seconds_sum", 'direction="send"')
                     rate = (b1 - b0) / (s1 - s0) / 1e6 if s1 > s0 else float("nan")
                     kv_rows.setdefault(name, []).append((rate, res["median_ttft_ms"]))
                     print(f"round {rnd} {name}: {(b1 - b0) / 1e6:.1f} MB in {s1 - s0:.3f} s: {rate:.0f} MB/s; "
@@ -117,7 +118,7 @@ def main() -> None:
     if runs:
         print(pb.table(runs, ref="one-host"))
     for name, rows in kv_rows.items():
-        print(f"{name}: KV receive {statistics.median(r for r, _ in rows):.0f} MB/s "
+        print(f"{name}: KV send {statistics.median(r for r, _ in rows):.0f} MB/s "
               f"({min(r for r, _ in rows):.0f}-{max(r for r, _ in rows):.0f}), TTFT p50 "
               f"{statistics.median(t for _, t in rows):.0f} ms over {len(rows)} rounds")
     print(f"client JSON and logs: {out}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import secrets
 import subprocess
 import threading
@@ -36,6 +37,14 @@ def _ip(*args: str, ns: str | None = None) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
 
 
+def _remove_orphans() -> None:
+    """Namespaces of runs whose process is gone (killed before stop()): theirs, by the pid in the tag."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in listed:
+        if (m := re.match(r"mb(\d+)x[0-9a-f]{4}-", name)) and not os.path.exists(f"/proc/{m.group(1)}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 def available() -> str | None:
     """Why hosts cannot be made here (None: they can)."""
     if os.geteuid() != 0:
@@ -52,7 +61,7 @@ def available() -> str | None:
 @dataclass
 class Hosts:
     names: Sequence[str]
-    tag: str = field(default_factory=lambda: f"mb{secrets.token_hex(3)}")  # namespaces of this run
+    tag: str = field(default_factory=lambda: f"mb{os.getpid()}x{secrets.token_hex(2)}")  # namespaces of this run
     net: int = field(default_factory=lambda: 16 + secrets.randbelow(200))  # 10.<net>.<i>.0/24
     _made: list[str] = field(default_factory=list, init=False)
     _rules: set[tuple[str, ...]] = field(default_factory=set, init=False)
@@ -69,6 +78,7 @@ class Hosts:
         return f"10.{self.net}.{list(self.names).index(host) + 1}.2"
 
     def start(self) -> Self:
+        _remove_orphans()
         try:
             self._add(self.router)
             _ip("link", "set", "lo", "up", ns=self.router)
