@@ -110,13 +110,14 @@ def counters(stack: HostStack) -> tuple[float, ...]:
 
 
 async def _whole(stack: HostStack, bus: Bus, since: float) -> float:
-    """Seconds from `since` until every node routes to every other and the balancer has every
-    worker ready."""
+    """Seconds from `since` until every node routes to every other and the balancer routes to every
+    worker again (ready, heard within two beats, not skipped)."""
     while True:
         routed = await asyncio.to_thread(lambda: all(stack.routes(h) == {"a", "b", "c"} - {h} for h in "abc"))
         if routed:
             stats = await bus.request(Subjects().stats("balancer", "balancer-a"), Empty(), Stats, timeout=2)
-            if set(WORKERS) <= {w["worker_id"] for w in stats.stats["workers"] if w["ready"]}:
+            if set(WORKERS) <= {w["worker_id"] for w in stats.stats["workers"]
+                                if w["ready"] and not w["skipped"] and w["heard_s_ago"] < 2 * HB["heartbeat_interval_s"]}:
                 return time.monotonic() - since
         await asyncio.sleep(0.05)
 

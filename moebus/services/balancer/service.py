@@ -83,7 +83,7 @@ class BalancerService(Service):
 
     def stats(self) -> dict[str, Any]:
         kv = {"queries": self.ranker.queries, "hits": self.ranker.hits} if self.ranker else {}
-        return {"workers": self.table.snapshot(), "mode": self.cfg.mode, "policy": self.cfg.policy, "kv": kv,
+        return {"workers": self.table.snapshot(time.monotonic()), "mode": self.cfg.mode, "policy": self.cfg.policy, "kv": kv,
                 "picks": dict(self.picks)}
 
     async def setup(self) -> None:

@@ -130,8 +130,11 @@ class WorkerTable:
             entry.pending_tokens = max(0.0, entry.pending_tokens + n * tokens) if entry.pending else 0.0
             entry.assigned_total += max(n, 0)
 
-    def snapshot(self) -> list[dict]:
+    def snapshot(self, now: float) -> list[dict]:
+        """Each worker as routing sees it; heard_s_ago: since its last beat (or answered probe), skipped:
+        it gets no new work now (it answered a probe as paused or unreachable)."""
         return [{"worker_id": e.worker_id, "model": e.beat.model, "ready": e.beat.ready, "role": e.beat.role,
-                 "draining": e.beat.draining, "queued": e.queued, "pending": e.pending,
+                 "draining": e.beat.draining, "heard_s_ago": round(now - e.last_seen, 3),
+                 "skipped": e.skip_until > now, "queued": e.queued, "pending": e.pending,
                  "pending_tokens": e.pending_tokens,
                  "load": e.beat.load.model_dump() if e.beat.load else None} for e in self._workers.values()]
