@@ -3,7 +3,7 @@
     python loadtest/bench_hosts.py --rounds 2
 
 Every service is `moebus serve` with its NATS node on its own host (network namespaces joined by a
-router namespace: moebus/loadtest/netns.py, host_stack.py); the real model (SmolLM2, dtype and
+router namespace: moebus/services/netns.py, host_stack.py); the real model (SmolLM2, dtype and
 weight format auto as `moebus up` has them), one worker with both cores.
 - tokens: tokenizer, balancer and frontend on host a; the worker on host a (`one-host`: one NATS
   node, the loopback path) or on host b (`two-hosts`: every request and every token crosses a route
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import peer_bench as pb  # noqa: E402  (loadtest/, beside this script)
 
-from moebus.loadtest.host_stack import HostStack, Process  # noqa: E402
 from moebus.services.balancer.config import BalancerConfig  # noqa: E402
 from moebus.services.frontend.config import FrontendConfig  # noqa: E402
+from moebus.services.host_stack import HostStack, Process  # noqa: E402
 from moebus.services.tokenizer.config import TokenizerConfig  # noqa: E402
 from moebus.services.worker.config import WorkerConfig  # noqa: E402
 

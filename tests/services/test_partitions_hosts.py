@@ -1,6 +1,6 @@
 """Partitions between hosts (issue #40 item 2): three hosts (network namespaces), a NATS node on
 each in one cluster with authenticated routes, every service started by `moebus serve` as an
-operator would (loadtest/host_stack.py). Host a: tokenizer, balancer, frontend, planner; host b:
+operator would (services/host_stack.py). Host a: tokenizer, balancer, frontend, planner; host b:
 a worker and the KV broker; host c: a worker. 20 toy streams run from a client on host a when
 the network fails, for 5, 20 or 60 s, then heals:
 - worker-host: b reaches nobody (its processes still reach its own node);
@@ -26,11 +26,11 @@ import openai
 import pytest
 
 from moebus.devmodel.toy import TOY_REPLY
-from moebus.loadtest.host_stack import HostStack, Process
-from moebus.loadtest.netns import available
 from moebus.services.balancer.config import BalancerConfig
 from moebus.services.frontend.config import FrontendConfig
+from moebus.services.host_stack import HostStack, Process
 from moebus.services.kvbroker.config import KVBrokerConfig
+from moebus.services.netns import available
 from moebus.services.planner.config import PlannerConfig
 from moebus.services.tokenizer.config import TokenizerConfig
 from moebus.services.worker.config import WorkerConfig

@@ -1,6 +1,6 @@
 """The stack as several hosts (issue #40): a nats-server node and `moebus serve` processes per host.
 
-Each host is a network namespace (loadtest/netns.py). The operator's files come from
+Each host is a network namespace (services/netns.py). The operator's files come from
 shared/bus_hosts.py (every node's nats.conf: authenticated routes, the users; one credentials
 file per role), and every service is started as docs/multihost.md tells an operator to: `moebus
 serve <service> --nats-url <its host's node>` with $MOEBUS_NATS_CREDS naming its role's file. Only
