@@ -25,7 +25,7 @@ from typing import Any, Self, TypeVar
 from pydantic import BaseModel
 
 from moebus.shared.bus import Bus, BusConfig
-from moebus.shared.bus_auth import CREDS_ENV
+from moebus.shared.bus_auth import CREDS_ENV, SERVICE_ROLES
 from moebus.shared.bus_hosts import BusHost, BusLayout, bus_files
 from moebus.shared.config_cli import to_cli_args
 from moebus.shared.messages import HealthReply
@@ -129,8 +129,7 @@ class HostStack:
             update |= {"http_port": METRICS_PORT + list(self.processes).index(p), "http_host": "127.0.0.1"}
         cfg = p.config.model_copy(update=update)
         self.configs[p.instance_id] = cfg
-        role = p.service if p.service in ("frontend", "tokenizer", "encoder", "balancer", "kvbroker", "planner") \
-            else "worker"
+        role = p.service if p.service in SERVICE_ROLES else "worker"  # prefill, decode: worker users
         env = {**os.environ, CREDS_ENV: str(self.files[role])}
         cmd = [sys.executable, "-m", "moebus.cli", "serve", p.service, *to_cli_args(cfg)]
         self.procs[p.instance_id] = self.net.popen(p.host, cmd, env=env, log=f"{self.log_dir}/{p.instance_id}.log")

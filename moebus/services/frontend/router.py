@@ -116,8 +116,10 @@ class StreamRouter:
         """A worker silent for a while beats again (a partition healed, a pause ended): the chunks it
         sent meanwhile went nowhere, and a stream it finished shows no gap, so each of its requests
         asks for what it missed, as after our own reconnect."""
+        if beat.service != "worker":
+            return
         for gen in list(self._gens.values()):
-            if beat.service == "worker" and gen.watches(beat.instance_id):
+            if gen.watches(beat.instance_id):
                 gen.queue.put_nowait(BusChanged(True))
 
     async def _on_lost(self, event: WorkerLost, _: Msg) -> None:
