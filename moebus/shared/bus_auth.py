@@ -48,10 +48,10 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
             return [], [s.tokenizer_render, s.tokenizer_detokenize]
         case "encoder":
             return [], [s.encoder_encode, s.encoder_encode_on(i)]
-        case "balancer":  # routes to workers by their heartbeats; never streams or moves KV
-            return ([s.worker_generate(ANY), s.worker_abort(ANY), s.balancer_worker_lost, s.kvbroker_query,
+        case "balancer":  # routes to workers by their heartbeats and KV events; never streams or moves KV
+            return ([s.worker_generate(ANY), s.worker_abort(ANY), s.balancer_worker_lost,
                      s.health("worker", ANY)],  # is a silent worker gone or paused (service._probe)
-                    [s.balancer_route, s.heartbeat_all("worker")])
+                    [s.balancer_route, s.heartbeat_all("worker"), s.kvbroker_events])
         case "worker":  # receives only its own work; sends streams, handoffs and KV, never generate
             return ([s.frontend_stream(ANY, ANY), s.frontend_chunks(ANY), s.worker_handoff(ANY), s.worker_handoff_beat(ANY),
                      s.kvtransfer_push_all, s.kvbroker_events, s.kvbroker_query, s.kvbroker_get, s.kvbroker_put,
@@ -60,7 +60,7 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
                      s.worker_abort_all, s.worker_replay(i), s.kvtransfer_push_all if i == ANY else s.kvtransfer_push(i),
                      s.balancer_worker_lost, s.heartbeat_all("frontend")])  # frontend beats: leases.py
         case "kvbroker":  # a get's blocks go to the reply address the worker named (a worker inbox)
-            return ([inbox("worker", ">"), s.kvtransfer_push_all],
+            return ([inbox("worker", ">"), s.kvtransfer_push_all, s.kvbroker_events],  # events: its own tiers
                     [s.kvbroker_events, s.kvbroker_query, s.kvbroker_get, s.kvbroker_put, s.kvbroker_stats,
                      s.balancer_worker_lost])
         case "planner":  # the only service that sends control messages: drain, to workers

@@ -28,6 +28,20 @@ def stable_block_hashes(token_ids: list[int], block_size: int, namespace: str,
     return hashes
 
 
+def hash_space(namespace: str, block_size: int) -> str:
+    """The name of one way of hashing prompts into blocks: carried beside hashes computed in it."""
+    return f"{namespace}/{block_size}"
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, namespace: str, carried: list[int],
+                        carried_space: str) -> list[int]:
+    """A request's block hashes in (namespace, block_size): those it carries when they were
+    computed in that space (the frontend hashes each prompt once), else computed here."""
+    if carried_space == hash_space(namespace, block_size):
+        return carried
+    return stable_block_hashes(token_ids, block_size, namespace)
+
+
 def mm_hash_view(token_ids: list[int], images: list[tuple[int, int, int]]) -> list[int]:
     """`token_ids` with each image's placeholders (offset, length, content hash) replaced by the
     negated hash, so block hashes over the result tell different images apart (chaining carries it

@@ -25,6 +25,10 @@ class TieredKVStore:
     def where(self, block_hash: int) -> str | None:
         return next((t.name for t in self.tiers if block_hash in t), None)
 
+    def keys(self) -> list[int]:
+        """Every block some tier holds."""
+        return list(dict.fromkeys(h for t in self.tiers for h in t.keys()))
+
     def longest_prefix(self, hashes: list[int]) -> int:
         """How many leading hashes of a chain some tier holds."""
         n = 0

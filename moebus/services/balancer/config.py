@@ -20,12 +20,14 @@ class BalancerConfig(ServiceConfig):
     # aggregated: any worker runs a whole request; disaggregated: a prefill worker runs it to its
     # first token, a decode worker (which receives the KV) the rest.
     mode: Literal["aggregated", "disaggregated"] = "aggregated"
-    kv_aware: bool = True  # rank workers by the prompt prefix they cache (KV broker index)
+    kv_aware: bool = True  # rank workers by the prompt prefix they cache (our index of their KV events)
     # kv: the KV-aware + load ranking (least loaded without KV info); round_robin / random:
     # baselines for comparing routing on the same trace (policy.py)
     policy: Literal["kv", "round_robin", "random"] = "kv"
     policy_seed: int | None = None  # random: a fixed seed for repeatable runs
-    kv_query_timeout_s: float = 0.25
+    # Forget a KV holder's blocks after it has been silent this long (holders send a snapshot at
+    # least every worker kv_snapshot_s; the broker's holder_ttl_s likewise).
+    kv_holder_ttl_s: float = Field(30.0, gt=0)
     # How long a decode worker waits for its prefill half (a queued prefill may take long; a dead
     # prefill worker fails its halves at once through balancer.worker_lost).
     kv_transfer_timeout_s: float = 300.0

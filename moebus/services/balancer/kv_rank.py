@@ -1,29 +1,28 @@
-"""KV-aware ordering of candidate workers: ask the KV broker's index which workers hold the
-prompt's leading blocks and rank by the estimated time to finish its prefill (kv_routing.py).
+"""KV-aware ordering of candidate workers from the balancer's own prefix index: which workers (and
+the KV broker's shared tiers) hold the prompt's leading blocks, ranked by the estimated time to
+finish its prefill (kv_routing.py).
 
-No broker (or no KV info in the heartbeats: toy workers) -> the plain least-loaded order. After
-a failed query the broker is left alone for a while so a dead broker costs routes nothing.
-Each route's decision is counted by reason in `moebus_balancer_route_decisions_total{reason}`
-(REASONS); the balancer's bus carries its Metrics.
+The index is fed by the KV events every holder publishes (each balancer replica hears them all,
+as the broker does), so a route asks nobody: no nested request while the balancer holds one. The
+prompt's block hashes come with the request (the frontend hashed it once) unless it was hashed in
+another space. No KV info in the heartbeats (toy workers) -> the plain least-loaded order. Each
+route's decision is counted by reason in `moebus_balancer_route_decisions_total{reason}` (REASONS).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-from moebus.shared.bus import Bus
-from moebus.shared.kv_client import KVBrokerClient
-from moebus.shared.kv_hashing import stable_block_hashes
-from moebus.shared.messages import BROKER_HOLDER
-from moebus.shared.subjects import Subjects
+from moebus.kv.index import PrefixIndex
+from moebus.shared.messages import BROKER_HOLDER, GenerateRequest
+from moebus.shared.metrics import Metrics
 from moebus.shared.tracing import annotate
 
 from .kv_routing import RoutingWeights, WorkerState, overlaps, prefill_tokens, rank_workers, usable_tokens
 from .table import WorkerEntry
 
-# prefix_hit: some worker (or the broker's tiers) held the prompt's leading blocks; no_prefix:
-# asked, none did; index_unavailable: the broker did not answer (or is being left alone);
-# load_only: nothing to ask about (one candidate, or no KV info in the heartbeats).
+# prefix_hit: some worker (or the broker's tiers) held the prompt's leading blocks; no_prefix: none
+# did; index_unavailable: no candidate has reported its cache yet (a fresh balancer, or workers
+# without KV events); load_only: nothing to rank by KV (one candidate, or no KV info in the beats).
 REASONS = ("prefix_hit", "no_prefix", "index_unavailable", "load_only")
 
 
@@ -36,13 +35,10 @@ class Ranking:
 
 
 class KVRanker:
-    def __init__(self, bus: Bus, subjects: Subjects, timeout_s: float = 0.25, backoff_s: float = 2.0) -> None:
-        self.index = KVBrokerClient(bus, "balancer", subjects, timeout_s)
-        self.backoff_s = backoff_s
-        self._quiet_until = 0.0
+    def __init__(self, index: PrefixIndex, metrics: Metrics | None = None) -> None:
+        self.index = index
         self.queries = 0
         self.hits = 0  # routes where some worker held a prefix of the prompt
-        metrics = bus.metrics
         counter = metrics.counter("route_decisions_total", "KV-aware routes by how they were decided",
                                   ["reason"]) if metrics else None
         self._decided = {r: counter.labels(r) for r in REASONS} if counter else {}
@@ -52,31 +48,30 @@ class KVRanker:
         if self._decided:
             self._decided[reason].inc()
 
-    async def order(self, prompt: list[int], entries: list[WorkerEntry]) -> Ranking:
+    def order(self, req: GenerateRequest, entries: list[WorkerEntry]) -> Ranking:
         kv = next((e.beat.kv for e in entries if e.beat.kv is not None), None)
         if kv is None or len(entries) < 2:
             self._decide("load_only")
             return Ranking(entries)
-        matches = None
-        hashes = stable_block_hashes(prompt, kv.block_size, kv.namespace)
-        reason = "no_prefix" if not hashes else "index_unavailable"  # unless asked and answered
-        if hashes and time.monotonic() >= self._quiet_until:
+        hashes = req.block_hashes_in(kv.block_size, kv.namespace)
+        holders = {e.worker_id for e in entries}
+        matches = []
+        if hashes:
             self.queries += 1
-            matches = await self.index.query(hashes, holders=[e.worker_id for e in entries] + [BROKER_HOLDER])
-            if matches is None:
-                self._quiet_until = time.monotonic() + self.backoff_s
-            else:
-                reason = "no_prefix"
-        device, tiers, shared = overlaps(matches or [])
+            matches = self.index.longest_prefix(hashes, holders | {BROKER_HOLDER})
+        device, tiers, shared = overlaps(matches)
         self.hits += bool(device or tiers)
-        self._decide("prefix_hit" if device or tiers else reason)
+        if device or tiers or shared:
+            self._decide("prefix_hit" if device or tiers else "no_prefix")
+        else:
+            self._decide("no_prefix" if not hashes or self.index.knows_any(holders) else "index_unavailable")
         weights = RoutingWeights(kv.block_size)
         states = [_state(e, device, tiers, weights) for e in entries]
-        ranked = dict(rank_workers(len(prompt), states, weights, shared))
+        n = len(req.prompt_token_ids)
+        ranked = dict(rank_workers(n, states, weights, shared))
         # Equal cost: fewest past picks first (round robin); full workers last (stale numbers).
         order = sorted(entries, key=lambda e: (e.worker_id not in ranked, ranked.get(e.worker_id, 0.0),
                                                e.assigned_total, e.worker_id))
-        n = len(prompt)
         return Ranking(order, {s.worker_id: float(prefill_tokens(n, usable_tokens(n, s, kv.block_size, shared)))
                                for s in states})
 

@@ -4,7 +4,8 @@
 all of them receive) checks the request against the frontend's bounds (cfg.limits: BAD_REQUEST
 over one), then forwards it to the best worker's `generate.<id>` and returns its GenerateAccepted.
 "Best" is the cheapest estimated prefill given the prompt prefix each worker
-caches (KV broker index, kv_rank.py), then the least loaded. Overloaded or vanished workers are
+caches (the balancer's own prefix index, fed by the KV events workers and the broker publish:
+kv_rank.py; no request to anyone while routing), then the least loaded. Overloaded or vanished workers are
 skipped for the next candidate. A worker that misses heartbeats, or whose heartbeat comes from a new
 process under the same id (restarted), is announced on `balancer.worker_lost`; frontends move its
 requests to other workers. Missed beats alone only stop routing to it: it is lost when its health
@@ -28,6 +29,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from moebus.kv.index import PrefixIndex
 from moebus.shared.errors import ErrorCode, NoResponders, RequestTimeout, ServiceError
 from moebus.shared.liveness import Verdict, probe
 from moebus.shared.messages import (
@@ -35,6 +37,7 @@ from moebus.shared.messages import (
     GenerateAccepted,
     GenerateRequest,
     Heartbeat,
+    KVEvent,
     KVTransferSpec,
     WorkerLost,
 )
@@ -76,7 +79,8 @@ class BalancerService(Service):
         self._m_routed = self.metrics.counter("routed_total", "Route outcomes", ["outcome"])
         self._m_lost = self.metrics.counter("workers_lost_total", "Workers dropped for missed heartbeats")
         self._m_workers = self.metrics.gauge("workers", "Workers in the table")
-        self.ranker: KVRanker | None = None
+        self.index = PrefixIndex()  # what every worker (and the broker's tiers) caches, from their KV events
+        self.ranker = KVRanker(self.index, self.metrics) if cfg.kv_aware and cfg.policy == "kv" else None
         self.static = None if cfg.policy == "kv" else StaticOrder(cfg.policy, cfg.policy_seed)
         self.picks: dict[str, int] = {}  # worker id -> requests routed there (both halves of splits)
         self.memo = RouteMemo(cfg.route_memo_s, on_repeat=self._m_routed.labels("repeat").inc)
@@ -88,8 +92,9 @@ class BalancerService(Service):
 
     async def setup(self) -> None:
         s = self.subjects
-        if self.cfg.kv_aware and self.cfg.policy == "kv":
-            self.ranker = KVRanker(self.bus, self.subjects, self.cfg.kv_query_timeout_s)
+        if self.ranker is not None:  # (in order, like the broker's; one per holder tick: untraced)
+            await self.bus.subscribe(s.kvbroker_events, KVEvent, self._on_kv_event, concurrent=False, traced=False,
+                                     endpoint="kv_events")
         await self.bus.subscribe(s.heartbeat_all("worker"), Heartbeat, self._on_heartbeat, concurrent=False,
                                  endpoint="heartbeat")
         await self.bus.subscribe(s.balancer_route, GenerateRequest, self.route, queue=Queues.BALANCER,
@@ -101,10 +106,16 @@ class BalancerService(Service):
             await self._announce_lost(beat.instance_id, "restarted")
         self._m_workers.set(len(self.table))
 
+    async def _on_kv_event(self, ev: KVEvent, _: Msg) -> None:
+        now = time.monotonic()
+        self.index.apply(ev, now)
+        self.index.expire(now, self.cfg.kv_holder_ttl_s)
+
     async def _announce_lost(self, worker_id: str, reason: str) -> None:
         """Frontends move the requests the worker held; split halves waiting on it give up."""
         log.warning("%s: worker %s lost (%s)", self.instance_id, worker_id, reason)
         self._m_lost.inc()
+        self.index.remove_holder(worker_id)
         await self.bus.publish(self.subjects.balancer_worker_lost, WorkerLost(worker_id=worker_id, reason=reason))
 
     async def _reaper(self) -> None:
@@ -181,7 +192,7 @@ class BalancerService(Service):
         if self.static is not None:
             return self.static.order(cands)
         if kv_aware and self.ranker is not None:
-            ranking = await self.ranker.order(req.hash_token_ids(), cands)
+            ranking = self.ranker.order(req, cands)
             r.prefill_tokens.update(ranking.prefill_tokens)
             return ranking.entries
         return cands

@@ -7,6 +7,8 @@ plain liveness (this process and its bus connection).
 """
 from __future__ import annotations
 
+from moebus.shared.messages import KVInfo
+
 from .fleet import FleetView
 
 
@@ -28,3 +30,8 @@ class WorkerWatch:
         """The models among `models` no ready worker serves now."""
         ready = self.ready_workers()
         return [m for m in models if not ready.get(m)]
+
+    def kv_space(self, model: str) -> KVInfo | None:
+        """How a live worker of `model` names KV blocks (its heartbeat's KVInfo): the space the
+        frontend hashes each prompt in, once, for the balancer and the worker."""
+        return next((b.kv for b in self.fleet.live("worker") if b.model == model and b.kv is not None), None)

@@ -14,10 +14,12 @@ from nats.aio.msg import Msg
 
 from moebus.shared.bus import Bus
 from moebus.shared.errors import NoResponders, RequestTimeout, ServiceError
+from moebus.shared.kv_hashing import hash_space, stable_block_hashes
 from moebus.shared.messages import (
     GenerateRequest,
     Heartbeat,
     ImageEmbedding,
+    KVInfo,
     SamplingOptions,
     TokenChunk,
     TokenChunks,
@@ -62,11 +64,17 @@ class StreamRouter:
         self.bus.watch(self._on_bus)
 
     def new(self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingOptions,
-            images: list[ImageEmbedding] | None = None, priority: int = 0, owner: str = "") -> Generation:
+            images: list[ImageEmbedding] | None = None, priority: int = 0, owner: str = "",
+            kv: KVInfo | None = None) -> Generation:
+        """kv: how the model's workers name KV blocks: the prompt is hashed here, once, and the hashes
+        travel with it (the balancer's routing and the worker's tier fetch use them)."""
         req = GenerateRequest(request_id=request_id, model=model, prompt_token_ids=prompt_token_ids, params=params,
                               reply_to=self.subjects.frontend_stream(self.instance_id, request_id),
                               images=images or [], priority=priority, owner=owner, frontend_id=self.instance_id,
                               frontend_incarnation=self.incarnation)
+        if kv is not None:
+            req.block_hashes = stable_block_hashes(req.hash_token_ids(), kv.block_size, kv.namespace)
+            req.block_hash_space = hash_space(kv.namespace, kv.block_size)
         return Generation(self, req)
 
     def register(self, gen: Generation) -> None:

@@ -184,7 +184,7 @@ class FrontendService(Service):
                                retry_after=1)
             clock = self.latencies.start(model)
             gen = self.router.new(f"gen-{uuid.uuid4().hex}", model, prompt_ids, params, list(images),
-                                  priority=tenant.limits.priority, owner=owner)
+                                  priority=tenant.limits.priority, owner=owner, kv=self.workers.kv_space(model))
             try:
                 await gen.start()
             except ServiceError as e:

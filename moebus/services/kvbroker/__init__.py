@@ -6,8 +6,9 @@ the broker through moebus.shared.kv_client.
 """
 from typing import Any
 
+from moebus.kv.index import PrefixIndex
+
 from .config import KVBrokerConfig, parse_bytes
-from .index import PrefixIndex
 
 __all__ = ["KVBrokerConfig", "KVBrokerService", "PrefixIndex", "parse_bytes"]
 

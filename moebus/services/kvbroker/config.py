@@ -27,6 +27,8 @@ class KVBrokerConfig(ServiceConfig):
     chunk_bytes: int = Field(512 * 1024, ge=1024)  # KV transfer chunk size
     holder_ttl_s: float = Field(30.0, gt=0)  # forget a holder's blocks after it has been silent this long
     expire_interval_s: float = Field(5.0, gt=0)
+    # All our tiers hold, published this often (< the balancers' kv_holder_ttl_s): lost events heal.
+    snapshot_s: float = Field(10.0, gt=0)
 
     @field_validator("cpu_bytes", "disk_bytes", "chunk_bytes", mode="before")
     @classmethod

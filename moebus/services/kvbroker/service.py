@@ -2,7 +2,9 @@
 
 Endpoints (Subjects.kvbroker_*; messages in shared.messages.kvbroker; the client is
 shared.kv_client.KVBrokerClient):
-  events  KVEvent from holders (stored / evicted / snapshot)     -> index
+  events  KVEvent from holders (stored / evicted / snapshot)     -> index; and the broker's own: what its
+          tiers store or lose (holder BROKER_HOLDER, a snapshot every snapshot_s), so balancers'
+          own indexes (balancer/kv_rank.py) know the shared tiers without asking
   query   PrefixQuery -> PrefixQueryReply (longest prefix per holder and tier, broker tiers included)
   put     a chunked KV transfer of blocks (KVPayload with block_hashes) -> broker tiers
   get     BlockGet -> BlockGetReply, then the blocks as a KV transfer to the requester
@@ -20,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from nats.aio.msg import Msg
 
 from moebus.engine.kv_tiers import CpuTier, DiskTier, Tier, TieredKVStore
 from moebus.engine.kv_transfer import KVPayload, block_size_of
+from moebus.kv.index import PrefixIndex
 from moebus.kvtransport import KVTransferError, NatsKVTransport, NatsTransportConfig
 from moebus.shared.messages import (
     BROKER_HOLDER,
@@ -41,7 +45,6 @@ from moebus.shared.messages import (
 from moebus.shared.service import Empty, Service
 
 from .config import KVBrokerConfig
-from .index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,8 @@ class KVBrokerService(Service):
         tiers: list[Tier] = [CpuTier(cfg.cpu_bytes, self._corrupt)]
         if cfg.disk_dir:
             tiers.append(DiskTier(cfg.disk_dir, cfg.disk_bytes, cfg.disk_fsync, self._corrupt))
-        self.store = TieredKVStore(tiers)
+        self._evicted: list[int] = []  # left every tier since our last event (store thread appends)
+        self.store = TieredKVStore(tiers, on_evict=self._evicted.extend)
         self.counters = {"puts": 0, "gets": 0, "queries": 0}
         self._tcfg = NatsTransportConfig(chunk_bytes=cfg.chunk_bytes)
         self._receiver: NatsKVTransport | None = None
@@ -94,14 +98,29 @@ class KVBrokerService(Service):
             await self._receiver.close()
 
     async def _expirer(self) -> None:
+        last_snapshot = time.monotonic()
         while True:
             await asyncio.sleep(self.cfg.expire_interval_s)
             for holder in self.index.expire(time.monotonic(), self.cfg.holder_ttl_s):
                 log.info("forgot silent KV holder %s", holder)
+            if time.monotonic() - last_snapshot >= self.cfg.snapshot_s:
+                last_snapshot = time.monotonic()
+                await self._publish_tiers(snapshot=True)
+
+    async def _publish_tiers(self, stored: Sequence[int] = (), snapshot: bool = False) -> None:
+        """Our tiers' changes (or all they hold) as a holder's KVEvent, for the balancers' indexes."""
+        evicted, self._evicted[:] = list(self._evicted), []
+        if snapshot:
+            stored = await asyncio.to_thread(self.store.keys)
+        if stored or evicted or snapshot:
+            await self.bus.publish(self.subjects.kvbroker_events,
+                                   KVEvent(holder=BROKER_HOLDER, tier="cpu", stored=list(stored), evicted=evicted,
+                                           snapshot=snapshot))
 
     # --- endpoints -------------------------------------------------------------------------
     async def _on_event(self, ev: KVEvent, _: Msg) -> None:
-        self.index.apply(ev, time.monotonic())
+        if ev.holder != BROKER_HOLDER:  # (our own tiers answer for themselves: _on_query)
+            self.index.apply(ev, time.monotonic())
 
     async def _on_worker_lost(self, lost: WorkerLost, _: Msg) -> None:
         self.index.remove_holder(lost.worker_id)
@@ -141,6 +160,7 @@ class KVBrokerService(Service):
             for i in range(n):
                 self.store.put(payload.block_hashes[i], payload.block(i))
         await asyncio.to_thread(store)
+        await self._publish_tiers(payload.block_hashes[:n])
 
     async def _on_stats(self, _: Empty, __: Msg) -> BrokerStats:
         return self.broker_stats()

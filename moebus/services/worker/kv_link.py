@@ -30,8 +30,7 @@ from moebus.kvtransport import (
 )
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.kv_client import KVBrokerClient
-from moebus.shared.kv_hashing import stable_block_hashes
-from moebus.shared.messages import HandoffBeat, KVTransferSpec
+from moebus.shared.messages import GenerateRequest, HandoffBeat, KVTransferSpec
 from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
@@ -165,13 +164,14 @@ class WorkerKVLink:
             self.on_corrupt(n)
 
     # ---- shared tiers and the index ---------------------------------------------------------
-    async def fetch(self, prompt: list[int]) -> int:
+    async def fetch(self, req: GenerateRequest) -> int:
         """Before queueing: copy the prompt's blocks the broker's tiers hold (beyond what this
-        worker has) into the local store, where load_prefix finds them after add_request."""
+        worker has) into the local store, where load_prefix finds them after add_request. The
+        block hashes are the request's own (hashed once, by its frontend) where they fit our KV."""
         if self.broker is None or not self.kv.block_size:
             return 0
-        n = (len(prompt) - 1) // self.kv.block_size  # the last token always runs
-        hashes = stable_block_hashes(prompt[: n * self.kv.block_size], self.kv.block_size, self.kv.namespace)
+        n = (len(req.prompt_token_ids) - 1) // self.kv.block_size  # the last token always runs
+        hashes = req.block_hashes_in(self.kv.block_size, self.kv.namespace)[:n]
         have = await self.loop.call(lambda e: self.kv.local_prefix(e, hashes))
         if have >= len(hashes):
             return 0

@@ -295,7 +295,7 @@ class WorkerService(Service):
 
     async def _fetch_then_add(self, a: Active) -> None:
         try:
-            await self.link.fetch(a.req.hash_token_ids())
+            await self.link.fetch(a.req)
         except Exception:  # the tiers are an optimisation: recompute instead
             log.warning("KV tier fetch for %s failed", a.req.request_id, exc_info=True)
         if self._active.get(a.req.request_id) is a:  # not aborted meanwhile

@@ -1,4 +1,6 @@
-"""Which holder (worker, per tier) has which prefix blocks, fed by KVEvents."""
+"""Which holder (worker per tier, or the KV broker's shared tiers) has which prefix blocks, fed by
+KVEvents. The broker keeps one (its `query` endpoint answers from it) and so does every balancer
+replica (it routes from its own copy without asking anyone)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -50,6 +52,10 @@ class PrefixIndex:
             self._discard(k, list(self._by_key[k]))
         self._last_seen.pop(holder, None)
         return bool(keys)
+
+    def knows_any(self, holders: set[str]) -> bool:
+        """Whether any of `holders` has reported its cache (within the expiry)."""
+        return any(h in self._last_seen for h in holders)
 
     def expire(self, now: float, ttl_s: float) -> list[str]:
         """Forget holders silent for ttl_s (workers send a snapshot at least that often)."""

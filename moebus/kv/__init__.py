@@ -1,0 +1,1 @@
+"""KV-cache concepts shared by services and the engine."""
