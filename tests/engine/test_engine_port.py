@@ -12,10 +12,11 @@ import pytest
 
 from moebus.devmodel.toy import ToyEngine, ToyOutput
 from moebus.engine.distributed.dp_engine import DPEngine
-from moebus.engine.kv_connector import KVConnector
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.outputs import RequestOutput
-from moebus.engine.port import EngineOutput, EnginePort, KVConnectorPort, LockstepEngine
+from moebus.engine.port import EngineOutput, EnginePort, LockstepEngine
+from moebus.kv.connector import KVConnector
+from moebus.kv.ports import KVConnectorPort
 
 _PROTOCOL_NOISE = {"__init__", "__subclasshook__", "__class_getitem__", "__init_subclass__", "__weakref__",
                    "__dict__", "__doc__", "__module__", "__annotations__", "__parameters__", "__orig_bases__",

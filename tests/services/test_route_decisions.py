@@ -60,7 +60,7 @@ async def test_a_follow_up_stays_on_its_cache_before_the_next_heartbeat() -> Non
         table.observe(Heartbeat(service="worker", instance_id=f"w{i}", ts=0, interval_s=1.0, ready=True, model="m",
                                 load=Load(max_waiting=8, kv_blocks_free=500, kv_blocks_total=500),
                                 kv=KVInfo(namespace="n", block_size=2)), 0.0)
-    from moebus.shared.kv_hashing import stable_block_hashes
+    from moebus.kv.hashing import stable_block_hashes
 
     hashes_of[0] = stable_block_hashes(prompt, 2, "n")[0]
     for _ in range(3):

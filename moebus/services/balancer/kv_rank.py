@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from moebus.kv.client import KVBrokerClient
+from moebus.kv.hashing import stable_block_hashes
 from moebus.shared.bus import Bus
-from moebus.shared.kv_client import KVBrokerClient
-from moebus.shared.kv_hashing import stable_block_hashes
 from moebus.shared.messages import BROKER_HOLDER
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import annotate

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
+from moebus.kv.hashing import mm_hash_view
+
 from ..codec import Message
-from ..kv_hashing import mm_hash_view
 from .encoder import ImageEmbedding
 
 
