@@ -43,6 +43,7 @@ from moebus.engine.tokenizer import Tokenizer, load_tokenizer
 from moebus.kv.groups import KVLayout, PoolSizing, allocate_caches, build_block_manager, pool_sizes
 
 if TYPE_CHECKING:
+    from moebus.engine.block_manager import BlockManager
     from moebus.engine.target_streams import TargetStreams
     from moebus.kv.connector import KVConnector
 
@@ -58,11 +59,16 @@ class _StepFailed(Exception):
 
 
 class LLMEngine:
-    """Satisfies moebus.engine.port.EnginePort."""
+    """Satisfies moebus.engine.port.EnginePort, and moebus.kv.host.KVHost / PrefillHost (what the
+    KV code asks of it)."""
 
     lockstep = False
     tokenizer: Tokenizer
     failed_steps_in_a_row: int
+    config: EngineConfig
+    kv_layout: KVLayout
+    block_manager: BlockManager
+    scheduler: Scheduler
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  draft_proposer: DraftModelProposer | None = None) -> None:

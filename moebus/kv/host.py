@@ -7,7 +7,7 @@ Types only: importing this module loads nothing of the engine.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -59,7 +59,8 @@ class PrefillHost(KVHost, Protocol):
     """A KVHost that also runs requests: what transfer.prefill drives to a request's first token."""
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, *, images: Sequence[ImageSpan] = ()) -> None: ...
+                    priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
+                    images: Sequence[ImageSpan] = ()) -> None: ...
 
     def step(self) -> list[RequestOutput]: ...
 
