@@ -22,7 +22,7 @@ tests/engine/test_engine_port.py checks all three. The contract:
 - `abort_request(request_id)` ends every choice of the request and frees its KV (False: none live).
 - `failed_steps_in_a_row`: steps that failed with nobody to blame (the owner may rebuild the engine).
 - `lockstep`: `step()` is a collective; call it every iteration, idle or not (see `LockstepEngine`).
-- `kv`: the engine's KV connector (moebus.kv.ports.KVConnectorPort: extract / inject / load a
+- `kv`: the engine's KV connector (moebus.kv.connector_port.KVConnectorPort: extract / inject / load a
   prefix / cache events / offload), or None when the engine has no paged KV to move (the toy engine).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
-from moebus.kv.ports import KVConnectorPort
+from moebus.kv.connector_port import KVConnectorPort
 
 
 class RequestRefused(ValueError):

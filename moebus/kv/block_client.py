@@ -1,4 +1,4 @@
-"""KVBlockClient: the KV broker's shared tiers in KV blocks (a KVBrokerClient, client.py, that
+"""KVBlockClient: the KV broker's shared tiers in KV blocks (a KVBrokerClient, broker_client.py, that
 moves KVBlocks over a NATS transport of its own). Every call degrades: put_blocks -> False and
 get_blocks -> [] when the broker is gone, and the caller recomputes."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Self
 
 from nats.aio.client import Client as NATS
 
-from moebus.kv.client import KVBrokerClient
+from moebus.kv.broker_client import KVBrokerClient
 from moebus.kv.payload import KVBlock, KVPayload, block_size_of
 from moebus.kv.tiers.store import TieredKVStore
 from moebus.kv.transports.nats import NatsKVTransport, NatsTransportConfig

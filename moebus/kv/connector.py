@@ -4,7 +4,7 @@ Extract a prefilled request's KV, admit a request prefilled elsewhere, load a pr
 from a KV tier, report prefix-cache events, offload new blocks to a tier: each is a verb here,
 carried out by transfer / tiers / cache_events through the verbs of the KVHost it is given
 (host.py: the engine's, scheduler's and block manager's public verbs), never the engine itself.
-Satisfies ports.KVConnectorPort; call it on the engine's thread, between steps.
+Satisfies connector_port.KVConnectorPort; call it on the engine's thread, between steps.
 """
 from __future__ import annotations
 

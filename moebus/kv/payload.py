@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moebus.kv.encoding import PackedTensors, crc32_of, unpack
 from moebus.kv.hashing import kv_fingerprint
-from moebus.kv.wire import PackedTensors, crc32_of, unpack
 
 LayerKV = list[tuple[torch.Tensor, ...]]  # per layer: (k, v, *planes)
 Groups = list[tuple[int, ...]]  # per layer, per tensor: 0 full history, 1 windowed (kv.groups)

@@ -18,8 +18,8 @@ from moebus.engine.outputs import RequestOutput
 from moebus.engine.port import EngineOutput, EnginePort, LockstepEngine
 from moebus.engine.scheduler import Scheduler
 from moebus.kv.connector import KVConnector
+from moebus.kv.connector_port import KVConnectorPort
 from moebus.kv.host import KVHost, KVScheduler, PrefillHost
-from moebus.kv.ports import KVConnectorPort
 
 _PROTOCOL_NOISE = {"__init__", "__subclasshook__", "__class_getitem__", "__init_subclass__", "__weakref__",
                    "__dict__", "__doc__", "__module__", "__annotations__", "__parameters__", "__orig_bases__",

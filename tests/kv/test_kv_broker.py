@@ -184,8 +184,8 @@ async def test_broker_stops_cleanly_after_nats_died():
 
 
 def test_engine_transports_satisfy_the_shared_client_seam():
-    """kv.client types the seam it needs without importing torch: these must fit it."""
-    from moebus.kv.client import BlockPayload, BlockTransport
+    """kv.broker_client types the seam it needs without importing torch: these must fit it."""
+    from moebus.kv.broker_client import BlockPayload, BlockTransport
     from moebus.kv.payload import KVPayload
     from moebus.kv.transports.nats import NatsKVTransport
     from moebus.kv.transports.shm import ShmKVTransport

@@ -9,9 +9,9 @@ import pytest
 from moebus.engine.sampling import SamplingParams
 from moebus.kv.hashing import kv_namespace
 from moebus.kv.transfer import extract_kv, inject_prefilled, prefill
-from moebus.kv.transports.base import KVTransferTimeout
 from moebus.kv.transports.nats import NatsKVTransport
 from moebus.kv.transports.shm import ShmKVTransport, ShmTransportConfig
+from moebus.kv.transports.transport import KVTransferTimeout
 
 from .conftest import GREEDY, run
 

@@ -22,8 +22,8 @@ from moebus.kv.tiers.load import load_prefix
 from moebus.kv.tiers.offload import KVOffloader
 from moebus.kv.tiers.store import TieredKVStore
 from moebus.kv.transfer import inject_prefilled, prefill
-from moebus.kv.transports.base import KVTransferError
 from moebus.kv.transports.nats import NatsKVTransport
+from moebus.kv.transports.transport import KVTransferError
 
 from .conftest import BLOCK, GREEDY, run
 from .test_kv_tiers import block, same

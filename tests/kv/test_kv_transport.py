@@ -13,7 +13,6 @@ import torch
 
 from moebus.kv.hashing import stable_block_hashes
 from moebus.kv.payload import KVPayload
-from moebus.kv.transports.base import KVTransferError, KVTransferTimeout
 from moebus.kv.transports.nats import (
     H_BYTES,
     H_CRC,
@@ -25,6 +24,7 @@ from moebus.kv.transports.nats import (
     NatsTransportConfig,
 )
 from moebus.kv.transports.shm import ShmKVTransport, ShmTransportConfig
+from moebus.kv.transports.transport import KVTransferError, KVTransferTimeout
 
 
 def make_payload(num_blocks: int = 5, layers: int = 4, heads: int = 3, dim: int = 64, seed: int = 0) -> KVPayload:

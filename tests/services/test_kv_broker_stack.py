@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from moebus.kv.client import KVBrokerClient
+from moebus.kv.broker_client import KVBrokerClient
 from moebus.services.launcher import Stack, StackConfig
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.errors import ErrorCode, ServiceError

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from moebus.kv.payload import KVBlock, KVChecksumError
-from moebus.kv.tiers.base import Tier
+from moebus.kv.tiers.tier import Tier
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moebus.kv.payload import KVBlock
-from moebus.kv.tiers.base import Tier
+from moebus.kv.tiers.tier import Tier
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvb"

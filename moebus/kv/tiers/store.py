@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from moebus.kv.payload import KVBlock
-from moebus.kv.tiers.base import Evicted, Tier
+from moebus.kv.tiers.tier import Evicted, Tier
 
 
 class TieredKVStore:

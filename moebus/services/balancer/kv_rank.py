@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from moebus.kv.client import KVBrokerClient
+from moebus.kv.broker_client import KVBrokerClient
 from moebus.kv.hashing import stable_block_hashes
 from moebus.shared.bus import Bus
 from moebus.shared.messages import BROKER_HOLDER

@@ -2,7 +2,7 @@
 
 Importing the package (config) stays torch-free; the service imports the KV code's torch side
 (moebus.kv) on first use. Workers and balancers never import this package: they talk to the
-broker through moebus.kv.client (its index, PrefixIndex, is moebus.kv.index).
+broker through moebus.kv.broker_client (its index, PrefixIndex, is moebus.kv.index).
 """
 from typing import Any
 

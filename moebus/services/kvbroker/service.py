@@ -1,7 +1,7 @@
 """KVBrokerService: the prefix-block index of every worker, plus shared CPU/disk KV tiers.
 
 Endpoints (Subjects.kvbroker_*; messages in shared.messages.kvbroker; the client is
-kv.client.KVBrokerClient):
+kv.broker_client.KVBrokerClient):
   events  KVEvent from holders (stored / evicted / snapshot)     -> index
   query   PrefixQuery -> PrefixQueryReply (longest prefix per holder and tier, broker tiers included)
   put     a chunked KV transfer of blocks (KVPayload with block_hashes) -> broker tiers
@@ -26,12 +26,12 @@ from nats.aio.msg import Msg
 
 from moebus.kv.index import PrefixIndex
 from moebus.kv.payload import KVPayload, block_size_of
-from moebus.kv.tiers.base import Tier
 from moebus.kv.tiers.cpu import CpuTier
 from moebus.kv.tiers.disk import DiskTier
 from moebus.kv.tiers.store import TieredKVStore
-from moebus.kv.transports.base import KVTransferError
+from moebus.kv.tiers.tier import Tier
 from moebus.kv.transports.nats import NatsKVTransport, NatsTransportConfig
+from moebus.kv.transports.transport import KVTransferError
 from moebus.shared.messages import (
     BROKER_HOLDER,
     BlockGet,

@@ -2,7 +2,7 @@
 
 Every method runs on the engine thread (EngineLoop calls them between steps), so the engine,
 the local tiered store and the trackers are only ever touched from that one thread. The engine
-is asked through its KV connector (`engine.kv`, moebus.kv.ports.KVConnectorPort); an EP
+is asked through its KV connector (`engine.kv`, moebus.kv.connector_port.KVConnectorPort); an EP
 rank's is its own cache's (moved between the group's steps, so no collective is involved).
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from moebus.engine.port import EnginePort
 from moebus.kv.cache_events import CacheEventTracker
+from moebus.kv.connector_port import KVConnectorPort
 from moebus.kv.payload import KVBlock, KVPayload
-from moebus.kv.ports import KVConnectorPort
 from moebus.kv.tiers.cpu import CpuTier
 from moebus.kv.tiers.offload import KVOffloader
 from moebus.kv.tiers.store import TieredKVStore

@@ -1,7 +1,7 @@
 """Asyncio side of a worker's KV features: the transports of a prefill/decode split, the KV
 broker's index (events) and shared tiers (put/get). Every broker call degrades (None / [] /
 False): a dead broker or tier only means recomputing, never a lost request. The broker protocol
-itself is kv.client (torch-free); kv.block_client.KVBlockClient moves the blocks.
+itself is kv.broker_client (torch-free); kv.block_client.KVBlockClient moves the blocks.
 
 KV moves on a NATS connection of its own (`kv_bus`), not the service's: bulk bytes never queue
 behind or ahead of heartbeats, hand-offs and token chunks, and a KV stall can cost no control
@@ -18,12 +18,12 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from moebus.kv.block_client import KVBlockClient
-from moebus.kv.client import KVBrokerClient
+from moebus.kv.broker_client import KVBrokerClient
 from moebus.kv.hashing import kv_fingerprint, stable_block_hashes
 from moebus.kv.payload import KVPayload
-from moebus.kv.transports.base import KVTransferError, KVTransport
 from moebus.kv.transports.nats import NatsKVTransport, NatsTransportConfig
 from moebus.kv.transports.shm import ShmKVTransport, ShmTransportConfig
+from moebus.kv.transports.transport import KVTransferError, KVTransport
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.messages import HandoffBeat, KVTransferSpec
 from moebus.shared.metrics import Metrics

@@ -31,7 +31,7 @@ from moebus.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
-# What a failed transfer raises: kv.transports.base.KVTransferError (and KVTransferTimeout) are
+# What a failed transfer raises: kv.transports.transport.KVTransferError (and KVTransferTimeout) are
 # RuntimeErrors; shared memory fails with OSError; a torn payload with ValueError.
 TRANSFER_ERRORS: tuple[type[Exception], ...] = (RuntimeError, OSError, ValueError)
 
@@ -51,7 +51,7 @@ PayloadT = TypeVar("PayloadT", bound=BlockPayload)  # the payload type a transpo
 
 @runtime_checkable
 class BlockTransport(Protocol[PayloadT]):
-    """Moves one payload by transfer id (kv.transports.base.KVTransport); raises TRANSFER_ERRORS."""
+    """Moves one payload by transfer id (kv.transports.transport.KVTransport); raises TRANSFER_ERRORS."""
 
     @property
     def address(self) -> str: ...
