@@ -1,4 +1,4 @@
-"""KV bytes per request with and without bounded sliding-window memory (engine.kv_groups).
+"""KV bytes per request with and without bounded sliding-window memory (kv.groups).
 
     python loadtest/bench_window_kv.py [--contexts 4096,32768,131072] [--tiny-contexts 4096]
 
@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from moebus.engine.kv_groups import FULL, KVLayout
 from moebus.engine.llm import LLM
 from moebus.engine.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
 from moebus.engine.models.hf_checkpoint import write_tiny_deepseek_v4
 from moebus.engine.sampling import SamplingParams
+from moebus.kv.groups import FULL, KVLayout
 
 TINY = {
     "sliding-only": {},

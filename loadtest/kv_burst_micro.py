@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, ".")
 import nats  # noqa: E402
 
-from moebus.kvtransport import NatsKVTransport  # noqa: E402
+from moebus.kv.transports.nats import NatsKVTransport  # noqa: E402
 from moebus.shared.nats_server import NatsServer  # noqa: E402
 from tests.kv.test_kv_transport import make_payload  # noqa: E402
 

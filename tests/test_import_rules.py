@@ -1,6 +1,8 @@
 """The import rules of docs/ARCHITECTURE.md, enforced by import-linter (contracts in pyproject.toml):
-shared imports no torch and nothing internal; kernels only torch/triton; services never import
-each other; the engine imports no NATS and no service."""
+shared imports no torch and nothing internal (but kv.hashing, a leaf); kernels only torch/triton;
+services never import each other; the engine imports no NATS and no service; moebus.kv imports
+no service and never the engine loop (llm_engine: it asks the engine through kv.host.KVHost), its
+hashing, index, broker client and credit no torch, and the KV code the engine loads no NATS."""
 from __future__ import annotations
 
 import shutil

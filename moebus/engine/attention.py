@@ -4,7 +4,7 @@ The batch is flattened ("varlen"): T query tokens from B sequences, sequence b o
 query_start_loc[b]:query_start_loc[b+1]. Every layer's cache is a pair of tensors
 `k_cache [num_blocks, block_size, Hkv, Dk]`, `v_cache [num_blocks, block_size, Hkv, Dv]`;
 a token at logical position p of sequence b lives in slot block_tables[b, p // bs] * bs + p % bs.
-With bounded sliding windows (engine.kv_groups) a sliding layer's k/v live in the windowed pool:
+With bounded sliding windows (kv.groups) a sliding layer's k/v live in the windowed pool:
 `attend` then reads `meta.windowed()`'s tables and slots instead.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ class CachePlane:
     tokens_per_row: int
     dim: int
     # How far back the plane is read: computing token p reads its rows of tokens (p - horizon, p].
-    # None = the whole history. A bounded plane may live in the windowed KV group (engine.kv_groups).
+    # None = the whole history. A bounded plane may live in the windowed KV group (kv.groups).
     horizon: int | None = None
 
     def rows_per_block(self, block_size: int) -> int:
@@ -61,7 +61,7 @@ class AttentionMetadata:
     seq_lens_t: torch.Tensor  # [B] int32, seq_lens on device
     block_size: int
     batch_invariant: bool = False  # deterministic mode: attend per sequence, never batched
-    # The windowed KV group's tables and slots (engine.kv_groups), when the engine bounds sliding
+    # The windowed KV group's tables and slots (kv.groups), when the engine bounds sliding
     # windows: the parts read within a horizon live in their own block pool. None: one group.
     window: AttentionMetadata | None = None
 

@@ -43,7 +43,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # Sliding-window layers (and other parts read within a horizon) keep only the blocks their window
-    # still sees, in a pool of their own (engine.kv_groups): O(window) KV per request. On by default;
+    # still sees, in a pool of their own (kv.groups): O(window) KV per request. On by default;
     # a model without such parts (full attention only) keeps its one pool either way. KV transfer and
     # the KV tiers move both groups' blocks.
     bound_sliding_window: bool = True

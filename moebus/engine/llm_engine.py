@@ -23,7 +23,6 @@ from moebus.engine.config import EngineConfig
 from moebus.engine.cpu_malloc import tune_malloc
 from moebus.engine.detokenizer import StopStringMatcher
 from moebus.engine.isolation import RequestFailed, isolate
-from moebus.engine.kv_groups import KVLayout, PoolSizing, allocate_caches, build_block_manager, pool_sizes
 from moebus.engine.model_runner import (
     PLACEHOLDER,
     ModelInput,
@@ -41,10 +40,12 @@ from moebus.engine.sampling.spec_decode import DraftModelProposer, NgramProposer
 from moebus.engine.scheduler import Scheduler, SchedulerOutput
 from moebus.engine.structured_state import GrammarHub
 from moebus.engine.tokenizer import Tokenizer, load_tokenizer
+from moebus.kv.groups import KVLayout, PoolSizing, allocate_caches, build_block_manager, pool_sizes
 
 if TYPE_CHECKING:
-    from moebus.engine.kv_connector import KVConnector
+    from moebus.engine.block_manager import BlockManager
     from moebus.engine.target_streams import TargetStreams
+    from moebus.kv.connector import KVConnector
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,16 @@ class _StepFailed(Exception):
 
 
 class LLMEngine:
-    """Satisfies moebus.engine.port.EnginePort."""
+    """Satisfies moebus.engine.port.EnginePort, and moebus.kv.host.KVHost / PrefillHost (what the
+    KV code asks of it)."""
 
     lockstep = False
     tokenizer: Tokenizer
     failed_steps_in_a_row: int
+    config: EngineConfig
+    kv_layout: KVLayout
+    block_manager: BlockManager
+    scheduler: Scheduler
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  draft_proposer: DraftModelProposer | None = None) -> None:
@@ -192,19 +198,19 @@ class LLMEngine:
                 "spec_acceptance_rate": self.spec_stats.acceptance_rate,
                 "steps": self.stats_.steps}
 
-    # --- public verbs for KV movement (the KV connector, engine/kv_connector.py) ---------------
+    # --- public verbs for KV movement (the KV connector, kv/connector.py) ------------------------
     @property
     def kv(self) -> KVConnector:
         if self._kv is None:
-            from moebus.engine.kv_connector import KVConnector  # kv_transfer pulls in its transports
+            from moebus.kv.connector import KVConnector  # the torch-side KV code, loaded on first use
 
             self._kv = KVConnector(self)
         return self._kv
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """For KV movement (kv_transfer, kv_tiers): each tensor indexed by its group's block ids
-        (kv_layout.groups; engine.kv_groups.group_block_ids)."""
+        """For KV movement (kv.transfer, kv.tiers): each tensor indexed by its group's block ids
+        (kv_layout.groups; kv.groups.group_block_ids)."""
         return self.runner.kv_caches
 
     def get_request(self, request_id: str, index: int = 0) -> Request:

@@ -9,7 +9,6 @@ from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.batch_invariant import make_batch_invariant, tiled
 from moebus.engine.cpu_linear import pack_linears
 from moebus.engine.isolation import isolate
-from moebus.engine.kv_groups import KVLayout, allocate_caches
 from moebus.engine.lm_head import LMHead
 from moebus.engine.multimodal import ImageSpan, MMEmbeds, step_embeds
 from moebus.engine.request import Request
@@ -18,6 +17,7 @@ from moebus.engine.sampling.sampler import Sampler, SamplingBatch
 from moebus.engine.sampling.spec_decode import rejection_sample
 from moebus.engine.scheduler import SchedulerOutput
 from moebus.kernels.argmax import row_argmax
+from moebus.kv.groups import KVLayout, allocate_caches
 
 PLACEHOLDER = -1  # an output token whose value the previous (still running) step will produce
 
@@ -62,7 +62,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, eos_token_ids: list[int],
                  batch_invariant: bool = False, windowed: bool = False) -> None:
-        """windowed: the caches have a windowed KV group (engine.kv_groups), indexed by each
+        """windowed: the caches have a windowed KV group (kv.groups), indexed by each
         request's window_block_ids."""
         self.windowed = windowed
         self.model = make_batch_invariant(model) if batch_invariant else model

@@ -2,7 +2,7 @@
 
 An image occupies `length` placeholder tokens of the prompt starting at `offset`; the encoder's rows
 replace those tokens' embeddings when the positions are computed (prefill, or recompute after
-preemption). Prefix caching tells images apart by content hash (shared.kv_hashing.mm_hash_view).
+preemption). Prefix caching tells images apart by content hash (kv.hashing.mm_hash_view).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moebus.shared.kv_hashing import mm_hash_view
+from moebus.kv.hashing import mm_hash_view
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,14 +22,16 @@ tests/engine/test_engine_port.py checks all three. The contract:
 - `abort_request(request_id)` ends every choice of the request and frees its KV (False: none live).
 - `failed_steps_in_a_row`: steps that failed with nobody to blame (the owner may rebuild the engine).
 - `lockstep`: `step()` is a collective; call it every iteration, idle or not (see `LockstepEngine`).
-- `kv`: the engine's KV connector (extract / inject / load a prefix / cache events / offload), or
-  None when the engine has no paged KV to move (the toy engine).
+- `kv`: the engine's KV connector (moebus.kv.connector_port.KVConnectorPort: extract / inject / load a
+  prefix / cache events / offload), or None when the engine has no paged KV to move (the toy engine).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
+
+from moebus.kv.connector_port import KVConnectorPort
 
 
 class RequestRefused(ValueError):
@@ -55,28 +57,6 @@ class EngineOutput(Protocol):
     error: str | None
     retryable: bool
     error_param: str | None  # error is the request's own (a 400): the field at fault, never retried
-
-
-@runtime_checkable
-class KVConnectorPort(Protocol):
-    """Moves a request's KV in and out of an engine; call on the engine's thread, between steps."""
-
-    @property
-    def namespace(self) -> str: ...  # engines with equal namespaces can exchange blocks
-
-    @property
-    def block_size(self) -> int: ...
-
-    def extract(self, request_id: str) -> Any: ...  # KVPayload of the request's computed prompt
-
-    def inject(self, request_id: str, prompt_token_ids: list[int], first_token: int, params: Any,
-               payload: Any, images: Sequence[Any] = ()) -> Any: ...  # admit a request prefilled elsewhere
-
-    def load_prefix(self, request_id: str, store: Any, namespace: str | None = None) -> int: ...
-
-    def cache_events(self, tracker: Any) -> tuple[list[int], list[int]]: ...  # (stored, evicted) hashes
-
-    def offload(self, offloader: Any) -> list[int]: ...  # stable hashes newly copied to the store
 
 
 @runtime_checkable

@@ -39,7 +39,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     block_ids: list[int] = field(default_factory=list)
-    # The windowed KV group's blocks by logical index (engine.kv_groups); -1: out of the window
+    # The windowed KV group's blocks by logical index (kv.groups); -1: out of the window
     # (freed, or never allocated). Empty when the engine runs one KV group.
     window_block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks

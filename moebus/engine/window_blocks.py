@@ -1,4 +1,4 @@
-"""Block manager of an engine with two KV groups (engine.kv_groups).
+"""Block manager of an engine with two KV groups (kv.groups).
 
 The full-history parts live in `req.block_ids` (the base BlockManager, unchanged). The windowed
 parts, read only within the last `horizon` tokens, live in a second pool, `self.win`, indexed by
@@ -10,7 +10,7 @@ Prefix hits: n blocks count only when the full pool caches all n and the window 
 blocks the next token's window reads; otherwise the hit shrinks to the longest shorter prefix that
 has them, and the tokens after it are recomputed ("replay"), so a hit equals a cold run.
 
-KV that arrives from elsewhere (kv_transfer, kv_tiers) is reserved for a request whose
+KV that arrives from elsewhere (kv.transfer, kv.tiers) is reserved for a request whose
 num_computed_tokens is already set to where that KV ends: only the window from there on is
 allocated (and a local hit only needs its blocks inside that window), however long the prompt.
 """

@@ -2,7 +2,7 @@
 deployment splits it over workers (minus the transport, which moves the same payload).
 
 Per prompt the prefill engine runs the prompt, samples the first token and hands back the prompt's
-KV (kv_transfer.prefill); the decode engine admits the request with that KV (inject_prefilled) and
+KV (kv.transfer.prefill); the decode engine admits the request with that KV (inject_prefilled) and
 decodes the rest. The decode engine keeps no prefix cache, so every prompt's whole KV is the moved
 one; one prompt at a time, as the `alone` rows, so the tokens can be compared with theirs.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from moebus.engine.config import EngineConfig
-from moebus.engine.kv_transfer import inject_prefilled, prefill
 from moebus.engine.llm_engine import LLMEngine
 from moebus.eval.candidate import greedy_params
+from moebus.kv.transfer import inject_prefilled, prefill
 
 
 def prefill_engine(model: str, engine_kwargs: Mapping[str, object]) -> LLMEngine:

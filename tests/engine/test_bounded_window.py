@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from moebus.engine.attention import CachePlane, KVCacheSpec
-from moebus.engine.kv_groups import FULL, WINDOW, KVLayout, PoolSizing, group_block_ids, pool_sizes
 from moebus.engine.llm import LLM
 from moebus.engine.models.hf_checkpoint import write_tiny_deepseek_v4
 from moebus.engine.request import Request
 from moebus.engine.sampling import SamplingParams
 from moebus.engine.window_blocks import WindowedBlockManager
+from moebus.kv.groups import FULL, WINDOW, KVLayout, PoolSizing, group_block_ids, pool_sizes
 
 MIXED = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
          "compressed_sparse_attention"]
@@ -207,7 +207,7 @@ def test_kv_movement_moves_both_groups(ckpt, unbounded):
     holds the full blocks and the window's last ones; decode on another bounded engine == unbounded.
     Bounding is the default; the flag turns it off."""
     from moebus.engine.config import EngineConfig
-    from moebus.engine.kv_transfer import inject_prefilled, prefill
+    from moebus.kv.transfer import inject_prefilled, prefill
 
     assert EngineConfig().bound_sliding_window
     p = prompts(6, (150,))[0]

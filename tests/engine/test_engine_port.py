@@ -1,6 +1,7 @@
-"""Every engine a worker runs satisfies the engine port (moebus.engine.port), structurally: each
-member the port declares is there, with a compatible signature (checked on the classes, so the
-expert-parallel DPEngine needs no process group), and live instances pass the runtime checks."""
+"""Every engine a worker runs satisfies the engine port (moebus.engine.port), and the real engine
+what the KV code asks of it (moebus.kv.host), structurally: each member the port declares is
+there, with a compatible signature (checked on the classes, so the expert-parallel DPEngine needs
+no process group), and live instances pass the runtime checks."""
 from __future__ import annotations
 
 import inspect
@@ -12,10 +13,13 @@ import pytest
 
 from moebus.devmodel.toy import ToyEngine, ToyOutput
 from moebus.engine.distributed.dp_engine import DPEngine
-from moebus.engine.kv_connector import KVConnector
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.outputs import RequestOutput
-from moebus.engine.port import EngineOutput, EnginePort, KVConnectorPort, LockstepEngine
+from moebus.engine.port import EngineOutput, EnginePort, LockstepEngine
+from moebus.engine.scheduler import Scheduler
+from moebus.kv.connector import KVConnector
+from moebus.kv.connector_port import KVConnectorPort
+from moebus.kv.host import KVHost, KVScheduler, PrefillHost
 
 _PROTOCOL_NOISE = {"__init__", "__subclasshook__", "__class_getitem__", "__init_subclass__", "__weakref__",
                    "__dict__", "__doc__", "__module__", "__annotations__", "__parameters__", "__orig_bases__",
@@ -81,6 +85,7 @@ def _conformance(cls: type, proto: type) -> list[str]:
 @pytest.mark.parametrize(("cls", "proto"), [
     (LLMEngine, EnginePort), (DPEngine, EnginePort), (DPEngine, LockstepEngine), (ToyEngine, EnginePort),
     (RequestOutput, EngineOutput), (ToyOutput, EngineOutput), (KVConnector, KVConnectorPort),
+    (LLMEngine, KVHost), (LLMEngine, PrefillHost), (Scheduler, KVScheduler),
 ], ids=lambda x: x.__name__)
 def test_class_satisfies_the_port(cls: type, proto: type) -> None:
     assert _conformance(cls, proto) == []
@@ -105,6 +110,7 @@ def test_live_engines_pass_the_runtime_checks(llm) -> None:
     for engine in (toy, real):
         assert isinstance(engine, EnginePort) and not engine.lockstep
     assert toy.kv is None and isinstance(real.kv, KVConnectorPort)
+    assert isinstance(real, PrefillHost) and isinstance(real.scheduler, KVScheduler)
     assert isinstance(RequestOutput("r", [], "", False), EngineOutput)
     assert isinstance(ToyOutput("r", [], False, None, 0), EngineOutput)
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from moebus.engine.config import EngineConfig
-from moebus.engine.kv_transfer import KVPayload
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.sampling import SamplingParams
-from moebus.kvtransport import ShmKVTransport, ShmTransportConfig
+from moebus.kv.payload import KVPayload
+from moebus.kv.transports.shm import ShmKVTransport, ShmTransportConfig
 from moebus.shared.nats_server import NatsServer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

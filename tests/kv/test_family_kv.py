@@ -7,11 +7,15 @@ import pytest
 import torch
 
 from moebus.engine.config import EngineConfig
-from moebus.engine.kv_tiers import CpuTier, DiskTier, KVOffloader, TieredKVStore, load_prefix
-from moebus.engine.kv_transfer import inject_prefilled, prefill
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.models.tiny_checkpoints import FAMILIES, write_tiny
 from moebus.engine.sampling import SamplingParams
+from moebus.kv.tiers.cpu import CpuTier
+from moebus.kv.tiers.disk import DiskTier
+from moebus.kv.tiers.load import load_prefix
+from moebus.kv.tiers.offload import KVOffloader
+from moebus.kv.tiers.store import TieredKVStore
+from moebus.kv.transfer import inject_prefilled, prefill
 
 from .conftest import over_shm, run
 

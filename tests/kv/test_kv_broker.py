@@ -10,10 +10,14 @@ import time
 
 import pytest
 
-from moebus.engine.kv_tiers import CpuTier, KVOffloader, TieredKVStore, load_prefix
-from moebus.engine.kv_transfer import kv_namespace, stable_block_hashes
-from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService, PrefixIndex
-from moebus.services.worker.kv_link import KVBlockClient
+from moebus.kv.block_client import KVBlockClient
+from moebus.kv.hashing import kv_namespace, stable_block_hashes
+from moebus.kv.index import PrefixIndex
+from moebus.kv.tiers.cpu import CpuTier
+from moebus.kv.tiers.load import load_prefix
+from moebus.kv.tiers.offload import KVOffloader
+from moebus.kv.tiers.store import TieredKVStore
+from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import HealthReply, KVEvent, WorkerLost
@@ -180,10 +184,11 @@ async def test_broker_stops_cleanly_after_nats_died():
 
 
 def test_engine_transports_satisfy_the_shared_client_seam():
-    """shared.kv_client types the seam it needs without importing the engine: these must fit it."""
-    from moebus.engine.kv_transfer import KVPayload
-    from moebus.kvtransport import NatsKVTransport, ShmKVTransport
-    from moebus.shared.kv_client import BlockPayload, BlockTransport
+    """kv.broker_client types the seam it needs without importing torch: these must fit it."""
+    from moebus.kv.broker_client import BlockPayload, BlockTransport
+    from moebus.kv.payload import KVPayload
+    from moebus.kv.transports.nats import NatsKVTransport
+    from moebus.kv.transports.shm import ShmKVTransport
 
     assert isinstance(NatsKVTransport(None, "a.b"), BlockTransport)
     assert isinstance(ShmKVTransport(), BlockTransport)

@@ -19,9 +19,9 @@ from pathlib import Path
 import nats
 import pytest
 
-from moebus.engine.kv_transfer import KVPayload
-from moebus.kvtransport import NatsKVTransport, NatsTransportConfig
-from moebus.kvtransport.credit import ByteCredits
+from moebus.kv.payload import KVPayload
+from moebus.kv.transports.credit import ByteCredits
+from moebus.kv.transports.nats import NatsKVTransport, NatsTransportConfig
 from moebus.shared.nats_server import find_nats_server, free_port
 
 from .test_kv_transport import make_payload

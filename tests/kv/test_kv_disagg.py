@@ -6,9 +6,12 @@ import asyncio
 import nats
 import pytest
 
-from moebus.engine.kv_transfer import extract_kv, inject_prefilled, kv_namespace, prefill
 from moebus.engine.sampling import SamplingParams
-from moebus.kvtransport import KVTransferTimeout, NatsKVTransport, ShmKVTransport, ShmTransportConfig
+from moebus.kv.hashing import kv_namespace
+from moebus.kv.transfer import extract_kv, inject_prefilled, prefill
+from moebus.kv.transports.nats import NatsKVTransport
+from moebus.kv.transports.shm import ShmKVTransport, ShmTransportConfig
+from moebus.kv.transports.transport import KVTransferTimeout
 
 from .conftest import GREEDY, run
 

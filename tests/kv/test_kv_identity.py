@@ -12,17 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from moebus.engine.kv_tiers import CpuTier, DiskTier, TieredKVStore
-from moebus.engine.kv_transfer import (
-    KVBlock,
-    KVPayload,
-    codec,
-    inject_prefilled,
-    kv_namespace,
-    prefill,
-    stable_block_hashes,
-)
-from moebus.engine.kv_transfer.payload import KVIdentityError, kv_fingerprint
+from moebus.kv import encoding
+from moebus.kv.hashing import kv_fingerprint, kv_namespace, stable_block_hashes
+from moebus.kv.payload import KVBlock, KVIdentityError, KVPayload
+from moebus.kv.tiers.cpu import CpuTier
+from moebus.kv.tiers.disk import DiskTier
+from moebus.kv.tiers.store import TieredKVStore
+from moebus.kv.transfer import inject_prefilled, prefill
 from moebus.services.worker.kv_engine import EngineKV
 
 from .conftest import BLOCK, GREEDY, run
@@ -79,7 +75,7 @@ def test_disk_tier_drops_a_file_renamed_or_copied_to_another_key(tmp_path):
 
 def test_disk_tier_drops_files_of_the_previous_format(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(codec, "VERSION", codec.VERSION - 1)  # written by a build without block identities
+        m.setattr(encoding, "VERSION", encoding.VERSION - 1)  # written by a build without block identities
         DiskTier(tmp_path, 10 << 20).put(3, block(3))
     tier = DiskTier(tmp_path, 10 << 20)
     assert 3 in tier and tier.get(3) is None and tier.corrupt == 1 and not list(tmp_path.iterdir())

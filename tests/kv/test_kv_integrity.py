@@ -14,17 +14,16 @@ import nats
 import pytest
 import torch
 
-from moebus.engine.kv_tiers import CpuTier, DiskTier, KVOffloader, TieredKVStore, load_prefix
-from moebus.engine.kv_transfer import (
-    KVBlock,
-    KVPayload,
-    inject_prefilled,
-    kv_namespace,
-    prefill,
-    stable_block_hashes,
-)
-from moebus.engine.kv_transfer.payload import KVChecksumError
-from moebus.kvtransport import KVTransferError, NatsKVTransport
+from moebus.kv.hashing import kv_namespace, stable_block_hashes
+from moebus.kv.payload import KVBlock, KVChecksumError, KVPayload
+from moebus.kv.tiers.cpu import CpuTier
+from moebus.kv.tiers.disk import DiskTier
+from moebus.kv.tiers.load import load_prefix
+from moebus.kv.tiers.offload import KVOffloader
+from moebus.kv.tiers.store import TieredKVStore
+from moebus.kv.transfer import inject_prefilled, prefill
+from moebus.kv.transports.nats import NatsKVTransport
+from moebus.kv.transports.transport import KVTransferError
 
 from .conftest import BLOCK, GREEDY, run
 from .test_kv_tiers import block, same

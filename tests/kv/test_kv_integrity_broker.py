@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from moebus.engine.kv_transfer import KVPayload
-from moebus.kvtransport import NatsKVTransport
+from moebus.kv.block_client import KVBlockClient
+from moebus.kv.payload import KVPayload
+from moebus.kv.transports.nats import NatsKVTransport
 from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService
-from moebus.services.worker.kv_link import KVBlockClient
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing

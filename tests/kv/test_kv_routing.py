@@ -73,7 +73,7 @@ def test_index_side_imports_stay_torch_free():
     import sys
 
     mods = ["moebus.services.kvbroker", "moebus.services.balancer.kv_routing", "moebus.services.balancer.kv_rank",
-            "moebus.shared.kv_client", "moebus.kv.index", "moebus.services.kvbroker.config",
-            "moebus.shared.messages.kvbroker"]
+            "moebus.kv.broker_client", "moebus.kv.index", "moebus.kv.hashing", "moebus.kv.host", "moebus.kv.connector_port",
+            "moebus.kv.transports.credit", "moebus.services.kvbroker.config", "moebus.shared.messages.kvbroker"]
     code = f"import sys\nfor m in {mods!r}: __import__(m)\nassert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

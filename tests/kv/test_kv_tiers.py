@@ -6,15 +6,13 @@ import time
 
 import torch
 
-from moebus.engine.kv_tiers import (
-    CacheEventTracker,
-    CpuTier,
-    DiskTier,
-    KVOffloader,
-    TieredKVStore,
-    load_prefix,
-)
-from moebus.engine.kv_transfer import KVBlock
+from moebus.kv.cache_events import CacheEventTracker
+from moebus.kv.payload import KVBlock
+from moebus.kv.tiers.cpu import CpuTier
+from moebus.kv.tiers.disk import DiskTier
+from moebus.kv.tiers.load import load_prefix
+from moebus.kv.tiers.offload import KVOffloader
+from moebus.kv.tiers.store import TieredKVStore
 
 from .conftest import run
 

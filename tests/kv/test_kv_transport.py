@@ -11,16 +11,20 @@ import nats
 import pytest
 import torch
 
-from moebus.engine.kv_transfer import KVPayload, stable_block_hashes
-from moebus.kvtransport import (
-    KVTransferError,
-    KVTransferTimeout,
+from moebus.kv.hashing import stable_block_hashes
+from moebus.kv.payload import KVPayload
+from moebus.kv.transports.nats import (
+    H_BYTES,
+    H_CRC,
+    H_ID,
+    H_SEQ,
+    H_TOTAL,
+    H_WANT,
     NatsKVTransport,
     NatsTransportConfig,
-    ShmKVTransport,
-    ShmTransportConfig,
 )
-from moebus.kvtransport.nats import H_BYTES, H_CRC, H_ID, H_SEQ, H_TOTAL, H_WANT
+from moebus.kv.transports.shm import ShmKVTransport, ShmTransportConfig
+from moebus.kv.transports.transport import KVTransferError, KVTransferTimeout
 
 
 def make_payload(num_blocks: int = 5, layers: int = 4, heads: int = 3, dim: int = 64, seed: int = 0) -> KVPayload:

@@ -10,8 +10,12 @@ from collections.abc import Callable
 
 import pytest
 
-from moebus.engine.kv_tiers import CpuTier, DiskTier, KVOffloader, TieredKVStore, load_prefix
 from moebus.engine.llm_engine import LLMEngine
+from moebus.kv.tiers.cpu import CpuTier
+from moebus.kv.tiers.disk import DiskTier
+from moebus.kv.tiers.load import load_prefix
+from moebus.kv.tiers.offload import KVOffloader
+from moebus.kv.tiers.store import TieredKVStore
 
 from .conftest import Run, run
 from .v4_fixtures import BLOCK, GREEDY32, plane_layout, v4_engine, v4_prompts, write_v4
@@ -81,7 +85,7 @@ def test_v4_disk_tier_restore_matches_cold_and_a_corrupt_block_is_recomputed(eng
     assert out.computed == N - loaded + GREEDY32.max_tokens - 1
 
     # Flip one bit in the last tensor of block 5's file: the last CSA layer's indexer keys.
-    from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
+    from moebus.kv.hashing import kv_namespace, stable_block_hashes
 
     h5 = stable_block_hashes(prompt[: 6 * BLOCK], BLOCK, kv_namespace(engine))[5]
     path = tmp_path / f"{h5:016x}.kvb"
@@ -100,8 +104,8 @@ def test_v4_restore_needs_the_window_tail(engine, prompt):
     restored only with its window tail (horizon 32: 8 blocks need blocks 6, 7; 7 need 5, 6; 6 need
     4, 5; 5 need 3, 4): without the window parts of blocks 5 and 7, 5 blocks are restored and the rest
     is replayed; an engine that keeps whole windows stops at block 5 too. Either way: the cold run."""
-    from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
-    from moebus.engine.kv_transfer.payload import KVBlock, missing_part
+    from moebus.kv.hashing import kv_namespace, stable_block_hashes
+    from moebus.kv.payload import KVBlock, missing_part
 
     store = TieredKVStore([CpuTier(64 << 20)])
     cold = _offloaded_cold_run(engine, prompt, store, "tail-cold")
@@ -128,7 +132,7 @@ def test_v4_shaped_blocks_regroup_into_a_payload_and_survive_the_disk(tmp_path):
     4 entry rows, indexer src, 4 indexer key rows), an HCA layer with 1 entry row a block."""
     import torch
 
-    from moebus.engine.kv_transfer import KVBlock, KVPayload
+    from moebus.kv.payload import KVBlock, KVPayload
 
     def v4_block(seed: int) -> KVBlock:
         g = torch.Generator().manual_seed(seed)
@@ -154,7 +158,7 @@ def test_v4_shaped_blocks_regroup_into_a_payload_and_survive_the_disk(tmp_path):
 
     # Bounded sliding windows: blocks 0 and 1 were offloaded after their window passed (their
     # windowed parts, here the sliding layer's k and v and the compressors' rows, as 0 rows).
-    from moebus.engine.kv_transfer.payload import block_size_of, missing_part
+    from moebus.kv.payload import block_size_of, missing_part
 
     groups = [(1, 1), (1, 1, 1, 0, 1, 0), (1, 1, 1, 0)]
     strip = lambda b: KVBlock([tuple(missing_part(t) if g else t for t, g in zip(kv, gs, strict=True))  # noqa: E731

@@ -12,11 +12,12 @@ import struct
 import pytest
 import torch
 
-from moebus.engine.kv_groups import WINDOW as WINDOW_GROUP
-from moebus.engine.kv_transfer import KVPayload, inject_prefilled, prefill
-from moebus.engine.kv_transfer.codec import VERSION, KVVersionError
-from moebus.engine.kv_transfer.engine_io import kv_block_ids
-from moebus.kvtransport import ShmKVTransport, ShmTransportConfig
+from moebus.kv.cache_io import kv_block_ids
+from moebus.kv.encoding import VERSION, KVVersionError
+from moebus.kv.groups import WINDOW as WINDOW_GROUP
+from moebus.kv.payload import KVPayload
+from moebus.kv.transfer import inject_prefilled, prefill
+from moebus.kv.transports.shm import ShmKVTransport, ShmTransportConfig
 
 from .conftest import over_shm, run
 from .v4_fixtures import BLOCK, GREEDY32, WINDOW, plane_layout, v4_engine, v4_prompts, write_v4
@@ -202,8 +203,8 @@ def test_v4_wire_version_mismatch_is_refused_clearly(engines):
 def test_v4_payload_from_another_format_version_fails_the_transfer(engines, monkeypatch):
     """A receiver of another build reports a failed transfer (the decode worker then recomputes),
     never a decoded payload or a stray ValueError."""
-    from moebus.engine.kv_transfer import codec
-    from moebus.kvtransport import KVTransferError
+    from moebus.kv import encoding
+    from moebus.kv.transports.transport import KVTransferError
 
     a, _ = engines
     pre = prefill(a, "ver-shm", v4_prompts(1, (40,))[0], GREEDY32)
@@ -211,7 +212,7 @@ def test_v4_payload_from_another_format_version_fails_the_transfer(engines, monk
     async def go() -> KVPayload:
         rx, tx = ShmKVTransport(ShmTransportConfig(address="moebus-v4kv-ver")), ShmKVTransport()
         with monkeypatch.context() as m:
-            m.setattr(codec, "VERSION", VERSION + 1)  # the sender's build
+            m.setattr(encoding, "VERSION", VERSION + 1)  # the sender's build
             await tx.send(pre.payload, rx.address, "ver")
         return await rx.receive("ver", 5)
 

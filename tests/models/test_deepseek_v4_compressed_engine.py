@@ -101,7 +101,7 @@ def test_speculative_drafts_leave_greedy_output_unchanged(ckpt):
 def test_kv_namespace_and_cache_events_cover_the_compressor_planes(ckpt):
     """Workers publish prefix-cache events keyed by the KV namespace (on by default): it must name
     a compressed layer's extra planes, so engines with another layout never share its blocks."""
-    from moebus.engine.kv_tiers.events import CacheEventTracker
+    from moebus.kv.cache_events import CacheEventTracker
 
     llm = LLM(ckpt, tokenizer="smollm2", num_kv_blocks=KV_BLOCKS)
     shapes = llm.engine.kv.namespace.rsplit("|", 1)[1]

@@ -146,9 +146,9 @@ async def test_kv_broker_put_and_get_with_role_users(server: NatsServer, tmp_pat
     """Chunked KV transfers both ways: a worker puts blocks (the broker acks by allow_responses) and
     gets them back (the broker sends to the worker's own inbox)."""
     torch = pytest.importorskip("torch")
-    from moebus.engine.kv_transfer import KVBlock
+    from moebus.kv.block_client import KVBlockClient
+    from moebus.kv.payload import KVBlock
     from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService
-    from moebus.services.worker.kv_link import KVBlockClient
 
     users = BusUsers(S)
     broker_file = write_credentials(tmp_path / "kvbroker-0.json", {"kvbroker-0": users.add("kvbroker", "kvbroker-0")})

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+from moebus.kv.broker_client import KVBrokerClient
 from moebus.services.launcher import Stack, StackConfig
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.errors import ErrorCode, ServiceError
-from moebus.shared.kv_client import KVBrokerClient
 from moebus.shared.messages import HealthReply, PrefixQueryReply
 from moebus.shared.nats_server import free_port
 from moebus.shared.service import Empty, Stats

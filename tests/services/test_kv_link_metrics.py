@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moebus.engine.kv_transfer import KVPayload
+from moebus.kv.payload import KVPayload
 from moebus.services.worker.config import WorkerConfig
 from moebus.services.worker.kv_link import WorkerKVLink
 from moebus.shared.messages import KVTransferSpec

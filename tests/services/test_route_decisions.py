@@ -1,11 +1,19 @@
 """The balancer's routing decisions by reason (moebus_balancer_route_decisions_total{reason})."""
 from __future__ import annotations
 
+from moebus.kv.hashing import hash_space, stable_block_hashes
 from moebus.kv.index import PrefixIndex
 from moebus.services.balancer.kv_rank import REASONS, KVRanker
 from moebus.services.balancer.table import WorkerTable
-from moebus.shared.kv_hashing import hash_space, stable_block_hashes
-from moebus.shared.messages import BROKER_HOLDER, GenerateRequest, Heartbeat, KVEvent, KVInfo, Load, SamplingOptions
+from moebus.shared.messages import (
+    BROKER_HOLDER,
+    GenerateRequest,
+    Heartbeat,
+    KVEvent,
+    KVInfo,
+    Load,
+    SamplingOptions,
+)
 from moebus.shared.metrics import Metrics
 
 

@@ -29,7 +29,7 @@ from moebus.engine.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from moebus.engine.kv_connector import KVConnector
+    from moebus.kv.connector import KVConnector
 
 
 @dataclass(slots=True)

@@ -77,7 +77,7 @@ def build_plan(meta: AttentionMetadata, positions: torch.Tensor, rate: int, over
     w = w_lo[w_seq] + w_i
     span = 2 * rate if overlap else rate
     tok = (w[:, None] * rate + torch.arange(span, device=dev) - (rate if overlap else 0)).clamp(min=0)
-    src_tables = meta.windowed().block_tables.long()  # per-token rows: a windowed part (engine.kv_groups)
+    src_tables = meta.windowed().block_tables.long()  # per-token rows: a windowed part (kv.groups)
     src_slots = src_tables[w_seq[:, None], tok // bs] * bs + tok % bs
     return CompressPlan(rate, src_slots, w == 0, w * rate, entry_rows[e_first[w_seq] + w], entry_rows,
                         torch.repeat_interleave(e_first, n_new), (positions + 1) // rate)

@@ -12,9 +12,9 @@ import logging
 
 from nats.aio.msg import Msg
 
+from moebus.kv.hashing import hash_space, stable_block_hashes
 from moebus.shared.bus import Bus
 from moebus.shared.errors import NoResponders, RequestTimeout, ServiceError
-from moebus.shared.kv_hashing import hash_space, stable_block_hashes
 from moebus.shared.messages import (
     GenerateRequest,
     Heartbeat,

@@ -1,7 +1,7 @@
 """KVBrokerService: the prefix-block index of every worker, plus shared CPU/disk KV tiers.
 
 Endpoints (Subjects.kvbroker_*; messages in shared.messages.kvbroker; the client is
-shared.kv_client.KVBrokerClient):
+kv.broker_client.KVBrokerClient):
   events  KVEvent from holders (stored / evicted / snapshot)     -> index; and the broker's own: what its
           tiers store or lose (holder BROKER_HOLDER, a snapshot every snapshot_s), so balancers'
           own indexes (balancer/kv_rank.py) know the shared tiers without asking
@@ -27,10 +27,14 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from moebus.engine.kv_tiers import CpuTier, DiskTier, Tier, TieredKVStore
-from moebus.engine.kv_transfer import KVPayload, block_size_of
 from moebus.kv.index import PrefixIndex
-from moebus.kvtransport import KVTransferError, NatsKVTransport, NatsTransportConfig
+from moebus.kv.payload import KVPayload, block_size_of
+from moebus.kv.tiers.cpu import CpuTier
+from moebus.kv.tiers.disk import DiskTier
+from moebus.kv.tiers.store import TieredKVStore
+from moebus.kv.tiers.tier import Tier
+from moebus.kv.transports.nats import NatsKVTransport, NatsTransportConfig
+from moebus.kv.transports.transport import KVTransferError
 from moebus.shared.messages import (
     BROKER_HOLDER,
     BlockGet,

@@ -26,7 +26,7 @@ class WorkerConfig(ServiceConfig):
     role: Literal["both", "prefill", "decode"] = "both"
     kv_transport: Literal["nats", "shm"] = "nats"  # how KV reaches this decode worker (shm: same host)
     # NATS KV moves on a connection of its own; the bytes in flight to this worker, all transfers
-    # together (credit, kvtransport/credit.py), far below nats-server's 64 MiB MaxPending.
+    # together (credit, kv/transports/credit.py), far below nats-server's 64 MiB MaxPending.
     kv_credit_bytes: int = Field(16 * 1024 * 1024, ge=1024 * 1024)
     # A prefill worker names the split requests it holds to their decode workers every
     # handoff_beat_s; a decode half whose prefill half goes unnamed for handoff_lost_s is given up

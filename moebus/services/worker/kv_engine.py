@@ -2,7 +2,7 @@
 
 Every method runs on the engine thread (EngineLoop calls them between steps), so the engine,
 the local tiered store and the trackers are only ever touched from that one thread. The engine
-is asked through its KV connector (`engine.kv`, moebus.engine.port.KVConnectorPort); an EP
+is asked through its KV connector (`engine.kv`, moebus.kv.connector_port.KVConnectorPort); an EP
 rank's is its own cache's (moved between the group's steps, so no collective is involved).
 """
 from __future__ import annotations
@@ -11,9 +11,13 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from moebus.engine.kv_tiers import CacheEventTracker, CpuTier, KVOffloader, TieredKVStore
-from moebus.engine.kv_transfer import KVBlock, KVPayload
-from moebus.engine.port import EnginePort, KVConnectorPort
+from moebus.engine.port import EnginePort
+from moebus.kv.cache_events import CacheEventTracker
+from moebus.kv.connector_port import KVConnectorPort
+from moebus.kv.payload import KVBlock, KVPayload
+from moebus.kv.tiers.cpu import CpuTier
+from moebus.kv.tiers.offload import KVOffloader
+from moebus.kv.tiers.store import TieredKVStore
 
 log = logging.getLogger(__name__)
 

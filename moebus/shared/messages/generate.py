@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
+from moebus.kv.hashing import mm_hash_view, prompt_block_hashes
+
 from ..codec import Message
-from ..kv_hashing import mm_hash_view, prompt_block_hashes
 from .encoder import ImageEmbedding
 
 
@@ -90,7 +91,7 @@ class GenerateRequest(Message):
     # the request when that frontend dies (worker/leases.py). Empty: nobody's lease.
     frontend_id: str = ""
     frontend_incarnation: str = ""
-    # The prompt's stable KV block hashes (shared/kv_hashing.py, over hash_token_ids()), computed
+    # The prompt's stable KV block hashes (kv/hashing.py, over hash_token_ids()), computed
     # once by the frontend in the space its workers named (`block_hash_space`) and reused by the
     # balancer and the worker. Empty: not hashed (no worker's KV info known yet, or the toy engine).
     block_hashes: list[int] = []
@@ -101,7 +102,7 @@ class GenerateRequest(Message):
         return mm_hash_view(self.prompt_token_ids, [(i.offset, i.num_tokens, i.content_hash) for i in self.images])
 
     def block_hashes_in(self, block_size: int, namespace: str) -> list[int]:
-        """The prompt's block hashes in that KV space (carried, else computed: kv_hashing.py)."""
+        """The prompt's block hashes in that KV space (carried, else computed: kv/hashing.py)."""
         return prompt_block_hashes(self.hash_token_ids(), block_size, namespace, self.block_hashes,
                                    self.block_hash_space)
 

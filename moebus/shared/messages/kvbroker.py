@@ -1,8 +1,8 @@
 """Received by the KV broker: prefix-block events, longest-prefix queries, tier get, stats.
 
-Block hashes are the process-stable chained hashes of shared.kv_hashing (63-bit ints); a hash
+Block hashes are the process-stable chained hashes of kv.hashing (63-bit ints); a hash
 names its whole token prefix. Block data never rides in these messages: it moves as a chunked
-KV transfer (engine.kv_transfer) to the address a message names (`Subjects.kvbroker_put` for
+KV transfer (kv.transports) to the address a message names (`Subjects.kvbroker_put` for
 puts, `BlockGet.reply_address` for gets). Errors come back as ServiceError headers.
 """
 from __future__ import annotations

@@ -6,14 +6,14 @@ import random
 import subprocess
 import sys
 
-from moebus.shared.kv_hashing import stable_block_hashes
+from moebus.kv.hashing import stable_block_hashes
 
 
 def test_hashes_are_the_same_in_another_process() -> None:
     rng = random.Random(0)
     cases = [([rng.randrange(50_000) for _ in range(n)], bs) for n, bs in ((0, 16), (15, 16), (16, 16),
                                                                           (16 * 9 + 17, 16), (100, 7))]
-    code = ("import json, sys; from moebus.shared.kv_hashing import stable_block_hashes as h; "
+    code = ("import json, sys; from moebus.kv.hashing import stable_block_hashes as h; "
             "print(json.dumps([h(ids, bs, 'smollm2|float32|16') for ids, bs in json.load(sys.stdin)]))")
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(cases), capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "12345", "PATH": ""})
@@ -29,9 +29,3 @@ def test_namespace_and_incremental_hashing() -> None:
     assert stable_block_hashes(ids, 16, "a", known) == stable_block_hashes(ids, 16, "a")
     assert stable_block_hashes(ids[:32] + [7] * 32, 16, "a")[:2] == stable_block_hashes(ids, 16, "a")[:2]
 
-
-def test_engine_uses_the_shared_hashing() -> None:
-    import pytest
-
-    engine_hashing = pytest.importorskip("moebus.engine.kv_transfer.hashing")
-    assert engine_hashing.stable_block_hashes is stable_block_hashes

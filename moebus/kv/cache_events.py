@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
+from moebus.kv.hashing import kv_namespace, stable_block_hashes
 
 if TYPE_CHECKING:
-    from moebus.engine.llm_engine import LLMEngine
+    from moebus.kv.host import KVHost
 
 
 class CacheEventTracker:
@@ -24,7 +24,7 @@ class CacheEventTracker:
     def held(self) -> list[int]:
         return list(self._known.values())
 
-    def poll(self, engine: LLMEngine) -> tuple[list[int], list[int]]:
+    def poll(self, engine: KVHost) -> tuple[list[int], list[int]]:
         """(newly stored, evicted) stable hashes since the last poll."""
         bm, bs = engine.block_manager, engine.block_manager.block_size
         ns = self.namespace or kv_namespace(engine)

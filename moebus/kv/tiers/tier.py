@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from moebus.engine.kv_transfer.payload import KVBlock
+from moebus.kv.payload import KVBlock
 
 log = logging.getLogger(__name__)
 Evicted = tuple[int, KVBlock | None]  # (hash, the block when the tier still had it in memory)

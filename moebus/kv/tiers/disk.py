@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from moebus.engine.kv_tiers.base import Tier
-from moebus.engine.kv_transfer.payload import KVBlock
+from moebus.kv.payload import KVBlock
+from moebus.kv.tiers.tier import Tier
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kvb"

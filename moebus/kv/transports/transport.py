@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from typing import Self
 
-from moebus.engine.kv_transfer.payload import KVPayload
+from moebus.kv.payload import KVPayload
 
 
 class KVTransferError(RuntimeError):

@@ -1,12 +1,11 @@
 """Reading a request's KV out of an engine and admitting a prefilled request into another.
 
-Only public verbs are used: the engine's (get_request, settled_tokens, add_prefilled, kv_caches),
-the scheduler's (reserve_prefilled / admit_prefilled) and the block manager's; call these on the
-engine's own thread, between steps (LLMEngine.kv, the KV connector, wraps them for a worker).
-A layer's cache is the tuple (k, v, *planes) (DeepSeek-V4's compressed layers add compressor
-planes); every tensor of it moves, checked against the receiving cache tensor by tensor.
-With bounded sliding windows (engine.kv_groups) a windowed tensor is indexed by the request's
-window block list and moves only for the blocks the next token's window reads.
+Only the verbs of a KVHost (host.py) are used: the engine's (get_request, settled_tokens,
+add_prefilled, kv_caches), the scheduler's (reserve_prefilled / admit_prefilled) and the block
+manager's; call these on the engine's own thread, between steps (the KV connector, connector.py,
+wraps them for a worker). The blocks move through cache_io's gathers and scatters; with bounded
+sliding windows (kv.groups) a windowed tensor moves only for the blocks the next token's window
+reads.
 """
 from __future__ import annotations
 
@@ -16,101 +15,35 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moebus.engine.kv_groups import FULL, WINDOW, group_block_ids
-from moebus.engine.kv_transfer.hashing import kv_namespace, stable_block_hashes
-from moebus.engine.kv_transfer.payload import Groups, KVPayload, LayerKV, kv_fingerprint
 from moebus.engine.model_runner import PLACEHOLDER
 from moebus.engine.multimodal import ImageSpan
 from moebus.engine.outputs import RequestOutput
 from moebus.engine.request import Request
 from moebus.engine.sampling import SamplingParams
+from moebus.kv.cache_io import (
+    gather_blocks,
+    gather_grouped,
+    kv_block_ids,
+    kv_groups,
+    layout_problem,
+    lookup,
+    scatter_blocks,
+    scatter_grouped,
+)
+from moebus.kv.groups import WINDOW
+from moebus.kv.hashing import kv_fingerprint, kv_namespace, stable_block_hashes
+from moebus.kv.payload import Groups, KVPayload
 
 if TYPE_CHECKING:
-    from moebus.engine.llm_engine import LLMEngine
-
-KVCaches = list[tuple[torch.Tensor, ...]]  # per layer (k, v, *planes), each indexed by block id first
+    from moebus.kv.host import KVHost, PrefillHost
 
 
-def kv_block_ids(req: Request, group: int = FULL) -> list[int]:
-    """The request's cache blocks of `group` by logical block index (WINDOW: -1 = freed). The one
-    place kv_transfer / kv_tiers read a request's block tables."""
-    return group_block_ids(req, group)
-
-
-def kv_groups(engine: LLMEngine) -> Groups | None:
-    """Per layer, per cache tensor: FULL or WINDOW; None when the engine has one group."""
-    layout = getattr(engine, "kv_layout", None)
-    return [tuple(g) for g in layout.groups] if layout is not None and layout.grouped else None
-
-
-def _per_group(kv_caches: KVCaches, groups: Groups | None) -> Groups:
-    """groups, or every tensor FULL for an engine with one group."""
-    return groups if groups is not None else [(FULL,) * len(layer) for layer in kv_caches]
-
-
-def _group_index(kv_caches: KVCaches, full_ids: list[int], window_ids: list[int]) -> tuple[torch.Tensor, ...]:
-    dev = kv_caches[0][0].device
-    return tuple(torch.tensor(ids, dtype=torch.long, device=dev) for ids in (full_ids, window_ids))
-
-
-def gather_grouped(kv_caches: KVCaches, groups: Groups | None, full_ids: list[int], window_ids: list[int],
-                   device: str | torch.device = "cpu") -> LayerKV:
-    """Per layer (k, v, *planes): each tensor's blocks at its own group's ids, one gather per tensor
-    (groups None: one group, every tensor at full_ids)."""
-    idx = _group_index(kv_caches, full_ids, window_ids)
-    return [tuple(t.index_select(0, idx[g]).to(device) for t, g in zip(layer, gs, strict=True))
-            for layer, gs in zip(kv_caches, _per_group(kv_caches, groups), strict=True)]
-
-
-def scatter_grouped(kv_caches: KVCaches, groups: Groups | None, full_ids: list[int], window_ids: list[int],
-                    layers: LayerKV) -> None:
-    """Write per-layer block data into the cache: each tensor's first rows into its own group's ids
-    (groups None: one group, every tensor into full_ids)."""
-    if problem := layout_problem(layers, kv_caches):
-        raise ValueError(problem)
-    ids = (full_ids, window_ids)
-    idx = _group_index(kv_caches, full_ids, window_ids)
-    for dst, src, gs in zip(kv_caches, layers, _per_group(kv_caches, groups), strict=True):
-        for d, s, g in zip(dst, src, gs, strict=True):
-            if ids[g]:
-                d.index_copy_(0, idx[g], s[: len(ids[g])].to(d.device, d.dtype))
-
-
-def gather_blocks(kv_caches: KVCaches, block_ids: list[int], device: str | torch.device = "cpu") -> LayerKV:
-    """Per layer (k, v, *planes), each [len(block_ids), ...]: one gather per cache tensor."""
-    return gather_grouped(kv_caches, None, block_ids, [], device)
-
-
-def layout_problem(layers: LayerKV, kv_caches: KVCaches) -> str:
-    """Why per-layer block data cannot go into these caches ("" when it can): every layer must
-    bring as many tensors as its cache tuple, each with the cache tensor's per-block shape."""
-    if len(layers) != len(kv_caches):
-        return f"payload has {len(layers)} layers, the cache {len(kv_caches)}"
-    for i, (src, dst) in enumerate(zip(layers, kv_caches, strict=True)):
-        if len(src) != len(dst):
-            return f"layer {i}: {len(src)} cache tensors, the cache {len(dst)}"
-        for j, (s, d) in enumerate(zip(src, dst, strict=True)):
-            if s.shape[1:] != d.shape[1:] and (s.shape[0] or s.shape[2:] != d.shape[2:]):  # 0 blocks: no rows
-                return f"layer {i} tensor {j}: block shape {tuple(s.shape[1:])}, the cache {tuple(d.shape[1:])}"
-    return ""
-
-
-def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], layers: LayerKV) -> None:
-    """Write per-layer block data (first len(block_ids) blocks of each tensor) into the cache."""
-    scatter_grouped(kv_caches, None, block_ids, [], layers)
-
-
-def lookup(engine: LLMEngine, request: str | Request) -> Request:
-    """The live engine request (of an n > 1 request: its first choice); KeyError if none."""
-    return request if isinstance(request, Request) else engine.get_request(request)
-
-
-def settled_tokens(engine: LLMEngine, req: Request) -> int:
+def settled_tokens(engine: KVHost, req: Request) -> int:
     """Tokens whose KV is written (LLMEngine.settled_tokens)."""
     return engine.settled_tokens(req)
 
 
-def extract_kv(engine: LLMEngine, request: str | Request, num_tokens: int | None = None,
+def extract_kv(engine: KVHost, request: str | Request, num_tokens: int | None = None,
                device: str | torch.device = "cpu") -> KVPayload:
     """Copy the KV of the request's first num_tokens tokens (default: its computed prompt) out of
     the engine. Call it after the step that sampled the first token, before aborting it."""
@@ -150,7 +83,7 @@ class InjectResult:
     corrupt_blocks: int = 0  # payload blocks dropped for naming another identity (model, layout, hashes)
 
 
-def _payload_problem(engine: LLMEngine, req: Request, prompt: list[int],
+def _payload_problem(engine: KVHost, req: Request, prompt: list[int],
                      payload: KVPayload | None) -> tuple[str, bool]:
     """Why the payload cannot be adopted ("" when it can), and whether that is its identity: its
     blocks are not this prompt's blocks on this engine (another namespace or KV fingerprint, i.e.
@@ -181,7 +114,7 @@ def _payload_problem(engine: LLMEngine, req: Request, prompt: list[int],
     return "", False
 
 
-def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], first_token: int,
+def inject_prefilled(engine: KVHost, request_id: str, prompt_token_ids: list[int], first_token: int,
                      params: SamplingParams, payload: KVPayload | None, priority: int = 0,
                      images: Sequence[ImageSpan] = ()) -> InjectResult:
     """Admit a request whose prompt was prefilled elsewhere: its KV comes from `payload` and its
@@ -213,7 +146,7 @@ def inject_prefilled(engine: LLMEngine, request_id: str, prompt_token_ids: list[
     return InjectResult(True, n, len(fresh), len(hits))
 
 
-def _reserve_grouped(engine: LLMEngine, req: Request, n: int, hits: list[int], payload: KVPayload,
+def _reserve_grouped(engine: KVHost, req: Request, n: int, hits: list[int], payload: KVPayload,
                      groups: Groups) -> list[int] | str:
     """Full blocks after the local hit and the window blocks token n reads (those the hit does not
     hold), filled from the payload; the fresh full block ids, or why not."""
@@ -244,7 +177,7 @@ class PrefillResult:
     other_outputs: list[RequestOutput] = field(default_factory=list)  # other requests' outputs
 
 
-def prefill(engine: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+def prefill(engine: PrefillHost, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             priority: int = 0, images: Sequence[ImageSpan] = (), **extract_kw: Any) -> PrefillResult:
     """Run a request on a prefill engine until its first token, extract its prompt KV, drop it.
     Pass the request's real params: the first token is sampled (and may finish it) as usual."""

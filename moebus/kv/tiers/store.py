@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from moebus.engine.kv_tiers.base import Evicted, Tier
-from moebus.engine.kv_transfer.payload import KVBlock
+from moebus.kv.payload import KVBlock
+from moebus.kv.tiers.tier import Evicted, Tier
 
 
 class TieredKVStore:

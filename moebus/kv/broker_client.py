@@ -2,8 +2,8 @@
 
 `KVBrokerClient` publishes a holder's prefix-cache events, asks which holders have a prompt's
 leading blocks, and moves blocks to and from the broker's shared tiers. Block data is opaque
-here: it travels as a payload over a `BlockTransport` the caller passes in (the engine's KV
-transports satisfy it), so this module never needs torch. Every call degrades instead of
+here: it travels as a payload over a `BlockTransport` the caller passes in (kv.transports
+satisfy it, with kv.payload.KVPayload), so this module never needs torch. Every call degrades instead of
 raising when the broker is gone or answers with an error (query/stats -> None, put -> False,
 get -> None): callers fall back to plain load balancing or recomputation.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Generic, Protocol, Self, TypeVar, runtime_checkable
 
-from .bus import Bus
-from .errors import ServiceError
-from .messages.kvbroker import (
+from moebus.shared.bus import Bus
+from moebus.shared.errors import ServiceError
+from moebus.shared.messages.kvbroker import (
     BlockGet,
     BlockGetReply,
     BrokerStats,
@@ -26,19 +26,19 @@ from .messages.kvbroker import (
     PrefixQueryReply,
     TierName,
 )
-from .service import Empty
-from .subjects import Subjects
+from moebus.shared.service import Empty
+from moebus.shared.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
-# What a failed transfer raises: moebus.kvtransport.KVTransferError (and KVTransferTimeout) are
+# What a failed transfer raises: kv.transports.transport.KVTransferError (and KVTransferTimeout) are
 # RuntimeErrors; shared memory fails with OSError; a torn payload with ValueError.
 TRANSFER_ERRORS: tuple[type[Exception], ...] = (RuntimeError, OSError, ValueError)
 
 
 @runtime_checkable
 class BlockPayload(Protocol):
-    """A KV payload of whole blocks named by their stable hashes (engine.kv_transfer.KVPayload)."""
+    """A KV payload of whole blocks named by their stable hashes (kv.payload.KVPayload)."""
 
     block_hashes: list[int]
 
@@ -46,21 +46,24 @@ class BlockPayload(Protocol):
     def num_blocks(self) -> int: ...
 
 
+PayloadT = TypeVar("PayloadT", bound=BlockPayload)  # the payload type a transport moves
+
+
 @runtime_checkable
-class BlockTransport(Protocol):
-    """Moves one payload by transfer id (moebus.kvtransport.KVTransport); raises TRANSFER_ERRORS."""
+class BlockTransport(Protocol[PayloadT]):
+    """Moves one payload by transfer id (kv.transports.transport.KVTransport); raises TRANSFER_ERRORS."""
 
     @property
     def address(self) -> str: ...
 
-    async def send(self, payload: Any, dest: str, transfer_id: str) -> None: ...
+    async def send(self, payload: PayloadT, dest: str, transfer_id: str) -> None: ...
 
-    async def receive(self, transfer_id: str, timeout: float = 30.0) -> Any: ...
+    async def receive(self, transfer_id: str, timeout: float = 30.0) -> PayloadT: ...
 
 
-class KVBrokerClient:
+class KVBrokerClient(Generic[PayloadT]):
     def __init__(self, bus: Bus, holder: str, subjects: Subjects = Subjects(), timeout_s: float = 2.0,
-                 transport: BlockTransport | None = None) -> None:
+                 transport: BlockTransport[PayloadT] | None = None) -> None:
         """holder: this process's id in the broker index (a worker's instance id);
         transport: where get replies arrive and puts leave from (needed only for put/get)."""
         self.bus, self.holder, self.subjects, self.timeout_s = bus, holder, subjects, timeout_s
@@ -106,7 +109,7 @@ class KVBrokerClient:
             return None
 
     # ---- shared tiers ----------------------------------------------------------------------
-    async def put(self, payload: BlockPayload) -> bool:
+    async def put(self, payload: PayloadT) -> bool:
         """Offload a payload of blocks to the broker's tiers; True once it has stored them."""
         if not payload.num_blocks:
             return True
@@ -117,7 +120,7 @@ class KVBrokerClient:
             log.warning("offload to the KV broker failed: %s", e)
             return False
 
-    async def get(self, hashes: list[int], timeout: float | None = None) -> Any | None:
+    async def get(self, hashes: list[int], timeout: float | None = None) -> PayloadT | None:
         """A payload of the leading run of `hashes` the broker's tiers hold (None: nothing, or
         any failure)."""
         if not hashes:
@@ -139,7 +142,7 @@ class KVBrokerClient:
             return None
         return payload
 
-    def _transport(self) -> BlockTransport:
+    def _transport(self) -> BlockTransport[PayloadT]:
         if self.transport is None:
             raise RuntimeError("KVBrokerClient needs a transport for the broker's tiers")
         return self.transport

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from moebus.engine.kv_tiers.base import Tier
-from moebus.engine.kv_transfer.payload import KVBlock, KVChecksumError
+from moebus.kv.payload import KVBlock, KVChecksumError
+from moebus.kv.tiers.tier import Tier
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

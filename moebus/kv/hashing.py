@@ -1,4 +1,5 @@
-"""Process-stable chained block hashes: the names KV blocks travel under between processes.
+"""Block names shared across processes: the engine's KV namespace, its KV fingerprint, and the
+process-stable chained block hashes KV blocks travel under.
 
 Torch-free, so the balancer hashes prompts with the same function the workers use. Keyed by the
 workers' KV namespace (model, dtype, block size, cache layout), so blocks are only ever matched
@@ -9,6 +10,29 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class _Shaped(Protocol):
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
+class _CacheConfig(Protocol):
+    model: str
+    dtype: str
+    block_size: int
+
+
+class NamespaceSource(Protocol):
+    """What kv_namespace reads of an engine: its config and its cache tensors' shapes."""
+
+    @property
+    def config(self) -> _CacheConfig: ...
+
+    @property
+    def kv_caches(self) -> Sequence[Sequence[_Shaped]]: ...
 
 _MASK = (1 << 63) - 1  # fits a signed int64 everywhere (orjson, databases)
 
@@ -52,3 +76,20 @@ def mm_hash_view(token_ids: list[int], images: list[tuple[int, int, int]]) -> li
     for offset, length, content_hash in images:
         out[offset:offset + length] = [-1 - (content_hash & _MASK)] * length
     return out
+
+
+def kv_namespace(engine: NamespaceSource) -> str:
+    """Blocks are only interchangeable between engines with the same model, dtype, block size
+    and cache layout; the namespace keys the first hash of every chain."""
+    cfg = engine.config
+    # a layer's cache is (k, v, *planes): DeepSeek-V4's compressed layers add compressor planes
+    shapes = ",".join("/".join(str(tuple(t.shape[1:])) for t in layer) for layer in engine.kv_caches)
+    return f"{cfg.model}|{cfg.dtype}|{cfg.block_size}|{shapes}"
+
+
+def kv_fingerprint(namespace: str) -> int:
+    """The model and cache layout a block was made for (kv_namespace), as 63 bits; 0 for no
+    namespace (unknown: not checked)."""
+    if not namespace:
+        return 0
+    return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little") >> 1 or 1

@@ -33,9 +33,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from moebus.engine.kv_transfer.payload import KVPayload
-from moebus.kvtransport.base import KVTransferError, KVTransferTimeout, KVTransport
-from moebus.kvtransport.credit import ByteCredits
+from moebus.kv.payload import KVPayload
+from moebus.kv.transports.credit import ByteCredits
+from moebus.kv.transports.transport import KVTransferError, KVTransferTimeout, KVTransport
 
 log = logging.getLogger(__name__)
 H_ID, H_SEQ, H_TOTAL, H_BYTES, H_CRC, H_WANT = ("Moebus-Kv-Id", "Moebus-Kv-Seq", "Moebus-Kv-Total", "Moebus-Kv-Bytes",

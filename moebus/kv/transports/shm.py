@@ -14,8 +14,8 @@ import zlib
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
-from moebus.engine.kv_transfer.payload import KVPayload
-from moebus.kvtransport.base import KVTransferError, KVTransferTimeout, KVTransport
+from moebus.kv.payload import KVPayload
+from moebus.kv.transports.transport import KVTransferError, KVTransferTimeout, KVTransport
 
 _HDR = struct.Struct("<IIQI")  # magic, ready flag, body bytes, crc32
 _HDR_SIZE = 64

@@ -5,7 +5,7 @@ A layer's entry is its whole cache tuple (k, v, *planes), every tensor indexed b
 DeepSeek-V4 compressed layer adds compressor planes, some with fewer rows per block than k. The
 encodings list each layer's tuple length ("layout"), so a decoder rebuilds the tuples exactly.
 
-With bounded sliding windows (engine.kv_groups) a windowed part (sliding K/V, compressor rows)
+With bounded sliding windows (kv.groups) a windowed part (sliding K/V, compressor rows)
 is read only near the end, so a payload carries it only from block `window_start` on (the blocks
 the next token's window reads), `groups` naming each tensor's group; a tier block whose window
 part had already been freed holds it as a tensor of 0 rows (KVBlock.has_window).
@@ -23,7 +23,6 @@ for, and a payload checks each block against its own block_hashes[i].
 """
 from __future__ import annotations
 
-import hashlib
 import struct
 import zlib
 from collections.abc import Iterator
@@ -31,10 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moebus.engine.kv_transfer.codec import PackedTensors, crc32_of, unpack
+from moebus.kv.encoding import PackedTensors, crc32_of, unpack
+from moebus.kv.hashing import kv_fingerprint
 
 LayerKV = list[tuple[torch.Tensor, ...]]  # per layer: (k, v, *planes)
-Groups = list[tuple[int, ...]]  # per layer, per tensor: 0 full history, 1 windowed (engine.kv_groups)
+Groups = list[tuple[int, ...]]  # per layer, per tensor: 0 full history, 1 windowed (kv.groups)
 WINDOWED = 1
 _U64 = (1 << 64) - 1
 _IDENTITY = struct.Struct("<QQ")  # (block hash, fingerprint) as an identity tag hashes them
@@ -46,14 +46,6 @@ class KVChecksumError(ValueError):
 
 class KVIdentityError(KVChecksumError):
     """An intact block that names another block hash or KV fingerprint than the one asked for."""
-
-
-def kv_fingerprint(namespace: str) -> int:
-    """The model and cache layout a block was made for (hashing.kv_namespace), as 63 bits; 0 for
-    no namespace (unknown: not checked)."""
-    if not namespace:
-        return 0
-    return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little") >> 1 or 1
 
 
 def identity_tag(block_hash: int | None, fingerprint: int) -> int:
