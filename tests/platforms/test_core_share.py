@@ -1,4 +1,4 @@
-"""Co-located workers sharing the host's cores by who has work (worker/core_share.py): each step a
+"""Co-located workers sharing the host's cores by who has work (platforms/cpu/core_share.py): each step a
 worker takes cores // (workers with work); a dead worker's claim lapses; the engine loop asks
 before every step, on its own thread, and says when it has gone idle."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from moebus.devmodel.toy import ToyEngine
-from moebus.services.worker.core_share import CoreShare, torch_pacer
+from moebus.platforms.cpu.core_share import CoreShare, torch_pacer
 from moebus.services.worker.engine_loop import EngineLoop
 
 
@@ -46,7 +46,7 @@ def test_the_cores_go_to_the_workers_with_work(tmp_path) -> None:
 def test_a_killed_workers_cores_are_free_at_once(tmp_path) -> None:
     """A worker SIGKILLed in a step that held every core: its file still says busy for lease_s,
     but its process is gone, so the survivor takes the cores at its next step."""
-    code = ("import sys, time; from moebus.services.worker.core_share import CoreShare; "
+    code = ("import sys, time; from moebus.platforms.cpu.core_share import CoreShare; "
             "s = CoreShare(sys.argv[1], 'dead', cores=2, lease_s=3600.0); print(s.threads(True), flush=True); "
             "time.sleep(3600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
