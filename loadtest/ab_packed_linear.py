@@ -1,5 +1,5 @@
 """Paired A/B of SmolLM2's four layer GEMM shapes: oneDNN on prepacked weights (PackedLinear's
-call) vs plain F.linear, per row count (issue 21: where cpu_linear.PACKED_MAX_ROWS caps packing).
+call) vs plain F.linear, per row count (issue 21: where platforms/cpu/packed_linear.PACKED_MAX_ROWS caps packing).
 
     flock /tmp/moebus-bench.lock python loadtest/ab_packed_linear.py --dtype bfloat16 --rows 64 256 512 2048
 
@@ -14,8 +14,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from moebus.engine.dtype_choice import cpu_flags, shown_flags
 from moebus.loadtest.ab import alternate, wins
+from moebus.platforms.cpu.flags import cpu_flags, shown_flags
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
 

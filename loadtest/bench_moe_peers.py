@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path.home() / ".cache" / "moebus" / "bench-moe")
     ap.add_argument("--moebus-args", default="", help="extra `moebus up` flags, space separated")
     args = ap.parse_args(argv)
-    from moebus.shared.cores import usable_cores
+    from moebus.platforms.cpu.cores import usable_cores
 
     threads = args.threads or usable_cores()
     gguf = args.gguf or args.model.with_suffix(".bf16.gguf")

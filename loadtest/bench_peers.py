@@ -261,7 +261,7 @@ def ttft_split(spans_file: Path, recs: list) -> dict[str, float]:
 # ---- the report -------------------------------------------------------------------------------
 
 def cpu_summary() -> str:
-    from moebus.engine.dtype_choice import choose_dtype, cpu_flags, shown_flags
+    from moebus.platforms.dtype_choice import choose_dtype, cpu_flags, shown_flags
 
     model = "?"
     try:
@@ -381,7 +381,7 @@ def main() -> None:
             print(json.dumps(engine_child(json.load(f))))
         return
     from moebus.engine.loader.gguf_file import embedded_gguf_path
-    from moebus.shared.cores import usable_cores
+    from moebus.platforms.cpu.cores import usable_cores
 
     args.threads = args.threads or usable_cores()
     args.gguf = args.gguf or embedded_gguf_path()

@@ -42,13 +42,13 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 def run_moebus(fmt: str, prompt_len: int, out_len: int, threads: int) -> dict:
     """fmt: "dense", or "gguf@<bits>" with QuantLinear.activation_bits 16, 8 or float (None); a
-    "@module" suffix turns the batch-1 decode fast path (engine/models/llama_decode.py) off."""
+    "@module" suffix turns the batch-1 decode fast path (platforms/cpu/decode_fast_path.py) off."""
     import torch
 
     torch.set_num_threads(threads)
     from moebus.engine.config import EngineConfig
-    from moebus.engine.cpu_linear import QuantLinear
     from moebus.engine.llm_engine import LLMEngine
+    from moebus.engine.quant_linear import QuantLinear
     from moebus.engine.sampling import SamplingParams
 
     fmt, _, bits = fmt.partition("@")

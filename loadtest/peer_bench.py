@@ -71,7 +71,7 @@ class ServerSpec:
 def moebus_spec(name: str, port: int, threads: int, flags: list[str]) -> ServerSpec:
     """`moebus up` with `flags`; --torch-threads only where `threads` is not the host's usable cores
     (so on a host of `threads` cores it is exactly what a plain `moebus up` runs)."""
-    from moebus.shared.cores import usable_cores
+    from moebus.platforms.cpu.cores import usable_cores
 
     t = [] if threads == usable_cores() else ["--torch-threads", str(threads)]
     return ServerSpec(name, port, [str(MOEBUS), "up", "--host", "127.0.0.1", "--port", str(port), *t, *flags])

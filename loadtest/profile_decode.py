@@ -45,8 +45,8 @@ def _timed(acc: collections.Counter, targets: list[tuple[object, str, str]]):
 
 
 def profile(batch: int, steps: int, prompt_len: int, dtype: str = "float32") -> None:
-    import moebus.engine.cpu_linear as cl
     import moebus.engine.models.llama as llama
+    import moebus.platforms.cpu.packed_linear as cl
     from moebus.engine.config import EngineConfig
     from moebus.engine.llm_engine import LLMEngine
     from moebus.engine.sampling import SamplingParams
@@ -102,7 +102,7 @@ def profile(batch: int, steps: int, prompt_len: int, dtype: str = "float32") -> 
 
 def ceiling(repeat: int = 20) -> None:
     """Each GEMM shape of a step (and the LM head) timed alone, the shapes alternating (moebus.loadtest.ab)."""
-    from moebus.engine.cpu_linear import _packed
+    from moebus.platforms.cpu.packed_linear import _packed
 
     layer = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # SmolLM2: qkv, o, gate_up, down
     per_step = {shape: 30 for shape in layer} | {(576, 49152): 1}  # 30 layers, one LM head

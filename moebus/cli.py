@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bfloat16 where the CPU has AVX512-BF16 or AMX, else float32")
     g.add_argument("--weight-format", choices=("auto", "dense", "gguf"), default="auto",
                    help="auto: a GGUF's own blocks on AVX-512 CPUs for dtype auto, else dense "
-                        "(moebus/engine/format_choice.py)")
+                        "(moebus/platforms/format_choice.py)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=_generate)
     import importlib.util

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moebus.engine.dtype_choice import resolve_dtype
+from moebus import platforms
 from moebus.engine.scheduler import SchedulerConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -19,7 +19,7 @@ class EngineConfig:
     # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 linear layers run on the file's blocks (~5.6x fewer weight
     # bytes per decoded token than float32; on AVX-512 kernels/qpanel.py at every row count);
     # "dense": the weights dequantized to dtype at load; "auto" (the CLI's default): the blocks where
-    # they are measured faster for a lone stream and as faithful (engine/format_choice.py).
+    # they are measured faster for a lone stream and as faithful (platforms/format_choice.py).
     weight_format: str = "dense"
     # weight_format "gguf": the width decode-sized calls (<= QA_MAX_ROWS rows) quantize activations
     # to for integer dot products (16, or 8 as llama.cpp does), or None for float32 activations
@@ -63,18 +63,17 @@ class EngineConfig:
     grammar_mask_window: int = 3
     seed: int = 0
     # On CPU with glibc: fixed malloc thresholds, so a step's activations are reused from the heap
-    # instead of page-faulted in again every step (engine/cpu_malloc.py; process-wide).
+    # instead of page-faulted in again every step (platforms/cpu/malloc.py; process-wide).
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         if self.weight_format in ("auto", "gguf"):  # before dtype: the blocks run float32 activations
-            from moebus.engine.format_choice import resolve_format
             from moebus.engine.models import resolve
 
-            choice = resolve_format(resolve(self.model), self.weight_format, self.dtype, self.device)
+            choice = platforms.current(self.device).resolve_format(resolve(self.model), self.weight_format, self.dtype)
             self.weight_format, self.dtype = choice.weight_format, choice.dtype
         if self.dtype == "auto":  # from the CPU's flags (bf16 with AVX512-BF16/AMX), logged: dtype_choice
-            self.dtype = resolve_dtype("auto", self.device)
+            self.dtype = platforms.current(self.device).resolve_dtype("auto")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}")
         if self.weight_format not in ("dense", "gguf"):

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moebus import platforms
 from moebus.engine.config import EngineConfig
-from moebus.engine.cpu_malloc import tune_malloc
 from moebus.engine.detokenizer import StopStringMatcher
 from moebus.engine.isolation import RequestFailed, isolate
 from moebus.engine.model_runner import (
@@ -76,8 +76,8 @@ class LLMEngine:
         n-gram lookup (config.num_speculative_tokens sets how many tokens it may propose)."""
         self.config = config
         torch.manual_seed(config.seed)
-        if config.tune_malloc and config.device == "cpu":
-            tune_malloc()
+        if config.tune_malloc:  # on CPU with glibc: fixed malloc thresholds (platforms/cpu/malloc.py)
+            platforms.current(config.device).tune_malloc()
         loaded = load_model(config.model, config.torch_dtype, config.device, config.weight_format,
                             config.gguf_activation_bits)
         self.model = loaded.model

@@ -9,20 +9,21 @@ SmolLM2's first answer token to "What is the capital of France?" leads by 0.08 i
 the rounded tie went to the lower token id (the answer began "L'Étoile" instead of "The capital").
 
 Paths differ only in summation order. Where the panel kernel is taken (AVX-512 without AMX) it
-serves every call, so a row's logits never depend on the rest of the batch.
+serves every call, so a row's logits never depend on the rest of the batch. The device's platform
+binds a dense head (platforms/cpu/lm_head.py; elsewhere the Triton head+argmax).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moebus.engine.cpu_linear import PackedLinear, QuantLinear, panels_wanted
+from moebus import platforms
+from moebus.engine.quant_linear import QuantLinear
 from moebus.kernels.argmax import row_argmax
-from moebus.kernels.lm_head_argmax import lm_head_argmax, lm_head_logits, pack_panels
-from moebus.kernels.panel_linear import PanelLinear, panel_linear_applies
+from moebus.kernels.lm_head_argmax import lm_head_logits
+from moebus.kernels.panel_linear import PanelLinear
 
 
 def float_logits(head: nn.Module | None, embed: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -31,7 +32,7 @@ def float_logits(head: nn.Module | None, embed: nn.Module, hidden: torch.Tensor)
     again at each call; the engine (steps, MTP drafts) reads the LMHead its runner binds once."""
     if isinstance(head, QuantLinear):
         return head(hidden.float())
-    if isinstance(head, PackedLinear) and head.weight.dtype == torch.float32:
+    if head is not None and platforms.current(head.weight.device).float_head(head):
         return head(hidden)
     weight = embed.weight if head is None else head.weight
     out = lm_head_logits(hidden, weight, getattr(head, "panels", None))
@@ -53,8 +54,8 @@ class LMHead:
     @classmethod
     def of(cls, model: nn.Module) -> LMHead:
         """From `model.lm_head` (a QuantLinear, PackedLinear or nn.Linear) or, tied and unpacked,
-        `model.embed_tokens`; a head with a bias, or off the CPU, reads its logits through
-        float_logits."""
+        `model.embed_tokens`; a head with a bias reads its logits through float_logits, a dense
+        bias-free one is bound by the device's platform (off the CPU: float_logits too)."""
         head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
         if isinstance(head, QuantLinear):
             return cls(lambda x: head(x.float()), head.greedy)
@@ -62,40 +63,4 @@ class LMHead:
         if head is not None and head.bias is not None:
             slow = lambda x: float_logits(head, embed, x)  # noqa: E731
             return cls(slow, lambda x: row_argmax(slow(x)))
-        if weight.device.type != "cpu":  # the Triton head+argmax (float32 sums) where it launches
-            return cls(lambda x: float_logits(head, embed, x), lambda x: lm_head_argmax(x, weight))
-        panels = getattr(head, "panels", None)  # a PackedLinear's copy for the panel kernel: the same layout
-        panels = panels if panels is not None else pack_panels(weight)
-        n, k = weight.shape
-        panel = (PanelLinear(panels, n, k, float_out=True)
-                 if panels_wanted(weight.dtype) and panel_linear_applies(n, k, weight.dtype) else None)
-        if weight.dtype == torch.float32:  # the head's own GEMM: oneDNN's packed one where it is packed
-            wide = head if head is not None else (lambda x: F.linear(x, weight))
-        else:
-            wide = lambda x: lm_head_logits(x, weight, panels)  # noqa: E731
-        return cls(lambda x: _panel_or(x, panel, wide),
-                   lambda x: _greedy(x, panel, lambda r: lm_head_argmax(r, weight, panels)), panels, panel)
-
-
-def _panel_or(x: torch.Tensor, panel: PanelLinear | None,
-              wide: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The panel kernel where it is taken (as PackedLinear: every row count), else `wide`."""
-    if panel is not None:
-        out = panel(x)
-        if out is not None:
-            return out
-    return wide(x)
-
-
-def _greedy(x: torch.Tensor, panel: PanelLinear | None,
-            fused: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Where the panel kernel is taken: its float32 logits, then their argmax (the same logits as
-    the sampler's, so a greedy row's token is the same on both paths and in any batch; on a Zen 4
-    VM at decode sizes this also beat the fused head+argmax kernel, whose tiles are 16 rows x 1
-    panel: BENCHMARKS.md, "the greedy head on the panel kernel"); elsewhere the fused kernel, no
-    [rows, vocab] logits."""
-    if panel is not None:
-        logits = panel(x)
-        if logits is not None:
-            return row_argmax(logits)
-    return fused(x)
+        return platforms.current(weight.device).bind_lm_head(head, embed, weight)

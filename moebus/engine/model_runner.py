@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moebus import platforms
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec
 from moebus.engine.batch_invariant import make_batch_invariant, tiled
-from moebus.engine.cpu_linear import pack_linears
 from moebus.engine.isolation import isolate
 from moebus.engine.lm_head import LMHead
 from moebus.engine.multimodal import ImageSpan, MMEmbeds, step_embeds
@@ -66,8 +66,8 @@ class ModelRunner:
         request's window_block_ids."""
         self.windowed = windowed
         self.model = make_batch_invariant(model) if batch_invariant else model
-        if not batch_invariant and device.type == "cpu":
-            pack_linears(self.model)  # fp32/bf16 GEMMs on prepacked oneDNN weights
+        self.platform = platforms.current(device)
+        self.platform.prepare_model(self.model, batch_invariant)  # CPU: prepacked oneDNN GEMMs
         self.eos_token_ids = eos_token_ids
         self.batch_invariant = batch_invariant
         self.kv_caches = kv_caches
@@ -77,9 +77,9 @@ class ModelRunner:
         self.last_sampled: dict[str, int] = {}  # request id -> token sampled by the latest step
         # Steps whose rows all decode greedily on raw logits skip the sampler (raw_argmax); with a
         # greedy head (hidden rows -> token ids) their tokens come from a fused head+argmax kernel,
-        # no [rows, vocab] logits. CPU only (measured there; GPUs keep the sampler path) and not in
-        # deterministic mode (its logits are tiled).
-        self.raw_argmax = device.type == "cpu" and not batch_invariant
+        # no [rows, vocab] logits. Where the platform says (the CPU: measured there; GPUs keep the
+        # sampler path) and not in deterministic mode (its logits are tiled).
+        self.raw_argmax = self.platform.raw_argmax and not batch_invariant
         self.head = LMHead.of(self.model)  # float32 logits on every path (engine/lm_head.py)
         self.greedy_head = self.head.greedy if self.raw_argmax else None
 

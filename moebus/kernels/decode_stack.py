@@ -7,7 +7,7 @@ take routed experts in place of gate/up and down (StackExperts: a float32 router
 kernels/qmoe.py's panels). Linear weights are float32 [N, K] or GGUF blocks (quant_matmul.py's layout) taken on
 integer activations of `act_bits` (quant_matmul_qa_ref) or on float ones (quant_matmul_ref).
 Caches float32 [blocks, block_size, Hkv, D], contiguous. `decode_stack_ref` is the same step on
-the kernels' torch references (the spec); engine/models/llama_decode.py (and moe_decode.py) decide
+the kernels' torch references (the spec); platforms/cpu/decode_fast_path.py (and moe_decode.py) decide
 when it applies.
 
 Why: at batch 1 the module path's host work (~270 module calls and ~360 allocations a token on

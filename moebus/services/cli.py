@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moebus.shared.cores import usable_cores
+from moebus.platforms.cpu.cores import usable_cores
 from moebus.shared.logs import FORMATS, LOG_FORMAT_ENV
 
 from .fleet_shape import SHARED_BURST_STEP_TOKENS, FleetShape, auto_shape, mem_available, model_file_bytes
@@ -50,7 +50,7 @@ def _up(args: argparse.Namespace) -> int:
         sharing = " sharing the cores" if shape.share_cores else ""
         say_to(sys.stderr)(f"workers: {shape.workers}{sharing} (--workers auto: {shape.why})")
     made_dir = None
-    if shape.share_cores and args.model != "toy":  # every worker may take every core, by turns (core_share.py)
+    if shape.share_cores and args.model != "toy":  # every worker may take every core, by turns (platforms/cpu/core_share.py)
         worker.setdefault("torch_threads", usable_cores())
         if "core_share_dir" not in worker:
             worker["core_share_dir"] = made_dir = tempfile.mkdtemp(prefix="moebus-cores-")
@@ -254,11 +254,11 @@ def add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                         "(default: the engine's, 8192)")
     u.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="compute dtype of the engines; auto: bfloat16 where the CPU has AVX512-BF16 or AMX, "
-                        "else float32 (moebus/engine/dtype_choice.py)")
+                        "else float32 (moebus/platforms/dtype_choice.py)")
     u.add_argument("--weight-format", choices=("auto", "dense", "gguf"), default="auto",
                    help="auto: a GGUF's own quantized blocks on AVX-512 CPUs when dtype is auto (float32 "
                         "activations; the faster lone stream, batches ~20%% slower than bf16), else the "
-                        "weights dequantized to the dtype (moebus/engine/format_choice.py)")
+                        "weights dequantized to the dtype (moebus/platforms/format_choice.py)")
     u.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of prompt prefixes seen before (default: on)")
     u.add_argument("--worker", default="{}", help='extra WorkerConfig fields as JSON, e.g. \'{"kv_cpu_bytes": 1e9}\'')

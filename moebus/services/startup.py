@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 from moebus.devmodel.toy import TOY_MODEL
-from moebus.shared.cores import usable_cores
+from moebus.platforms.cpu.cores import usable_cores
 
 Say = Callable[[str], None]
 
@@ -104,10 +104,10 @@ def summarize_model(model: str, engine: dict) -> ModelSummary:
     Without an explicit max_model_len the engines serve the checkpoint's trained context, capped at
     EngineConfig's default."""
     from moebus.engine.config import EngineConfig
-    from moebus.engine.dtype_choice import resolve_dtype
-    from moebus.engine.format_choice import choose_format
     from moebus.engine.loader.gguf_cache import converted_dir
     from moebus.engine.models import resolve
+    from moebus.platforms.dtype_choice import resolve_dtype
+    from moebus.platforms.format_choice import choose_format
 
     path = resolve(model)
     cfg = json.loads(((converted_dir(path) if path.suffix == ".gguf" else path) / "config.json").read_text())

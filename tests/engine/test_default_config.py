@@ -1,16 +1,16 @@
 """The default configuration (dtype and weight format auto, as `./run up` and `./run generate` run
-it: on AVX-512 CPUs without AMX the GGUF's blocks, engine/format_choice.py) answers the
+it: on AVX-512 CPUs without AMX the GGUF's blocks, platforms/format_choice.py) answers the
 README's question right, and is batch invariant: a greedy request's tokens, and a seeded request's
-samples, are the same alone and batched with others (engine/cpu_linear.py: where the panel kernel is
+samples, are the same alone and batched with others (platforms/cpu/packed_linear.py: where the panel kernel is
 taken it serves every row count; engine/lm_head.py: float32 logits). Run in the dtype `auto` picks,
 bf16 on AVX512-BF16 CPUs, where rounding made batched and lone greedy output differ (10 of 16 equal)."""
 from __future__ import annotations
 
 import pytest
 
-from moebus.engine.cpu_linear import panels_wanted
 from moebus.engine.llm import LLM
 from moebus.engine.sampling import SamplingParams
+from moebus.platforms.cpu.packed_linear import panels_wanted
 
 PROMPTS = [[{"role": "user", "content": q}] for q in (
     "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",

@@ -1,4 +1,4 @@
-"""The llama batch-1 decode fast path (engine/models/llama_decode.py: the whole stack in one C call)
+"""The llama batch-1 decode fast path (platforms/cpu/decode_fast_path.py: the whole stack in one C call)
 against the module path it replaces, on SmolLM2: the GGUF's Q4_1 layers on 16-bit, 8-bit and float
 activations, a mix of Q4_0 / Q4_1 / Q8_0 layers, and the dense float32 model; logits of every
 decode position of a 38-token prompt (positions cross the 16-token cache blocks) and greedy output
@@ -9,9 +9,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from moebus.engine.attention import AttentionMetadata
-from moebus.engine.cpu_linear import QuantLinear
 from moebus.engine.llm import LLM
 from moebus.engine.model_runner import allocate_kv_caches
+from moebus.engine.quant_linear import QuantLinear
 from moebus.engine.sampling import SamplingParams
 from moebus.kernels.decode_stack import DecodeStack, cpu_kernel_available
 from moebus.kernels.quant_matmul import dequantize_ref

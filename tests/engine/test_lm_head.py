@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moebus.engine.cpu_linear import pack_linears, panels_wanted
 from moebus.engine.lm_head import LMHead, float_logits
 from moebus.kernels.lm_head_argmax import lm_head_argmax_ref
+from moebus.platforms.cpu.packed_linear import pack_linears, panels_wanted
 
 WIDE = 129  # rows past the old decode sizes: the fused kernel and the wide logits where there are no panels
 ROWS = (1, 3, 16, 64, 128, WIDE)
@@ -109,7 +109,7 @@ def test_every_call_takes_the_panel_kernel_and_a_row_ignores_its_batch():
 
 
 def test_a_quantized_head_gives_float32_logits_for_bf16_rows():
-    from moebus.engine.cpu_linear import QuantLinear
+    from moebus.engine.quant_linear import QuantLinear
 
     g = torch.Generator().manual_seed(2)
     blocks = torch.randint(0, 256, (64, 2 * 34), dtype=torch.uint8, generator=g)

@@ -1,5 +1,5 @@
 """weight_format="gguf": SmolLM2's Q4_1 linear layers and its Q8_0 tied LM head served from the GGUF's
-blocks (engine.cpu_linear.QuantLinear) against the same model dequantized to float32. The weights
+blocks (engine.quant_linear.QuantLinear) against the same model dequantized to float32. The weights
 are the same numbers, so only summation order differs: logits within LOGIT_ATOL and greedy output
 identical on the parity prompts. Decode steps (1-3 rows a QuantLinear call; on AVX-512 every row
 count, through the panels) quantize the activation to int16 blocks by default (activation_bits=16,
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from moebus.engine.attention import AttentionMetadata
-from moebus.engine.cpu_linear import QuantLinear
 from moebus.engine.llm import LLM
 from moebus.engine.model_runner import allocate_kv_caches
 from moebus.engine.models import load_model
+from moebus.engine.quant_linear import QuantLinear
 from moebus.engine.sampling import SamplingParams
 
 # Largest |logit| of SmolLM2 on these prompts is ~30; float32 sums over K <= 1536 in two orders
@@ -203,7 +203,7 @@ def test_quant_linear_greedy_is_the_argmax_of_its_logits():
 
 def test_q8_0_takes_16_bit_activations():
     """Q8_0 (SmolLM2's tied head) is in QA16_TYPES: its 1-3 row calls take the 16-bit kernel, 15%
-    faster a call than the float one on the head's shape (Sapphire Rapids, cpu_linear.py)."""
+    faster a call than the float one on the head's shape (Sapphire Rapids, engine/quant_linear.py)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -241,7 +241,7 @@ def test_activation_bits_come_from_the_engine_config(smol_dir, bits):
 
 def test_a_requests_logits_are_the_same_alone_and_batched(gguf_llm, chat_prompts):
     """Where the panels run, one formula serves every row count: a request's logprobs are the same
-    bits alone and beside others through the modules. The batch-1 C step (llama_decode.py) reads
+    bits alone and beside others through the modules. The batch-1 C step (platforms/cpu/decode_fast_path.py) reads
     the same panels but computes norms, rotary and attention in its own order: its tokens agree,
     its logprobs to float32 rounding."""
     if not gguf_llm.engine.model.lm_head.uses_panels():

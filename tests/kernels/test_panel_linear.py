@@ -8,7 +8,6 @@ import ctypes
 import pytest
 import torch
 
-from moebus.engine.dtype_choice import cpu_flags
 from moebus.kernels import cpu_build
 from moebus.kernels.lm_head_argmax import pack_panels
 from moebus.kernels.paged_attention import cpu_kernel_available
@@ -18,6 +17,7 @@ from moebus.kernels.panel_linear import (
     panel_linear_float_ref,
     panel_linear_ref,
 )
+from moebus.platforms.cpu.flags import cpu_flags
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
 DTYPES = pytest.mark.parametrize("dtype", [

@@ -3,7 +3,7 @@ served on its blocks (experts on kernels/qmoe.py's panels, attention and head on
 against the same file dequantized to float32. The weights are the same numbers; the blocks' path
 quantizes activations to int16 blocks, so logits move by that rounding only (QUANT_LOGIT_ATOL),
 greedy tokens are the same, a request's logprobs are the same bits alone and batched through the
-modules, and the batch-1 C step (moe_decode.py) gives the same tokens."""
+modules, and the batch-1 C step (platforms/cpu/moe_decode.py) gives the same tokens."""
 from __future__ import annotations
 
 import json
@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from moebus.engine.cpu_linear import QuantLinear
-from moebus.engine.format_choice import choose_format
 from moebus.engine.llm import LLM
 from moebus.engine.loader.gguf_cache import converted_dir
 from moebus.engine.loader.gguf_file import embedded_gguf_path
 from moebus.engine.models import load_model
 from moebus.engine.models.moe import MoE
 from moebus.engine.models.tiny_checkpoints import write_tiny
+from moebus.engine.quant_linear import QuantLinear
 from moebus.engine.sampling import SamplingParams
 from moebus.kernels.qmoe import available
 from moebus.loadtest.llamacpp_convert import convert
+from moebus.platforms.format_choice import choose_format
 
 from .paged_steps import caches, prompt, run
 
@@ -69,7 +69,7 @@ def test_the_blocks_are_served_and_match_the_dequantized_model(q8_gguf):
 
 def test_greedy_tokens_equal_and_batch_invariant(q8_gguf):
     """Through the modules a request's logprobs are the same bits alone and batched; the batch-1 C
-    step (moe_decode.py) gives its tokens, and its logprobs to float32 rounding."""
+    step (platforms/cpu/moe_decode.py) gives its tokens, and its logprobs to float32 rounding."""
     ps = [prompt(n, seed=n, vocab=49152).tolist() for n in (9, 33, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     gguf = LLM(str(q8_gguf), num_kv_blocks=32, weight_format="gguf")
@@ -102,7 +102,7 @@ ZEN4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}
 
 
 def test_auto_keeps_an_moe_gguf_dense_and_gguf_serves_its_blocks_when_asked(tmp_path):
-    """weight_format auto (engine/format_choice.py): an MoE GGUF in Q8_0 stays dense (its blocks
+    """weight_format auto (platforms/format_choice.py): an MoE GGUF in Q8_0 stays dense (its blocks
     are a latency choice), and so does a bf16 GGUF, which has no blocks to serve; asked for, gguf."""
     hf = _tiny("granite_moe", tmp_path / "hf")
     q8, bf16 = convert(hf, tmp_path / "q8_0.gguf", "q8_0"), convert(hf, tmp_path / "bf16.gguf", "bf16")

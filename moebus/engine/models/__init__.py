@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from moebus import platforms
 from moebus.engine.loader.gguf_cache import converted_dir, quantized_blocks
 from moebus.engine.loader.gguf_file import EMBEDDED_MODEL, embedded_gguf_path
 
@@ -81,7 +82,7 @@ WEIGHT_FORMATS = ("dense", "gguf")
 def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                weight_format: str = "dense", activation_bits: int | None = 16) -> LoadedModel:
     """weight_format: "dense" dequantizes a GGUF's weights to `dtype`; "gguf" serves its Q4_0/Q4_1/
-    Q8_0 linear layers from the file's blocks (engine.cpu_linear.QuantLinear, with activation_bits)
+    Q8_0 linear layers from the file's blocks (engine.quant_linear.QuantLinear, with activation_bits)
     and, for the MoE decoders, its experts (models/quant_experts.py); QUANTIZED_ARCHS only."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, not {weight_format!r}")
@@ -114,6 +115,8 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: st
     with torch.device("meta"):  # weights come from the checkpoint: skip random init
         net = _build(arch, cfg)
     net = net.to_empty(device=device).to(dtype)
+    if hasattr(net, "decode_fast_path"):  # the device's batch-1 decode step, if it has one for this model
+        net.decode_fast_path = platforms.current(device).decode_fast_path(net)
     if quantized:
         net.load_weights({k: v.to(dtype) for k, v in state.items()}, quantized=quantized,
                          activation_bits=activation_bits)

@@ -8,11 +8,11 @@ from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
 from moebus.engine.lm_head import float_logits
-from moebus.engine.models.llama_decode import DecodeFastPath
 from moebus.engine.models.weights import quantize_head, quantize_linear
 from moebus.engine.multimodal import MMEmbeds
 from moebus.kernels import fused_add_rms_norm, rms_norm, rotary_cos_sin, silu_and_mul
 from moebus.kernels.rotary import apply_rotary_
+from moebus.platforms.interface import DecodeStep
 
 
 @dataclass(slots=True)
@@ -114,6 +114,7 @@ class LlamaLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     accepts_image_embeds = True  # forward(mm_embeds=...) overwrites placeholder rows
+    decode_stack = "llama"  # which batch-1 decode step a platform may give it (decode_fast_path)
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -122,8 +123,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        # One sequence, one new token on CPU: the whole stack in one C call (llama_decode.py says when).
-        self.decode_fast_path: DecodeFastPath | None = DecodeFastPath()
+        # One sequence, one new token: the platform's batch-1 step, set at load (on CPU the whole stack
+        # in one C call: platforms/cpu/decode_fast_path.py says when); None: the module path.
+        self.decode_fast_path: DecodeStep | None = None
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         a = self.args

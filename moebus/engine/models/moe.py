@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moebus import platforms
 from moebus.engine.batch_invariant import invariant_linear, tiled
-from moebus.engine.cpu_linear import panels_wanted
 from moebus.engine.models.quant_experts import QuantExperts
 from moebus.kernels import fused_moe, silu_and_mul
 from moebus.kernels.fused_moe import ExpertPanels
@@ -108,7 +108,7 @@ class Router(nn.Module):
             self._w32, self._w32_key = self.weight.detach().float(), key
             e, h = self._w32.shape
             self._panel = (PanelLinear(pack_panels(self._w32), -(-e // 16) * 16, h)
-                           if self._w32.device.type == "cpu" and panels_wanted(torch.float32) else None)
+                           if platforms.current(self._w32.device).panels_wanted(torch.float32) else None)
         return self._w32
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

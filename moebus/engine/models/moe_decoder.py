@@ -21,16 +21,15 @@ import torch
 from torch import nn
 
 from moebus.engine.attention import AttentionMetadata, KVCacheSpec, attend
-from moebus.engine.cpu_linear import QuantLinear
 from moebus.engine.lm_head import float_logits
 from moebus.engine.models.llama import LlamaMLP, RMSNorm
-from moebus.engine.models.llama_decode import DecodeFastPath
 from moebus.engine.models.moe import MoE
-from moebus.engine.models.moe_decode import moe_decode_fast_path
 from moebus.engine.models.quant_experts import QuantExperts
 from moebus.engine.models.weights import assign, fuse, quantize_head, quantize_linear, stack_experts, take
+from moebus.engine.quant_linear import QuantLinear
 from moebus.kernels import rms_norm, rotary_cos_sin
 from moebus.kernels.rotary import apply_rotary_
+from moebus.platforms.interface import DecodeStep
 
 QK_NORMS = ("none", "head", "full")
 
@@ -206,6 +205,8 @@ class MoEDecoderLayer(nn.Module):
 
 
 class MoEDecoderForCausalLM(nn.Module):
+    decode_stack = "moe"  # which batch-1 decode step a platform may give it (decode_fast_path)
+
     def __init__(self, args: MoEDecoderArgs) -> None:
         super().__init__()
         self.args = args
@@ -213,8 +214,9 @@ class MoEDecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(MoEDecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        # One sequence, one new token on CPU: the whole stack in one C call (moe_decode.py says when).
-        self.decode_fast_path: DecodeFastPath | None = moe_decode_fast_path()
+        # One sequence, one new token: the platform's batch-1 step, set at load (on CPU the whole stack
+        # in one C call: platforms/cpu/moe_decode.py says when); None: the module path.
+        self.decode_fast_path: DecodeStep | None = None
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         a = self.args

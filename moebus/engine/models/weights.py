@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from moebus.engine.cpu_linear import QuantLinear
+from moebus.engine.quant_linear import QuantLinear
 
 
 def take(sd: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -40,7 +40,7 @@ class WorkerConfig(ServiceConfig):
     kv_share: bool = False
     kv_snapshot_s: float = Field(10.0, gt=0)  # full index snapshot this often (< the broker's holder_ttl_s)
     torch_threads: int | None = None  # torch intra-op threads of this process (None: torch's default)
-    # Workers on one host sharing its torch_threads cores (core_share.py): the directory of their
+    # Workers on one host sharing its torch_threads cores (platforms/cpu/core_share.py): the directory of their
     # busy files; before each step a worker takes torch_threads // (workers with work). None: off.
     core_share_dir: str | None = None
     ep: int = Field(1, ge=1)  # expert-parallel group size: this many ranks, one WorkerService each

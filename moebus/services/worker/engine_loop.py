@@ -119,7 +119,7 @@ class EngineLoop:
         # request at once instead of when the loop next goes idle (c=1 TTFT).
         self.admit_s = admit_s
         # Called on the engine thread before each step (True) and while idle (False): co-located
-        # workers sharing the cores set this step's threads there (core_share.py).
+        # workers sharing the cores set this step's threads there (platforms/cpu/core_share.py).
         self._pace = pace
         self._asleep = False  # the thread is blocked on an empty command queue (idle)
         self._woke = threading.Event()

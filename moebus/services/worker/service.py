@@ -27,7 +27,8 @@ from nats.aio.subscription import Subscription
 
 from moebus.devmodel.toy import TOY_MODEL
 from moebus.engine.port import EngineOutput, EnginePort
-from moebus.shared.cores import usable_cores
+from moebus.platforms.cpu.core_share import CoreShare, torch_pacer
+from moebus.platforms.cpu.cores import usable_cores
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import (
     AbortRequest,
@@ -48,7 +49,6 @@ from moebus.shared.service import Service
 
 from .active import Active
 from .config import WorkerConfig
-from .core_share import CoreShare, torch_pacer
 from .counters import RequestCounters
 from .demand import Demand
 from .engine_loop import AddFailed, EngineLoop, Prefilled, StepTiming

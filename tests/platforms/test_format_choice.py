@@ -1,12 +1,12 @@
-"""weight_format auto (engine/format_choice.py): the GGUF's blocks only where they were measured the
+"""weight_format auto (platforms/format_choice.py): the GGUF's blocks only where they were measured the
 faster lone stream and as faithful; dense weights everywhere else, each with its reason."""
 from pathlib import Path
 
 import pytest
 
 from moebus.engine.config import EngineConfig
-from moebus.engine.format_choice import choose_format
 from moebus.engine.models import resolve
+from moebus.platforms.format_choice import choose_format
 
 ZEN4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}
 

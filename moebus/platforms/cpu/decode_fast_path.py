@@ -1,6 +1,6 @@
-"""The batch-1 decode fast path of the llama model: one sequence, one new token, on CPU, through
-kernels/decode_stack.py's single C call instead of ~270 module calls (issue 21: per-token latency
-at c=1, where no batch amortises the module path's host work).
+"""The batch-1 decode fast path of the llama model (engine/models/llama.py): one sequence, one new
+token, on CPU, through kernels/decode_stack.py's single C call instead of ~270 module calls (issue
+21: per-token latency at c=1, where no batch amortises the module path's host work).
 
 It applies only where it computes what the module path computes: float32 activations and caches
 on CPU, linear layers that are plain float32 nn.Linear / PackedLinear or QuantLinear (taking the
@@ -23,8 +23,9 @@ from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
 from moebus.engine.attention import AttentionMetadata
-from moebus.engine.cpu_linear import PackedLinear, QuantLinear
+from moebus.engine.quant_linear import QuantLinear
 from moebus.kernels.decode_stack import DecodeStack, StackLayer, StackLinear, StackShape, cpu_kernel_available
+from moebus.platforms.cpu.packed_linear import PackedLinear
 
 _SUBS = operator.itemgetter("self_attn", "mlp")
 _ATTN = operator.itemgetter("qkv_proj", "o_proj")

@@ -1,22 +1,18 @@
-"""Co-located workers sharing the host's cores by who has work (worker/core_share.py): each step a
-worker takes cores // (workers with work); a dead worker's claim lapses; the engine loop asks
-before every step, on its own thread, and says when it has gone idle."""
+"""Co-located workers sharing the host's cores by who has work (platforms/cpu/core_share.py): each step a
+worker takes cores // (workers with work); a dead worker's claim lapses (the worker's engine loop
+asking before every step: tests/services/test_engine_loop_pacing.py)."""
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import torch
 
-from moebus.devmodel.toy import ToyEngine
-from moebus.services.worker.core_share import CoreShare, torch_pacer
-from moebus.services.worker.engine_loop import EngineLoop
+from moebus.platforms.cpu.core_share import CoreShare, torch_pacer
 
 
 def test_the_cores_go_to_the_workers_with_work(tmp_path) -> None:
@@ -46,7 +42,7 @@ def test_the_cores_go_to_the_workers_with_work(tmp_path) -> None:
 def test_a_killed_workers_cores_are_free_at_once(tmp_path) -> None:
     """A worker SIGKILLed in a step that held every core: its file still says busy for lease_s,
     but its process is gone, so the survivor takes the cores at its next step."""
-    code = ("import sys, time; from moebus.services.worker.core_share import CoreShare; "
+    code = ("import sys, time; from moebus.platforms.cpu.core_share import CoreShare; "
             "s = CoreShare(sys.argv[1], 'dead', cores=2, lease_s=3600.0); print(s.threads(True), flush=True); "
             "time.sleep(3600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
@@ -117,39 +113,3 @@ def test_the_pacer_waits_for_the_cores_then_sets_the_threads(tmp_path) -> None:
         a.close()
         b.close()
         torch.set_num_threads(before)
-
-
-async def test_the_engine_loop_paces_each_step_and_says_when_idle() -> None:
-    calls: list[tuple[bool, str]] = []
-    done = asyncio.Event()
-
-    def on_outputs(outputs, failed, prefilled, step) -> None:
-        if any(o.finished for o in outputs):
-            done.set()
-
-    times: list[float] = []
-
-    def pace(busy: bool) -> None:
-        calls.append((busy, threading.current_thread().name))
-        times.append(time.monotonic())
-
-    loop = EngineLoop(ToyEngine, asyncio.get_running_loop(), on_outputs, lambda e: None, pace=pace)
-    loop.start()
-    try:
-        assert await asyncio.to_thread(loop.ready.wait, 10)
-        loop.add("r0", [1, 2, 3], SimpleNamespace(n=1, max_tokens=3, logprobs=None, structured=None))
-        await asyncio.wait_for(done.wait(), 30)
-        finished = time.monotonic()
-        for _ in range(200):  # the loop goes idle after the last step
-            if calls and not calls[-1][0] and any(busy for busy, _ in calls):
-                break
-            await asyncio.sleep(0.01)
-        busy = [b for b, _ in calls]
-        assert busy.count(True) >= 3, calls  # one a step: 3 tokens
-        assert busy[0] is False and busy[-1] is False, calls  # idle before the request and after it
-        last_busy = max(i for i, b in enumerate(busy) if b)
-        # the claim is dropped before the idle thread sleeps (up to 0.5 s), not after: a peer waits on it
-        assert times[last_busy + 1] - finished < 0.2, (times[last_busy + 1] - finished)
-        assert {name for _, name in calls} == {"moebus-engine"}
-    finally:
-        await asyncio.to_thread(loop.stop)

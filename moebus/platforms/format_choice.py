@@ -23,8 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moebus.engine.dtype_choice import cpu_flags
 from moebus.engine.models import QUANTIZED_ARCHS
+from moebus.platforms.cpu.flags import cpu_flags
 
 log = logging.getLogger(__name__)
 

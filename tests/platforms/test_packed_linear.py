@@ -2,8 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-import moebus.engine.cpu_linear as cl
-from moebus.engine.cpu_linear import (
+import moebus.platforms.cpu.packed_linear as cl
+from moebus.platforms.cpu.packed_linear import (
     PACKED_MIN_MACS,
     PackedLinear,
     pack_linears,

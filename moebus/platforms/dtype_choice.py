@@ -1,4 +1,5 @@
-"""The compute dtype for `dtype="auto"`: chosen from the CPU's flags, as vLLM's CPU build does.
+"""The compute dtype for `dtype="auto"`: chosen from the CPU's flags (platforms/cpu/flags.py), as vLLM's
+CPU build does.
 
 bf16 pays off on a CPU only with native bf16 dot products (AVX512-BF16's VDPBF16PS or AMX's tile
 ops); without them oneDNN/torch emulate bf16 through fp32 conversions and it is slower than fp32
@@ -11,36 +12,18 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from moebus.platforms.cpu.flags import cpu_flags, shown_flags
+
 log = logging.getLogger(__name__)
 
 EXPLICIT = ("float32", "bfloat16", "float16")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo names of native bf16 dot products
-SHOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
-               "amx_bf16", "amx_int8")
 
 
 @dataclass(frozen=True, slots=True)
 class DtypeChoice:
     dtype: str  # one of EXPLICIT
     reason: str  # why, for the log
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The first processor's flags (empty where /proc/cpuinfo is missing, e.g. macOS)."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def shown_flags(flags: Iterable[str]) -> list[str]:
-    """The SIMD flags that matter for these kernels, in a fixed order (for logs and benchmark tables)."""
-    have = set(flags)
-    return [f for f in SHOWN_FLAGS if f in have]
 
 
 def choose_dtype(requested: str, device: str = "cpu", flags: Iterable[str] | None = None,

@@ -1,5 +1,5 @@
 """The CPU cores this process may run on: what the launcher splits between workers and what
-workers that share the cores (worker/core_share.py) divide by turns."""
+workers that share the cores (platforms/cpu/core_share.py) divide by turns."""
 from __future__ import annotations
 
 import os

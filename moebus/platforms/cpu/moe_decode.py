@@ -1,23 +1,22 @@
-"""The batch-1 decode fast path of the MoE decoder families (models/moe_decoder.py: Qwen3-MoE,
+"""The batch-1 decode fast path of the MoE decoder families (engine/models/moe_decoder.py: Qwen3-MoE,
 Mixtral, OLMoE, GraniteMoE): one sequence, one new token on CPU, in kernels/decode_stack.py's one
 C call with its MoE layers, where the module path pays ~10 ms a token of host work at the shape of
 Granite-3.0-1B-A400M (issue 35: c=1 TPOT against llama-server on the same GGUF).
 
 It applies where the C step computes what the module path computes: the weight_format "gguf"
 model (experts on their GGUF blocks, QuantExperts; attention and dense MLPs on linear layers the
-step takes, llama_decode.stack_linear), float32 activations and caches, a softmax router with no
+step takes, decode_fast_path.stack_linear), float32 activations and caches, a softmax router with no
 score bias, group limit or hash, no shared experts or SwiGLU clamp, no attention bias, no sliding
 window. Anything else keeps the module path. The router's logits are the module path's bits (the
 same float32 fma chain as its panel kernel); the experts, SiLU and combine are kernels/qmoe.py's
 arithmetic; the softmax over the chosen logits and the attention sum in their own order, so
 logprobs agree to float32 rounding and tokens are the same (tests/models/test_moe_decode.py).
-llama_decode.DecodeFastPath re-reads the model's state each step and rebuilds or drops the plan.
+decode_fast_path.DecodeFastPath re-reads the model's state each step and rebuilds or drops the plan.
 """
 from __future__ import annotations
 
 from torch import nn
 
-from moebus.engine.models.llama_decode import DecodeFastPath, float_ok, stack_linear
 from moebus.kernels.decode_stack import (
     DecodeStack,
     StackExperts,
@@ -26,6 +25,7 @@ from moebus.kernels.decode_stack import (
     cpu_kernel_available,
 )
 from moebus.kernels.lm_head_argmax import pack_panels
+from moebus.platforms.cpu.decode_fast_path import DecodeFastPath, float_ok, stack_linear
 
 
 def moe_parts(model: nn.Module) -> list:

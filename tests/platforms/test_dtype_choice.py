@@ -7,7 +7,7 @@ import pytest
 
 from moebus.cli import build_parser
 from moebus.engine.config import EngineConfig
-from moebus.engine.dtype_choice import choose_dtype, cpu_flags, resolve_dtype
+from moebus.platforms.dtype_choice import choose_dtype, cpu_flags, resolve_dtype
 
 # Flag sets as /proc/cpuinfo lists them on the machines this project has run on.
 ZEN3 = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c avx2 fma bmi2 sha_ni".split()
@@ -56,7 +56,7 @@ def test_cpu_flags_reads_the_first_flags_line(tmp_path):
 
 def test_engine_config_resolves_auto_from_this_cpu_and_logs(caplog):
     native = {"avx512_bf16", "amx_bf16"} & cpu_flags()
-    with caplog.at_level(logging.INFO, logger="moebus.engine.dtype_choice"):
+    with caplog.at_level(logging.INFO, logger="moebus.platforms.dtype_choice"):
         cfg = EngineConfig(dtype="auto")
     assert cfg.dtype == ("bfloat16" if native else "float32")
     assert str(cfg.torch_dtype) == f"torch.{cfg.dtype}"

@@ -1,4 +1,4 @@
-"""glibc malloc thresholds for the engine on CPU (engine/cpu_malloc.py): glibc takes them (mallopt's
+"""glibc malloc thresholds for the engine on CPU (platforms/cpu/malloc.py): glibc takes them (mallopt's
 own answer, which the engine logs), and an engine on CPU applies them unless told not to."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from moebus.engine.cpu_malloc import tune_malloc
+from moebus.platforms.cpu.malloc import tune_malloc
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 
@@ -19,6 +19,7 @@ def test_the_thresholds_are_taken() -> None:
 def test_the_engine_tunes_malloc_on_cpu_unless_told_not_to(monkeypatch) -> None:
     import moebus.engine.llm_engine as llm_engine
     from moebus.engine.config import EngineConfig
+    from moebus.platforms.cpu.platform import CpuPlatform
 
     calls: list[int] = []
 
@@ -28,7 +29,7 @@ def test_the_engine_tunes_malloc_on_cpu_unless_told_not_to(monkeypatch) -> None:
     def load_model(*_a, **_k):
         raise Stop  # the rest of the engine's construction is not what this checks
 
-    monkeypatch.setattr(llm_engine, "tune_malloc", lambda: calls.append(1))
+    monkeypatch.setattr(CpuPlatform, "tune_malloc", lambda self: calls.append(1))
     monkeypatch.setattr(llm_engine, "load_model", load_model)
     for on in (True, False):
         with pytest.raises(Stop):
