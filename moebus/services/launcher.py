@@ -225,7 +225,7 @@ class Stack:
         local = {"model": c.model, "served_model_name": name, "chat_template": c.tokenizer.get("chat_template")}
         keys = {"api_keys_file": str(self._api_keys_file)} if self._api_keys_file else {}
         fcfg = {"accept_images": self.num_encoders > 0, "local_render": local, **keys, **c.frontend, "limits": flimits}
-        from .frontend.tool_parser_deepseek import parser_for  # no deepseek_recipe import: config.json only
+        from moebus.text.tool_parser_deepseek import parser_for  # no deepseek_recipe import: config.json only
 
         if (parser := parser_for(c.model)) is not None:  # DeepSeek-V4: its own reasoning and call format
             fcfg["tool_call_parsers"] = {name: parser, **fcfg.get("tool_call_parsers", {})}

@@ -17,13 +17,13 @@ from moebus.engine.cpu_linear import QuantLinear
 from moebus.engine.format_choice import choose_format
 from moebus.engine.llm import LLM
 from moebus.engine.loader.gguf_cache import converted_dir
-from moebus.engine.loader.gguf_file import embedded_gguf_path
 from moebus.engine.models import load_model
 from moebus.engine.models.moe import MoE
 from moebus.engine.models.tiny_checkpoints import write_tiny
 from moebus.engine.sampling import SamplingParams
 from moebus.kernels.qmoe import available
 from moebus.loadtest.llamacpp_convert import convert
+from moebus.text.gguf import embedded_gguf_path
 
 from .paged_steps import caches, prompt, run
 

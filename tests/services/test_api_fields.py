@@ -12,7 +12,7 @@ from moebus.devmodel.toy import ToyEngine, ToyEngineConfig, ToyTokenizer
 from moebus.services.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import RenderRequest, StructuredOptions
-from moebus.shared.prompt_render import apply_template
+from moebus.text.prompt_render import apply_template
 
 from .conftest import toy_stack
 

@@ -10,7 +10,7 @@ import pytest
 
 from moebus.devmodel.toy import ToyTokenizer
 from moebus.shared.messages import ChatMessage, RenderRequest
-from moebus.shared.prompt_render import apply_template
+from moebus.text.prompt_render import apply_template
 
 from .conftest import toy_stack
 
@@ -109,7 +109,7 @@ SMOLLM2_GGUF_TEMPLATE = (
 
 def test_the_shipped_smollm2_template_renders_tools_and_tool_turns() -> None:
     pytest.importorskip("torch")
-    from moebus.engine.tokenizer import Tokenizer, shipped_template
+    from moebus.text.tokenizer import Tokenizer, shipped_template
 
     tok = Tokenizer(None, [], chat_template=shipped_template("smollm2_tools"))
     own = Tokenizer(None, [], chat_template=SMOLLM2_GGUF_TEMPLATE)
@@ -150,7 +150,7 @@ def test_parsers_give_the_same_calls_however_the_text_is_cut(cls: str) -> None:
     to each call's arguments, each call's start before its pieces."""
     import random
 
-    from moebus.services.frontend.tool_parsers import CallArgs, CallArray, CallStart, HermesParser
+    from moebus.text.tool_parsers import CallArgs, CallArray, CallStart, HermesParser
 
     text = CALLS.replace('"Paris"', '"Pa\\"r}is]"') if cls == "hermes" else \
         '[{"name": "get_weather", "arguments": {"city": "Pa\\"r}is]", "n": [1, {"a": null}]}}, ' \
@@ -180,7 +180,7 @@ def test_parsers_give_the_same_calls_however_the_text_is_cut(cls: str) -> None:
 
 
 def test_every_stream_satisfies_the_protocol() -> None:
-    from moebus.services.frontend.tool_parsers import PARSERS, CallArray, NamedCall, PlainText, ToolStream
+    from moebus.text.tool_parsers import PARSERS, CallArray, NamedCall, PlainText, ToolStream
 
     for make in (PlainText, NamedCall, CallArray, *PARSERS.values()):
         assert isinstance(make(), ToolStream)

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from moebus.engine.loader.gguf_cache import converted_dir, quantized_blocks
-from moebus.engine.loader.gguf_file import EMBEDDED_MODEL, embedded_gguf_path
+from moebus.text.gguf import EMBEDDED_MODEL, embedded_gguf_path
 
 
 @dataclass(slots=True)

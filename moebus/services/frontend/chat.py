@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from moebus.shared.errors import ServiceError
+from moebus.text.tool_parser_deepseek import Reasoning
+from moebus.text.tool_parsers import CallArgs, CallStart, Out, PlainText, Text, ToolStream
 
 from .body import parse_body
 from .choice import ChoiceState
@@ -19,8 +21,6 @@ from .keys import FRONTEND, TENANT
 from .protocol import ChatCompletionRequest
 from .rendering import ChatPrompt, render_chat
 from .sse_pump import pump_sse
-from .tool_parser_deepseek import Reasoning
-from .tool_parsers import CallArgs, CallStart, Out, PlainText, Text, ToolStream
 from .tools import ToolPlan, finish_reason
 
 

@@ -1,5 +1,5 @@
 """Prompts rendered in the frontend's own process (FrontendConfig.local_render): the tokenizer
-service's renderer (shared/prompt_render.py) on a copy of its tokenizer, which saves a request the
+service's renderer (moebus/text/prompt_render.py) on a copy of its tokenizer, which saves a request the
 bus round trip to the tokenizer before it is routed (issue 21 target 3). Anything this copy cannot
 do the same way goes to the tokenizer service: another model's prompts, and DeepSeek-V4's, which
 its recipe renders there."""
@@ -10,8 +10,8 @@ import logging
 
 from moebus.shared.deepseek_v4 import recipe_version
 from moebus.shared.messages import RenderReply, RenderRequest
-from moebus.shared.prompt_render import PromptRenderer
 from moebus.shared.tracing import Attr, Tracing
+from moebus.text.prompt_render import PromptRenderer
 
 from .config import LocalRender
 
@@ -27,7 +27,7 @@ class LocalRenderer:
         """None when the tokenizer service must render (a recipe model, or the tokenizer would not load)."""
         if recipe_version(cfg.model) is not None:
             return None
-        from moebus.engine.serving_tokenizer import load_serving_tokenizer  # torch for a real model's
+        from moebus.text.serving_tokenizer import load_serving_tokenizer  # tokenizers, jinja2: only when rendering here
 
         try:
             tok = await asyncio.to_thread(load_serving_tokenizer, cfg.model, cfg.chat_template)

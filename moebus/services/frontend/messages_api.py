@@ -14,14 +14,14 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import ChatMessage, SamplingOptions
+from moebus.text.tool_parser_deepseek import RECIPE_PARSERS, Reasoning
+from moebus.text.tool_parsers import CallArgs, CallStart, Text
 
 from .body import parse_body
 from .errors import APIError, bad_request
 from .fields import ParamError, _Req, limits_of
 from .keys import FRONTEND
 from .rendering import ChatPrompt, render_chat
-from .tool_parser_deepseek import RECIPE_PARSERS, Reasoning
-from .tool_parsers import CallArgs, CallStart, Text
 from .tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
 from .turn import NamedSSE, Turn, open_turn
 

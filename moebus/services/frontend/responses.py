@@ -11,6 +11,8 @@ from aiohttp import web
 from pydantic import Field, field_validator, model_validator
 
 from moebus.shared.messages import ChatMessage, SamplingOptions, StructuredOptions
+from moebus.text.tool_parser_deepseek import Reasoning
+from moebus.text.tool_parsers import Call, CallArgs, CallStart, Text
 
 from .body import parse_body
 from .errors import APIError, bad_request
@@ -19,8 +21,6 @@ from .guided import JsonSchemaFormat
 from .keys import FRONTEND
 from .protocol import ToolCallTurn
 from .rendering import ChatPrompt
-from .tool_parser_deepseek import Reasoning
-from .tool_parsers import Call, CallArgs, CallStart, Text
 from .tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
 from .turn import NamedSSE, Turn, open_turn
 

@@ -4,7 +4,7 @@
 shape: the tools the chat template renders into the prompt, the constraint that enforces
 `required` (a JSON array of calls, one `anyOf` branch per tool) or a named function (its
 parameters' schema) through the structured-output path, and the ToolStream that reads each
-choice's text back into content and calls (tool_parsers.py; `auto` uses the model's parser).
+choice's text back into content and calls (moebus/text/tool_parsers.py; `auto` uses the model's parser).
 """
 from __future__ import annotations
 
@@ -14,11 +14,19 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from moebus.shared.messages import StructuredOptions
+from moebus.text.tool_parser_deepseek import RECIPE_PARSERS, DeepSeekV4Parser, thinking_of
+from moebus.text.tool_parsers import (
+    PARSERS,
+    CallArray,
+    HermesParser,
+    NamedCall,
+    PlainText,
+    ToolStream,
+    new_call_id,
+)
 
 from .fields import ParamError, _Req
 from .guided import check_schema
-from .tool_parser_deepseek import RECIPE_PARSERS, DeepSeekV4Parser, thinking_of
-from .tool_parsers import PARSERS, CallArray, HermesParser, NamedCall, PlainText, ToolStream, new_call_id
 
 MAX_TOOLS = 128
 Mode = Literal["none", "auto", "required", "named"]

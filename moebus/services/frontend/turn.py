@@ -12,6 +12,7 @@ from aiohttp import web
 
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import SamplingOptions
+from moebus.text.tool_parsers import Out, ToolStream, new_call_id
 
 from .choice import ChoiceState
 from .errors import APIError
@@ -20,7 +21,6 @@ from .formats import SSE
 from .generation import Generation
 from .keys import FRONTEND, TENANT
 from .rendering import ChatPrompt, render_chat
-from .tool_parsers import Out, ToolStream, new_call_id
 from .tools import ToolPlan, finish_reason
 
 

@@ -1,7 +1,7 @@
 """Tokenizer: encode, decode, chat template, incremental detokenization with stop strings.
 
 Built from GGUF metadata (byte-level BPE) with the `tokenizers` library, or from an HF directory's
-tokenizer.json. The chat template is rendered with a sandboxed jinja2 environment, as HF does.
+tokenizer.json (a GGUF's converted copy, engine/loader/gguf_cache.py, where one is cached). The chat template is rendered with a sandboxed jinja2 environment, as HF does.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from moebus.engine.detokenizer import IncrementalDetokenizer
-from moebus.engine.loader.gguf_file import GGUFCheckpoint, embedded_gguf_path, string_list
+from moebus.text.detokenizer import IncrementalDetokenizer
+from moebus.text.gguf import converted_path, embedded_gguf_path, file_metadata, string_list
 
 _CONTROL = 3  # llama.cpp token type for special/control tokens
 
@@ -74,12 +74,12 @@ def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None
 
 
 def shipped_template(name: str) -> str:
-    """A chat template that ships with moebus (moebus/engine/templates/<name>.jinja)."""
+    """A chat template that ships with moebus (moebus/text/templates/<name>.jinja)."""
     return (Path(__file__).parent / "templates" / f"{name}.jinja").read_text()
 
 
-def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> Tokenizer:
-    meta = ckpt.metadata
+def tokenizer_from_gguf(meta: dict[str, object]) -> Tokenizer:
+    """From a GGUF's metadata (moebus.text.gguf)."""
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} (only byte-level BPE)")
     tokens = string_list(meta["tokenizer.ggml.tokens"])
@@ -135,9 +135,11 @@ def load_tokenizer(model: str | Path, chat_template: str | None = None) -> Token
         return tok
     path = Path(model)
     if path.suffix == ".gguf":
-        from moebus.engine.loader.gguf_cache import converted_dir
-
-        path = converted_dir(path)
+        if not (converted_path(path) / "tokenizer.json").exists():  # not converted yet: read the GGUF itself
+            tok = tokenizer_from_gguf(file_metadata(path))
+            tok.chat_template = chat_template or tok.chat_template
+            return tok
+        path = converted_path(path)
     if (path / "tokenizer.json").exists():
         tok = tokenizer_from_hf_dir(path)
         tok.chat_template = chat_template or tok.chat_template

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from moebus.engine.tokenizer import Tokenizer
+from moebus.text.tokenizer import Tokenizer
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content | tojson }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
 

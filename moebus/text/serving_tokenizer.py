@@ -1,6 +1,6 @@
-"""The tokenizer a serving process renders prompts with, by model name: the toy's (torch-free) or
-the engine's (its loader imports torch, so only here). The tokenizer service loads one, and so
-does a frontend that renders prompts itself (FrontendConfig.local_render)."""
+"""The tokenizer a serving process renders prompts with, by model name: the toy's or a real model's
+(moebus.text.tokenizer), both torch-free. The tokenizer service loads one, and so does a frontend
+that renders prompts itself (FrontendConfig.local_render)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,6 +14,6 @@ def load_serving_tokenizer(model: str, chat_template_file: str | None = None) ->
     template = Path(chat_template_file).read_text() if chat_template_file else None
     if model == TOY_MODEL:
         return ToyTokenizer(chat_template=template)
-    from moebus.engine.tokenizer import load_tokenizer
+    from moebus.text.tokenizer import load_tokenizer  # tokenizers, jinja2: not for the toy
 
     return load_tokenizer(model, template)

@@ -9,8 +9,8 @@ a time, so the result never depends on how the text was cut into deltas (token b
 Across deltas: a suffix that could still grow into a stop string is never released; it is held
 back until the next delta proves it is not one (or the stream ends). Empty stop strings are ignored.
 
-Pure Python, no internal imports: `moebus.engine.detokenizer` and `moebus.services.tokenizer` both
-use it.
+Pure Python, no internal imports: the engine (llm_engine, request_table) and the tokenizer service
+both use it.
 """
 from __future__ import annotations
 

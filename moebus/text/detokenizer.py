@@ -1,21 +1,17 @@
-"""Incremental detokenization and stop-string matching across token boundaries.
+"""Incremental detokenization: the engine's stateful `IncrementalDetokenizer` and the tokenizer
+service's stateless `decode_step`.
 
 Decoding each token alone breaks multi-byte characters and BPE merges, so we decode a short window
 (prefix_offset:) and emit only the text past read_offset once it no longer ends in a partial
-UTF-8 character (U+FFFD). Stop strings: `StopStringMatcher` lives in moebus.shared.stop_strings
-(one implementation for the engine and the tokenizer service); re-exported here.
+UTF-8 character (U+FFFD). Stop strings: moebus.text.stop_strings.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from moebus.shared.stop_strings import StopStringMatcher
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from moebus.engine.tokenizer import Tokenizer
-
-__all__ = ["IncrementalDetokenizer", "StopStringMatcher"]
+    from moebus.text.tokenizer import Tokenizer
 
 _WINDOW = 6  # tokens of left context re-decoded so merges at the boundary come out right
 
@@ -46,3 +42,25 @@ class IncrementalDetokenizer:
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.ids)
         return "".join(out)
+
+
+# Stateless: the caller (the tokenizer service, for the frontend) keeps a small window of ids and
+# two offsets. Decoding a window with some left context (ids already turned into text) and diffing
+# against the context's own text gives the new text, right even when a token's text depends on its
+# neighbours (leading spaces, byte-fallback pieces). A window that ends inside a UTF-8 character
+# decodes to U+FFFD: release nothing and wait for the next token.
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def decode_step(tok: Decoder, ids: list[int], read_offset: int, skip_ids: frozenset[int],
+                finished: bool = False) -> tuple[str, int, int]:
+    """Returns (new text, new prefix offset, new read offset), offsets relative to `ids`."""
+    kept = [i for i in ids if i not in skip_ids]
+    n_read = sum(1 for i in ids[:read_offset] if i not in skip_ids)
+    context = tok.decode(kept[:n_read]) if n_read else ""
+    text = tok.decode(kept)
+    if (text.endswith("\ufffd") and not finished) or len(text) < len(context):
+        return "", 0, read_offset
+    return text[len(context):], read_offset, len(ids)

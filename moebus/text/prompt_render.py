@@ -3,7 +3,7 @@ request's tools), images placed where the template put their markers, the contex
 
 One home for the rendering that the tokenizer service does for every frontend and that a frontend
 with a local copy of the tokenizer does itself (no bus round trip before routing: issue 21 target
-3). The tokenizer is any object with `encode`, `apply_chat_template`, `eos_token_ids` (the engine's
+3). The tokenizer is any object with `encode`, `apply_chat_template`, `eos_token_ids` (moebus.text's
 Tokenizer, the toy's); no torch here. DeepSeek-V4's recipe rendering stays in the tokenizer service.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import asyncio
 import uuid
 from typing import Any
 
-from .errors import ErrorCode, ServiceError, context_length_exceeded
-from .messages import ChatMessage, ImagePromptForm, RenderReply, RenderRequest
+from moebus.shared.errors import ErrorCode, ServiceError, context_length_exceeded
+from moebus.shared.messages import ChatMessage, ImagePromptForm, RenderReply, RenderRequest
 
 INLINE_CHARS = 8192  # longer prompts are encoded off the event loop
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from moebus.devmodel.toy import EOS, ToyTokenizer
-from moebus.services.tokenizer.detok import decode_step
-from moebus.shared.stop_strings import apply_stops, held_suffix_len
+from moebus.text.detokenizer import decode_step
+from moebus.text.stop_strings import apply_stops, held_suffix_len
 
 
 def stream_stops(deltas: list[str], stops: list[str], include_stop: bool = False) -> tuple[str, bool]:
@@ -113,7 +113,7 @@ def test_toy_specials_are_skipped() -> None:
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     pytest.importorskip("torch")
-    from moebus.engine.tokenizer import load_tokenizer
+    from moebus.text.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer("smollm2")
