@@ -27,7 +27,7 @@ class LocalRenderer:
         """None when the tokenizer service must render (a recipe model, or the tokenizer would not load)."""
         if recipe_version(cfg.model) is not None:
             return None
-        from moebus.text.serving_tokenizer import load_serving_tokenizer  # tokenizers, jinja2: only when rendering here
+        from moebus.text.serving_tokenizer import load_serving_tokenizer  # tokenizers: only here
 
         try:
             tok = await asyncio.to_thread(load_serving_tokenizer, cfg.model, cfg.chat_template)
