@@ -73,7 +73,7 @@ class StackConfig(BaseModel):
     served_model_name: str | None = None  # default: the model argument
     workers: int = Field(1, ge=1)
     # Frontend processes: frontend-i serves the API on port + i; each enforces 1/N of every tenant's
-    # rate and token budget, N counted from their heartbeats (frontend/peers.py, docs/tenants.md).
+    # rate and token budget, N counted from their heartbeats (frontend/fleet/peers.py, docs/tenants.md).
     frontends: int = Field(1, ge=1)
     mode: Literal["aggregated", "disaggregated"] = "aggregated"
     prefill_workers: int = Field(1, ge=1)  # disaggregated mode: the two pools

@@ -8,17 +8,20 @@ UTF-8 character (U+FFFD). Stop strings: moebus.text.stop_strings.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from moebus.text.tokenizer import Tokenizer
+
+class SkippingDecoder(Protocol):
+    """What IncrementalDetokenizer needs of its tokenizer (tokenizer.Tokenizer)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 _WINDOW = 6  # tokens of left context re-decoded so merges at the boundary come out right
 
 
 @dataclass
 class IncrementalDetokenizer:
-    tokenizer: Tokenizer
+    tokenizer: SkippingDecoder
     prompt_ids: list[int]
     skip_special_tokens: bool = True
     ids: list[int] = field(default_factory=list)

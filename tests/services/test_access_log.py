@@ -92,8 +92,8 @@ async def test_json_lines_carry_request_and_trace_ids(nats_server) -> None:
         root.setLevel(old)
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     mine = [x for x in lines if x["request_id"] == "json-1"]
-    # the unknown-field warning (protocol.py) and the access line: both about this request
-    assert {x["logger"] for x in mine} >= {"moebus.services.frontend.protocol", "moebus.access"}
+    # the unknown-field warning (schema/protocol.py) and the access line: both about this request
+    assert {x["logger"] for x in mine} >= {"moebus.services.frontend.schema.protocol", "moebus.access"}
     assert all(x["trace_id"] == "0af7651916cd43dd8448eb211c80319c" for x in mine)
     access = next(x for x in mine if x["logger"] == "moebus.access")
     assert access["status"] == 200 and access["completion_tokens"] == 2 and access["service"] == "frontend"

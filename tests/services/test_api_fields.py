@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from moebus.devmodel.toy import ToyEngine, ToyEngineConfig, ToyTokenizer
-from moebus.services.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from moebus.services.frontend.schema.protocol import ChatCompletionRequest, CompletionRequest
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import RenderRequest, StructuredOptions
 from moebus.text.prompt_render import apply_template
@@ -104,7 +104,7 @@ async def test_the_fields_reach_the_engine(rec) -> None:
 
 
 async def test_unknown_fields_are_named_in_one_warning(stack, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="moebus.services.frontend.protocol"):
+    with caplog.at_level(logging.WARNING, logger="moebus.services.frontend.schema.protocol"):
         r = await stack.client().chat.completions.create(model="toy", messages=CHAT, max_tokens=2,
                                                          extra_body={"frobnicate": 1, "zap": {}, "store": False})
     assert r.choices[0].message.content

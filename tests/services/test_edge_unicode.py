@@ -8,7 +8,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from moebus.services.frontend.body import _unencodable
+from moebus.services.frontend.schema.body import _unencodable
 
 from .conftest import ToyStack
 from .test_edge_limits import _no_5xx

@@ -7,7 +7,7 @@ import pytest
 
 from moebus.devmodel.toy import ToyTokenizer
 from moebus.services.frontend.config import LocalRender
-from moebus.services.frontend.local_render import LocalRenderer
+from moebus.services.frontend.prompts.local_render import LocalRenderer
 from moebus.shared.messages import ChatMessage, RenderRequest
 from moebus.shared.tracing import Tracing
 from moebus.text.prompt_render import PromptRenderer

@@ -10,12 +10,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from moebus.services.frontend.chat import _ChatChunks
-from moebus.services.frontend.choice import ChoiceState
-from moebus.services.frontend.completions import _CompletionChunks
+from moebus.services.frontend.api.chat import _ChatChunks
+from moebus.services.frontend.api.completions import _CompletionChunks
+from moebus.services.frontend.choices.choice import ChoiceState
 from moebus.services.frontend.errors import APIError
-from moebus.services.frontend.events import Delta, Event, Finish
-from moebus.services.frontend.sse_pump import pump_sse
+from moebus.services.frontend.streams.events import Delta, Event, Finish
+from moebus.services.frontend.streams.sse_pump import pump_sse
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import TokenLogprob, TopLogprob
 

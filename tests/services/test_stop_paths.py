@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from moebus.devmodel.toy import EOS, TOY_MODEL, ToyTokenizer
-from moebus.services.frontend.choice import Detok
+from moebus.services.frontend.choices.choice import Detok
 from moebus.services.tokenizer.config import TokenizerConfig
 from moebus.services.tokenizer.service import TokenizerService
 from moebus.shared.subjects import Subjects

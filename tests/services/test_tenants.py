@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
-from moebus.services.frontend.admission import Admission, Rejected, TokenBucket
+from moebus.services.frontend.admission.admission import Admission, Rejected, TokenBucket
+from moebus.services.frontend.admission.fair_queue import FairQueue
+from moebus.services.frontend.admission.tenants import DEFAULT, KeyRing, KeysFile, Tenant, add_key, hash_key
 from moebus.services.frontend.config import AdmissionConfig, FrontendConfig, TenantLimits
-from moebus.services.frontend.fair_queue import FairQueue
-from moebus.services.frontend.tenants import DEFAULT, KeyRing, KeysFile, Tenant, add_key, hash_key
 from moebus.shared.metrics import Metrics
 
 

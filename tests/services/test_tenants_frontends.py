@@ -1,13 +1,13 @@
-"""A tenant's limits split between the frontends alive (peers.py, admission.py), without a bus:
+"""A tenant's limits split between the frontends alive (fleet/peers.py, admission/admission.py), without a bus:
 two Admissions that each count 2 frontends admit the tenant's budget and rate once in total."""
 from __future__ import annotations
 
 import pytest
 
-from moebus.services.frontend.admission import Admission, Rejected, TokenBucket
+from moebus.services.frontend.admission.admission import Admission, Rejected, TokenBucket
+from moebus.services.frontend.admission.tenants import Tenant
 from moebus.services.frontend.config import AdmissionConfig, TenantLimits
-from moebus.services.frontend.peers import FrontendPeers
-from moebus.services.frontend.tenants import Tenant
+from moebus.services.frontend.fleet.peers import FrontendPeers
 from moebus.shared.messages import Heartbeat
 from moebus.shared.metrics import Metrics
 

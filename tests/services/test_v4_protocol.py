@@ -18,7 +18,7 @@ from openai import BadRequestError
 from moebus.engine.models.hf_checkpoint import write_tiny_deepseek_v4
 from moebus.services.balancer import BalancerConfig, BalancerService
 from moebus.services.frontend import FrontendConfig, start_frontend
-from moebus.services.frontend.chat import _deltas, _message
+from moebus.services.frontend.api.chat import _deltas, _message
 from moebus.services.tokenizer import TokenizerConfig, TokenizerService
 from moebus.services.worker import WorkerConfig, WorkerService
 from moebus.shared.messages import ChatMessage, RenderRequest

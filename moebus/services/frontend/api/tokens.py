@@ -15,11 +15,11 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from moebus.shared.messages import RenderRequest
 
-from .body import parse_body
-from .errors import APIError, bad_request
-from .fields import ParamError, TokenId, _Req, limits_of
-from .keys import FRONTEND
-from .protocol import ChatTurn
+from ..errors import APIError, bad_request
+from ..keys import FRONTEND
+from ..schema.body import parse_body
+from ..schema.fields import ParamError, TokenId, _Req, limits_of
+from ..schema.protocol import ChatTurn
 
 MAX_TOKENS = 1 << 20  # ids in one /detokenize body (the body limit bounds it anyway)
 

@@ -17,12 +17,12 @@ from moebus.shared.messages import ChatMessage, SamplingOptions
 from moebus.text.tool_parser_deepseek import RECIPE_PARSERS, Reasoning
 from moebus.text.tool_parsers import CallArgs, CallStart, Text
 
-from .body import parse_body
-from .errors import APIError, bad_request
-from .fields import ParamError, _Req, limits_of
-from .keys import FRONTEND
+from ..errors import APIError, bad_request
+from ..keys import FRONTEND
+from ..schema.body import parse_body
+from ..schema.fields import ParamError, _Req, limits_of
+from ..schema.tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
 from .rendering import ChatPrompt, render_chat
-from .tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
 from .turn import NamedSSE, Turn, open_turn
 
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

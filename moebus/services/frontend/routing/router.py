@@ -27,7 +27,7 @@ from moebus.shared.messages.generate import ReplayReply, ReplayRequest
 from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
 
-from .config import FrontendConfig
+from ..config import FrontendConfig
 from .generation import BusChanged, Generation, Lost
 
 log = logging.getLogger(__name__)

@@ -11,14 +11,14 @@ from aiohttp import web
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import RenderRequest
 
-from .body import parse_body
-from .choice import ChoiceState
-from .errors import APIError, bad_request
-from .events import Delta, events
-from .formats import completion_logprobs, usage
-from .keys import FRONTEND, TENANT
-from .protocol import CompletionRequest
-from .sse_pump import pump_sse
+from ..choices.choice import ChoiceState
+from ..errors import APIError, bad_request
+from ..keys import FRONTEND, TENANT
+from ..schema.body import parse_body
+from ..schema.protocol import CompletionRequest
+from ..streams.events import Delta, events
+from ..streams.formats import completion_logprobs, usage
+from ..streams.sse_pump import pump_sse
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -16,14 +16,14 @@ from aiohttp import web
 
 from moebus.shared.errors import ServiceError
 
-from .choice import ChoiceState
-from .errors import APIError
+from ..choices.choice import ChoiceState
+from ..errors import APIError
+from ..keys import RECORD
 from .events import Delta, Event, Finish
 from .formats import SSE, usage
-from .keys import RECORD
 
 if TYPE_CHECKING:
-    from .service import FrontendService
+    from ..service import FrontendService
 
 
 class ChunkFormat(Protocol):

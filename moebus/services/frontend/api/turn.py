@@ -14,14 +14,14 @@ from moebus.shared.errors import ServiceError
 from moebus.shared.messages import SamplingOptions
 from moebus.text.tool_parsers import Out, ToolStream, new_call_id
 
-from .choice import ChoiceState
-from .errors import APIError
-from .events import Delta, Event, events
-from .formats import SSE
-from .generation import Generation
-from .keys import FRONTEND, TENANT
+from ..choices.choice import ChoiceState
+from ..errors import APIError
+from ..keys import FRONTEND, TENANT
+from ..routing.generation import Generation
+from ..schema.tools import ToolPlan, finish_reason
+from ..streams.events import Delta, Event, events
+from ..streams.formats import SSE
 from .rendering import ChatPrompt, render_chat
-from .tools import ToolPlan, finish_reason
 
 
 @dataclass

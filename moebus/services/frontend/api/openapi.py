@@ -6,8 +6,8 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from .config import RequestLimits
-from .protocol import ChatCompletionRequest, CompletionRequest
+from ..config import RequestLimits
+from ..schema.protocol import ChatCompletionRequest, CompletionRequest
 
 _ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
     "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},

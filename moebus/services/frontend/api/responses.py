@@ -14,14 +14,14 @@ from moebus.shared.messages import ChatMessage, SamplingOptions, StructuredOptio
 from moebus.text.tool_parser_deepseek import Reasoning
 from moebus.text.tool_parsers import Call, CallArgs, CallStart, Text
 
-from .body import parse_body
-from .errors import APIError, bad_request
-from .fields import ParamError, _Req
-from .guided import JsonSchemaFormat
-from .keys import FRONTEND
-from .protocol import ToolCallTurn
+from ..errors import APIError, bad_request
+from ..keys import FRONTEND
+from ..schema.body import parse_body
+from ..schema.fields import ParamError, _Req
+from ..schema.guided import JsonSchemaFormat
+from ..schema.protocol import ToolCallTurn
+from ..schema.tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
 from .rendering import ChatPrompt
-from .tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
 from .turn import NamedSSE, Turn, open_turn
 
 

@@ -1,26 +1,17 @@
 """The frontend's spans: the HTTP request (SERVER span, its trace id on the response), and one
-`generate <model>` span per generation, under which routing, migration and abort happen.
-
-Detokenization through the tokenizer service is one bus call per chunk; a span per call would be
-a span per token, so each choice gets one `detokenize` span instead (first call to last, with the
-calls and the time spent waiting for them), recorded when the generation ends.
+`generate <model>` span per generation, under which routing, migration and abort happen (what it
+records when the generation ends: finish.py).
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from moebus.shared.messages import SamplingOptions
-from moebus.shared.tracing import Attr, Tracing, as_parent
-
-if TYPE_CHECKING:
-    from .choice import ChoiceState
-    from .generation import Generation
-    from .latency import Clock
+from moebus.shared.tracing import Attr, Tracing
 
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 
@@ -54,35 +45,6 @@ def generation_span(tracing: Tracing, model: str, prompt_tokens: int, params: Sa
         if span.is_recording():
             span.set_attributes(attrs)
         yield span
-
-
-def finish_generation(tracing: Tracing, span: Span, gen: Generation | None, clock: Clock | None) -> None:
-    if not span.is_recording():
-        return
-    if gen is not None:
-        span.set_attributes({Attr.GENERATION_ID: gen.request_id, "moebus.migrations": gen.migrations,
-                             **({Attr.WORKER: gen.worker_id} if gen.worker_id else {}),
-                             **({"moebus.decode_worker_id": gen.decode_worker_id} if gen.decode_worker_id else {})})
-    if clock is None:
-        return
-    span.set_attribute(Attr.OUTPUT_TOKENS, clock.n_tokens)
-    if clock.first_at is not None:
-        span.set_attribute(Attr.TTFT, round(clock.first_at - clock.started, 6))
-    reasons = [c.finish_reason for c in clock.choices if c.finish_reason]
-    if reasons:
-        span.set_attribute(Attr.FINISH_REASONS, reasons)
-    parent = as_parent(span)
-    for choice in clock.choices:
-        _detokenize_span(tracing, parent, choice)
-
-
-def _detokenize_span(tracing: Tracing, parent, choice: ChoiceState) -> None:
-    d = choice.detok
-    if not d.calls:
-        return  # the worker's engine detokenized
-    tracing.record("detokenize", parent, d.first_ns, d.last_ns,
-                   {"moebus.choice": choice.index, "moebus.detokenize.calls": d.calls,
-                    "moebus.detokenize.wait_s": round(d.busy_ns / 1e9, 6), Attr.OUTPUT_TOKENS: choice.num_tokens})
 
 
 @contextmanager

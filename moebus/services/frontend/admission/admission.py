@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from moebus.shared.metrics import Metrics
 
-from .config import AdmissionConfig, TenantLimits
-from .errors import APIError
+from ..config import AdmissionConfig, TenantLimits
+from ..errors import APIError
 from .fair_queue import FairQueue
 from .tenants import Tenant
 

@@ -32,18 +32,19 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from prometheus_client import Counter
+
+from moebus.shared.bus import Bus
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import AbortRequest, GenerateAccepted, GenerateRequest, TokenChunk
-from moebus.shared.messages.generate import ReplayRequest, ResumedChoice
+from moebus.shared.messages.generate import ReplayReply, ReplayRequest, ResumedChoice
+from moebus.shared.subjects import Subjects
 
+from ..config import FrontendConfig
 from .ordering import ChunkOrder
 from .spans import stage_span
-
-if TYPE_CHECKING:
-    from .router import StreamRouter
-
 
 RETRY_S = 0.25  # a replay the worker could not answer yet (it is reconnecting too) is asked again after this
 TICK_S = 0.5  # while the bus is down, how often a stream checks how long it has been
@@ -70,8 +71,25 @@ class Stalled:
     worker_id: str | None
 
 
+class Routes(Protocol):
+    """What a Generation needs of the stream router (router.StreamRouter): the bus, its chunks
+    delivered to it while registered, replays, and the counters of moves and aborts."""
+
+    cfg: FrontendConfig
+    bus: Bus
+    subjects: Subjects
+    migrations: Counter
+    aborts: Counter
+
+    def register(self, gen: Generation) -> None: ...
+
+    def unregister(self, gen: Generation) -> None: ...
+
+    async def replay(self, worker: str, req: ReplayRequest) -> ReplayReply | None: ...
+
+
 class Generation:
-    def __init__(self, router: StreamRouter, req: GenerateRequest) -> None:
+    def __init__(self, router: Routes, req: GenerateRequest) -> None:
         self.router, self.req = router, req
         self.queue: asyncio.Queue[TokenChunk | Lost | BusChanged] = asyncio.Queue()
         self.worker_id: str | None = None

@@ -13,7 +13,7 @@ from moebus.shared.messages import RenderReply, RenderRequest
 from moebus.shared.tracing import Attr, Tracing
 from moebus.text.prompt_render import PromptRenderer
 
-from .config import LocalRender
+from ..config import LocalRender
 
 log = logging.getLogger(__name__)
 

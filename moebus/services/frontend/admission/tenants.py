@@ -27,7 +27,7 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .config import FrontendConfig, TenantLimits
+from ..config import FrontendConfig, TenantLimits
 
 DEFAULT = "default"  # the tenant of flat api_keys, and of every request when auth is off
 KEY_PREFIX = "mb-"

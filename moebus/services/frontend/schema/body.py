@@ -18,8 +18,8 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from .config import RequestLimits
-from .errors import APIError, bad_request
+from ..config import RequestLimits
+from ..errors import APIError, bad_request
 from .protocol import ParamError
 
 B = TypeVar("B", bound=BaseModel)

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 from moebus.shared.messages import ChatMessage, ImageEmbedding, RenderRequest
 
-from .images import place
+from ..prompts.images import place
 
 if TYPE_CHECKING:
-    from .service import FrontendService
+    from ..service import FrontendService
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ import binascii
 
 from moebus.shared.messages import ImageEmbedding, ImageInput
 
-from .errors import bad_request
+from ..errors import bad_request
 
 
 def image_input(url: str) -> ImageInput:

@@ -6,7 +6,7 @@ from aiohttp import web
 
 from moebus.shared.messages import TokenLogprob
 
-from .choice import ChoiceState
+from ..choices.choice import ChoiceState
 
 
 def usage(prompt_tokens: int, choices: list[ChoiceState], cached: int = 0) -> dict:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo
 
-from .config import RequestLimits
+from ..config import RequestLimits
 
 INT32_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the engine's token tensors are int32/int64

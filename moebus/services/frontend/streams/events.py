@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from moebus.shared.messages import TokenLogprob
 
-from .choice import ChoiceState
-from .generation import Generation
+from ..choices.choice import ChoiceState
+from ..routing.generation import Generation
 
 
 @dataclass(slots=True)

@@ -11,17 +11,17 @@ from moebus.shared.errors import ServiceError
 from moebus.text.tool_parser_deepseek import Reasoning
 from moebus.text.tool_parsers import CallArgs, CallStart, Out, PlainText, Text, ToolStream
 
-from .body import parse_body
-from .choice import ChoiceState
-from .errors import APIError, bad_request
-from .events import Delta, Event, events
-from .fields import ParamError
-from .formats import chat_logprobs, usage
-from .keys import FRONTEND, TENANT
-from .protocol import ChatCompletionRequest
+from ..choices.choice import ChoiceState
+from ..errors import APIError, bad_request
+from ..keys import FRONTEND, TENANT
+from ..schema.body import parse_body
+from ..schema.fields import ParamError
+from ..schema.protocol import ChatCompletionRequest
+from ..schema.tools import ToolPlan, finish_reason
+from ..streams.events import Delta, Event, events
+from ..streams.formats import chat_logprobs, usage
+from ..streams.sse_pump import pump_sse
 from .rendering import ChatPrompt, render_chat
-from .sse_pump import pump_sse
-from .tools import ToolPlan, finish_reason
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
