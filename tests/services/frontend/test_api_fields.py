@@ -14,7 +14,7 @@ from moebus.shared.errors import ServiceError
 from moebus.shared.messages import RenderRequest, StructuredOptions
 from moebus.text.prompt_render import apply_template
 
-from .conftest import toy_stack
+from ..conftest import toy_stack
 
 CHAT = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}

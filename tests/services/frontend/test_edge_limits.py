@@ -21,7 +21,7 @@ from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import AbortRequest, GenerateAccepted, RenderReply
 from moebus.shared.tracing import Tracing
 
-from .conftest import ToyStack, toy_stack
+from ..conftest import ToyStack, toy_stack
 
 CHAT = [{"role": "user", "content": "hi"}]
 BIG = 2**63

@@ -12,7 +12,7 @@ from moebus.devmodel.toy import ToyTokenizer
 from moebus.shared.messages import ChatMessage, RenderRequest
 from moebus.text.prompt_render import apply_template
 
-from .conftest import toy_stack
+from ..conftest import toy_stack
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

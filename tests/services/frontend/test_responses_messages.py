@@ -10,7 +10,7 @@ import pytest
 
 from moebus.devmodel.toy import TOY_REPLY
 
-from .conftest import toy_stack
+from ..conftest import toy_stack
 from .test_tools_api import CALLS
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -13,7 +13,7 @@ import moebus
 from moebus.devmodel.toy import ToyEngine, ToyEngineConfig, ToyTokenizer
 from moebus.services.worker import WorkerConfig, WorkerService
 
-from .conftest import HEARTBEAT, ToyStack, toy_stack, wait_for
+from ..conftest import HEARTBEAT, ToyStack, toy_stack, wait_for
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -5,7 +5,7 @@ after their first chunk, connections trickling their headers); afterwards the st
 serves and every KV block is free.
 
 CI runs a bounded number of examples per operation and mode; the larger run is `slow`:
-    .venv/bin/python -m pytest tests/services/test_fuzz_api.py -m slow -s
+    .venv/bin/python -m pytest tests/services/frontend/test_fuzz_api.py -m slow -s
 It prints the figures (README, "Bad input and limits").
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from .conftest import ToyStack, toy_stack  # noqa: E402
+from ..conftest import ToyStack, toy_stack  # noqa: E402
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

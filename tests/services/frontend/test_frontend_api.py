@@ -9,7 +9,7 @@ import pytest
 
 from moebus.devmodel.toy import TOY_JSON, TOY_REPLY
 
-from .conftest import ToyStack, toy_stack
+from ..conftest import ToyStack, toy_stack
 
 CHAT = [{"role": "user", "content": "hi"}]
 

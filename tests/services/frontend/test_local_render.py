@@ -12,7 +12,7 @@ from moebus.shared.messages import ChatMessage, RenderRequest
 from moebus.shared.tracing import Tracing
 from moebus.text.prompt_render import PromptRenderer
 
-from .conftest import toy_stack
+from ..conftest import toy_stack
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 LOCAL = {"local_render": {"model": "toy"}}

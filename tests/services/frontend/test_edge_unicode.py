@@ -10,7 +10,7 @@ import pytest
 
 from moebus.services.frontend.schema.body import _unencodable
 
-from .conftest import ToyStack
+from ..conftest import ToyStack
 from .test_edge_limits import _no_5xx
 
 CHAT = '{"model": "toy", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}'

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from moebus.shared.logs import JsonFormatter, RequestContext, TextFormatter, request_scope
 
-from .conftest import ToyStack, toy_stack, wait_for
+from ..conftest import ToyStack, toy_stack, wait_for
 
 CHAT = [{"role": "user", "content": "hi"}]
 
