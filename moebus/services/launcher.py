@@ -269,7 +269,7 @@ class Stack:
     def _write_api_keys(self) -> None:
         """Every flat key (config, its file, the deprecated environment) into one 0600 file for the
         frontend. $MOEBUS_API_KEYS leaves this process's environment, so no child inherits it."""
-        from .frontend.tenants import API_KEYS_ENV, env_api_keys, read_api_keys, write_api_keys
+        from .frontend.admission.tenants import API_KEYS_ENV, env_api_keys, read_api_keys, write_api_keys
 
         c = self.cfg
         keys = [*c.api_keys, *(read_api_keys(c.api_keys_file) if c.api_keys_file else []), *env_api_keys()]
