@@ -73,7 +73,7 @@ def _model_paths(name: str, tmp: Path) -> tuple[str, str | None, str]:
     """(engine model, tokenizer, HF-loadable dir)."""
     if name == "smollm2":
         from moebus.engine.loader.gguf_cache import converted_dir
-        from moebus.engine.loader.gguf_file import embedded_gguf_path
+        from moebus.text.gguf import embedded_gguf_path
 
         d = converted_dir(embedded_gguf_path())
         return "smollm2", None, str(d)

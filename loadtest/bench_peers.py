@@ -380,8 +380,8 @@ def main() -> None:
         with open(args.engine_child) as f:
             print(json.dumps(engine_child(json.load(f))))
         return
-    from moebus.engine.loader.gguf_file import embedded_gguf_path
     from moebus.platforms.cpu.cores import usable_cores
+    from moebus.text.gguf import embedded_gguf_path
 
     args.threads = args.threads or usable_cores()
     args.gguf = args.gguf or embedded_gguf_path()

@@ -230,7 +230,7 @@ def main() -> None:
         print("RESULT " + json.dumps(res))
         return
     if a.gguf is None:
-        from moebus.engine.loader.gguf_file import embedded_gguf_path
+        from moebus.text.gguf import embedded_gguf_path
 
         a.gguf = str(embedded_gguf_path())
     systems = {} if a.no_dense else {"moebus dense fp32": [sys.executable, "moebus:dense"]}

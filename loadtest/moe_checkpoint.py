@@ -69,7 +69,7 @@ def write_hf(out: Path, preset: str, seed: int, shared: torch.Tensor | None = No
     from transformers import GraniteMoeConfig
 
     from moebus.engine.loader.gguf_cache import converted_dir
-    from moebus.engine.loader.gguf_file import embedded_gguf_path
+    from moebus.text.gguf import embedded_gguf_path
 
     cfg = PRESETS[preset]
     out.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ def test_wheel_ships_and_imports_every_module(tmp_path: Path) -> None:
                if "__pycache__" not in p.parts}
     assert in_tree <= shipped, sorted(in_tree - shipped)
     assert any(p.name.endswith(".c") for p in (site / "moebus" / "kernels" / "csrc").iterdir())
-    assert (site / "moebus" / "engine" / "templates" / "smollm2_tools.jinja").is_file()  # the shipped chat template
+    assert (site / "moebus" / "text" / "templates" / "smollm2_tools.jinja").is_file()  # the shipped chat template
     assert {p.name for p in (site / "moebus" / "eval" / "data").iterdir()} >= {"prompts.txt", "declaration_gettysburg.txt"}
     # -P: not the working directory on sys.path; PYTHONPATH puts the wheel before the editable install.
     out = subprocess.run([sys.executable, "-P", "-c", IMPORT_ALL, str(site)], cwd=tmp_path,

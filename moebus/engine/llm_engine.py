@@ -21,7 +21,6 @@ import torch
 
 from moebus import platforms
 from moebus.engine.config import EngineConfig
-from moebus.engine.detokenizer import StopStringMatcher
 from moebus.engine.isolation import RequestFailed, isolate
 from moebus.engine.model_runner import (
     PLACEHOLDER,
@@ -39,8 +38,9 @@ from moebus.engine.sampling import SamplingParams, StructuredOutputConfig
 from moebus.engine.sampling.spec_decode import DraftModelProposer, NgramProposer, SpecDecodeStats
 from moebus.engine.scheduler import Scheduler, SchedulerOutput
 from moebus.engine.structured_state import GrammarHub
-from moebus.engine.tokenizer import Tokenizer, load_tokenizer
 from moebus.kv.groups import KVLayout, PoolSizing, allocate_caches, build_block_manager, pool_sizes
+from moebus.text.stop_strings import StopStringMatcher
+from moebus.text.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from moebus.engine.block_manager import BlockManager

@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from moebus.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from moebus.engine.request import Request
+from moebus.text.detokenizer import IncrementalDetokenizer
+from moebus.text.stop_strings import StopStringMatcher
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from moebus.engine.request import Request
     from moebus.engine.sampling.grammar_state import GrammarState
     from moebus.engine.sampling.structured import StructuredOutputCompiler, StructuredOutputConfig
-    from moebus.engine.tokenizer import Tokenizer
+    from moebus.text.tokenizer import Tokenizer
 
 
 class GrammarHub:

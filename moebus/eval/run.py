@@ -84,7 +84,7 @@ def prepare(s: Settings) -> tuple[Reference, Path]:
 
 
 def _text_inputs(s: Settings) -> tuple[list[int], list[list[int]]]:
-    from moebus.engine.tokenizer import load_tokenizer
+    from moebus.text.tokenizer import load_tokenizer
 
     tok = _load(f"the tokenizer of {s.model}", load_tokenizer, s.model)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))

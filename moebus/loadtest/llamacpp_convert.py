@@ -12,7 +12,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from moebus.engine.loader.gguf_cache import cache_root
+from moebus.text.gguf import cache_root
 
 VERSION = "0.3.36"  # the tree loadtest/peers/setup_llama_server.sh builds llama-server from
 

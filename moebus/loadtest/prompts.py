@@ -26,7 +26,7 @@ def load_tokenizer(name: str) -> Any:
         from moebus.devmodel.toy import ToyTokenizer
 
         return ToyTokenizer()
-    from moebus.engine.tokenizer import load_tokenizer as engine_load
+    from moebus.text.tokenizer import load_tokenizer as engine_load
 
     return engine_load(name)
 

@@ -164,8 +164,8 @@ def _bus_files(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
+    from .frontend.admission.tenants import KeysFile, add_key, describe
     from .frontend.config import TenantLimits
-    from .frontend.tenants import KeysFile, add_key, describe
 
     if args.action == "list":
         print(describe(KeysFile.load(args.file)))

@@ -73,7 +73,7 @@ class StackConfig(BaseModel):
     served_model_name: str | None = None  # default: the model argument
     workers: int = Field(1, ge=1)
     # Frontend processes: frontend-i serves the API on port + i; each enforces 1/N of every tenant's
-    # rate and token budget, N counted from their heartbeats (frontend/peers.py, docs/tenants.md).
+    # rate and token budget, N counted from their heartbeats (frontend/fleet/peers.py, docs/tenants.md).
     frontends: int = Field(1, ge=1)
     mode: Literal["aggregated", "disaggregated"] = "aggregated"
     prefill_workers: int = Field(1, ge=1)  # disaggregated mode: the two pools
@@ -225,7 +225,7 @@ class Stack:
         local = {"model": c.model, "served_model_name": name, "chat_template": c.tokenizer.get("chat_template")}
         keys = {"api_keys_file": str(self._api_keys_file)} if self._api_keys_file else {}
         fcfg = {"accept_images": self.num_encoders > 0, "local_render": local, **keys, **c.frontend, "limits": flimits}
-        from .frontend.tool_parser_deepseek import parser_for  # no deepseek_recipe import: config.json only
+        from moebus.text.tool_parser_deepseek import parser_for  # no deepseek_recipe import: config.json only
 
         if (parser := parser_for(c.model)) is not None:  # DeepSeek-V4: its own reasoning and call format
             fcfg["tool_call_parsers"] = {name: parser, **fcfg.get("tool_call_parsers", {})}
@@ -269,7 +269,7 @@ class Stack:
     def _write_api_keys(self) -> None:
         """Every flat key (config, its file, the deprecated environment) into one 0600 file for the
         frontend. $MOEBUS_API_KEYS leaves this process's environment, so no child inherits it."""
-        from .frontend.tenants import API_KEYS_ENV, env_api_keys, read_api_keys, write_api_keys
+        from .frontend.admission.tenants import API_KEYS_ENV, env_api_keys, read_api_keys, write_api_keys
 
         c = self.cfg
         keys = [*c.api_keys, *(read_api_keys(c.api_keys_file) if c.api_keys_file else []), *env_api_keys()]

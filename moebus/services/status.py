@@ -2,7 +2,7 @@
 
 The frontend hears every instance's heartbeats on the bus (workers' carry their load: queue, KV,
 prefix cache counts, TTFT/ITL percentiles; every beat says how often the supervisor restarted it)
-and exports them as the `moebus_frontend_fleet_*` gauges on its /metrics (frontend/fleet.py);
+and exports them as the `moebus_frontend_fleet_*` gauges on its /metrics (frontend/fleet/fleet.py);
 this command scrapes that page: the API URL is all it needs (no bus credentials) and
 /metrics needs no API key. A targets file (`moebus up --log-dir`) adds the processes the frontend
 never heard, as missing, and when the frontend cannot be read (a stack starting: the frontend

@@ -2,7 +2,7 @@ import pytest
 
 from moebus.engine.llm import LLM
 from moebus.engine.loader.gguf_cache import converted_dir
-from moebus.engine.loader.gguf_file import embedded_gguf_path
+from moebus.text.gguf import embedded_gguf_path
 
 
 @pytest.fixture(scope="session")

@@ -138,7 +138,7 @@ def test_engine_logits_and_greedy_tokens_match_hf(tiny):
     from moebus.engine.llm_engine import LLMEngine
     from moebus.engine.multimodal import ImageSpan
     from moebus.engine.sampling import SamplingParams
-    from moebus.engine.tokenizer import tokenizer_from_hf_dir
+    from moebus.text.tokenizer import tokenizer_from_hf_dir
 
     path, hf, processor = tiny
     img = _image(4, (64, 40))

@@ -14,7 +14,8 @@ def hf_model(smol_dir):
 def test_weights_match_hf_gguf_loader(smol_dir):
     """Our dequantize + q/k un-permute equals transformers' own GGUF loader."""
     pytest.importorskip("accelerate")
-    from moebus.engine.loader.gguf_file import GGUFCheckpoint, embedded_gguf_path
+    from moebus.engine.loader.gguf_file import GGUFCheckpoint
+    from moebus.text.gguf import embedded_gguf_path
 
     path = embedded_gguf_path()
     ours = GGUFCheckpoint.open(path).state_dict()

@@ -15,7 +15,6 @@ import torch
 
 from moebus.engine.llm import LLM
 from moebus.engine.loader.gguf_cache import converted_dir
-from moebus.engine.loader.gguf_file import embedded_gguf_path
 from moebus.engine.models import load_model
 from moebus.engine.models.moe import MoE
 from moebus.engine.models.tiny_checkpoints import write_tiny
@@ -24,6 +23,7 @@ from moebus.engine.sampling import SamplingParams
 from moebus.kernels.qmoe import available
 from moebus.loadtest.llamacpp_convert import convert
 from moebus.platforms.format_choice import choose_format
+from moebus.text.gguf import embedded_gguf_path
 
 from .paged_steps import caches, prompt, run
 

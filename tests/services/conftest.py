@@ -104,7 +104,7 @@ async def stack(nats_server: NatsServer) -> AsyncIterator[ToyStack]:
 
 def skip_without_smollm2() -> None:
     try:
-        from moebus.engine.loader.gguf_file import embedded_gguf_path
+        from moebus.text.gguf import embedded_gguf_path
 
         embedded_gguf_path()
     except Exception:

@@ -13,7 +13,7 @@ import pytest
 
 from moebus.services.balancer.table import WorkerTable
 from moebus.services.frontend.config import FrontendConfig
-from moebus.services.frontend.router import StreamRouter
+from moebus.services.frontend.routing.router import StreamRouter
 from moebus.services.planner.fleet import Fleet
 from moebus.services.worker.replay import ReplayBuffer
 from moebus.shared.bus import Bus, BusConfig
@@ -148,7 +148,7 @@ async def test_a_bus_that_gives_up_is_down_for_good() -> None:
 async def test_the_frontend_warns_of_a_bus_drop_only_when_streams_may_be_lost(caplog) -> None:
     """Its own close at shutdown with no stream in flight is INFO (a clean SIGTERM logs no WARNING);
     its own close with streams in flight, or a drop it did not ask for, stays a WARNING."""
-    caplog.set_level(logging.INFO, logger="moebus.services.frontend.router")
+    caplog.set_level(logging.INFO, logger="moebus.services.frontend.routing.router")
     server = await asyncio.to_thread(NatsServer().start)
     buses: list[Bus] = []
 

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from moebus.services.frontend.fleet import FleetView
+from moebus.services.frontend.fleet.fleet import FleetView
 from moebus.services.worker.leases import FrontendLeases
 from moebus.shared.bus_auth import load_credentials
 from moebus.shared.bus_hosts import BusHost, BusLayout, bus_files

@@ -170,7 +170,7 @@ async def test_a_stack_without_an_encoder_refuses_images_with_a_400(nats_server)
 async def test_the_same_image_goes_to_the_same_encoder(nats_server) -> None:
     """Two encoders: the frontend's picker sends each image to the encoder it hashes to, so a
     repeated image is encoded once in the fleet, and different images spread over both."""
-    from moebus.services.frontend.encoders import EncoderPicker
+    from moebus.services.frontend.fleet.encoders import EncoderPicker
 
     prefix = f"t{uuid.uuid4().hex[:8]}.moebus.v1"
     encs = [RecordingEncoder(), RecordingEncoder()]

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
-from moebus.services.frontend.fleet import FleetView
+from moebus.services.frontend.fleet.fleet import FleetView
 from moebus.services.status import fetch, metrics_url, read_targets, run, table, with_targets
 from moebus.shared.fleet_status import InstanceStatus, from_text, to_families
 from moebus.shared.load_rates import LoadRates

@@ -7,7 +7,8 @@ import sys
 MODULES = ["moebus.shared.bus", "moebus.shared.service", "moebus.shared.messages", "moebus.devmodel.toy",
            "moebus.engine.port", "moebus.shared.probes", "moebus.shared.nats_server", "moebus.services.frontend",
            "moebus.services.balancer", "moebus.services.launcher", "moebus.services.cli",
-           "moebus.services.worker", "moebus.services.tokenizer"]
+           "moebus.services.worker", "moebus.services.tokenizer", "moebus.text.tokenizer",
+           "moebus.text.serving_tokenizer", "moebus.text.prompt_render", "moebus.text.tool_parser_deepseek"]
 
 
 def test_no_torch_on_import() -> None:

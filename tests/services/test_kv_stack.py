@@ -25,7 +25,7 @@ LONG = "Paged attention keeps the keys and values of every sequence in fixed-siz
 
 def _stack(tmp_path_factory, **kw) -> Stack:
     try:
-        from moebus.engine.loader.gguf_file import embedded_gguf_path
+        from moebus.text.gguf import embedded_gguf_path
 
         embedded_gguf_path()
     except Exception:

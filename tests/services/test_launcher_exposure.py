@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from moebus.services.frontend.tenants import KeyRing
+from moebus.services.frontend.admission.tenants import KeyRing
 from moebus.services.launcher import Stack, StackConfig
 from moebus.shared.nats_server import free_port
 

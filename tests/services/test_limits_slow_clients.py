@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from pydantic import ValidationError
 
+from moebus.services.frontend.api.openapi import openapi_document
 from moebus.services.frontend.config import RequestLimits
-from moebus.services.frontend.openapi import openapi_document
 
 from .conftest import ToyStack, toy_stack, wait_for
 

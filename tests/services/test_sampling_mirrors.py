@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from moebus.engine.sampling.params import SamplingParams, StructuredOutputParams
-from moebus.services.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from moebus.services.frontend.schema.protocol import ChatCompletionRequest, CompletionRequest
 from moebus.shared.messages import SamplingOptions, StructuredOptions
 
 # Documented exceptions: fields whose type differs between the mirrors (same name and default).

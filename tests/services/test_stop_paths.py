@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 
 from moebus.devmodel.toy import EOS, TOY_MODEL, ToyTokenizer
-from moebus.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from moebus.services.frontend.choice import Detok
+from moebus.services.frontend.choices.choice import Detok
 from moebus.services.tokenizer.config import TokenizerConfig
 from moebus.services.tokenizer.service import TokenizerService
 from moebus.shared.subjects import Subjects
+from moebus.text.detokenizer import IncrementalDetokenizer
+from moebus.text.stop_strings import StopStringMatcher
 
 CASES = [  # text, stops, include_stop, expected text
     ("xabc", ["a", "ab"], True, "xa"),

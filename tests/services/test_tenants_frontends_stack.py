@@ -1,6 +1,6 @@
 """A tenant's limits hold across 2 frontends (issue 36 item 7), on `Stack` with `frontends=2` (real
 processes, bus auth on): each frontend enforces 1/N of the tenant's token budget and rate, N from the
-frontends' heartbeats (frontend/peers.py). Measured and printed: requests admitted at once when a
+frontends' heartbeats (frontend/fleet/peers.py). Measured and printed: requests admitted at once when a
 tenant worth L requests floods both (at most L: before, each frontend admitted L, 2L in all), its
 rate over a window, and the trade-off (a flood reaching one frontend gets L/2; with the other
 frontend dead, L again)."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import aiohttp
 
+from moebus.services.frontend.admission.tenants import add_key
 from moebus.services.frontend.config import TenantLimits
-from moebus.services.frontend.tenants import add_key
 from moebus.services.launcher import Stack, StackConfig
 from moebus.shared.ports import free_port
 

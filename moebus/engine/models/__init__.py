@@ -11,7 +11,7 @@ from torch import nn
 
 from moebus import platforms
 from moebus.engine.loader.gguf_cache import converted_dir, quantized_blocks
-from moebus.engine.loader.gguf_file import EMBEDDED_MODEL, embedded_gguf_path
+from moebus.text.gguf import EMBEDDED_MODEL, embedded_gguf_path
 
 
 @dataclass(slots=True)

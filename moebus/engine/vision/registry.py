@@ -31,16 +31,16 @@ def load_encoder(encoder: str, model: str, top_k: int = 3) -> ImageEncoder:
     """`efficientnet-lite0` (for any language model: it speaks through the model's own embeddings),
     or a SmolVLM / Idefics3 checkpoint folder or mmproj .gguf (its projector must match `model`)."""
     if encoder == DEFAULT_ENCODER:
-        from moebus.engine.tokenizer import load_tokenizer
         from moebus.engine.vision.classname import ClassNameEncoder
+        from moebus.text.tokenizer import load_tokenizer
 
         tok = load_tokenizer(model)
         return ClassNameEncoder(input_embeddings(model), lambda s: tok.encode(s, add_special_tokens=False),
                                 placeholder_token_id=0, top_k=top_k)
     path = Path(encoder)
     if path.is_dir() or path.suffix == ".gguf":
-        from moebus.engine.tokenizer import load_tokenizer
         from moebus.engine.vision import idefics3_load
+        from moebus.text.tokenizer import load_tokenizer
 
         # An mmproj GGUF holds no vocabulary: the <image> token id comes from the language model's.
         image_token_id = load_tokenizer(model).backend.token_to_id("<image>") if path.suffix == ".gguf" else None

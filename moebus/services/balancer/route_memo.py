@@ -6,7 +6,7 @@ ask may have been killed holding it, or the reply was lost in a bus blip, or the
 and attempt. Here a repeat that reaches the balancer still routing it waits for that route, and one
 that comes after it answered gets the same GenerateAccepted, for `keep_s`. A repeat that reaches
 another replica routes anew; the frontend aborts the request on any worker it did not keep
-(frontend/generation.py). A route that failed is forgotten: its repeat routes afresh.
+(frontend/routing/generation.py). A route that failed is forgotten: its repeat routes afresh.
 """
 from __future__ import annotations
 

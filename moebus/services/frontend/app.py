@@ -14,19 +14,19 @@ from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.logs import request_scope
 from moebus.shared.tracing import TRACE_ID_HEADER, trace_id_of
 
-from .access import REQUEST_ID_HEADER, AccessLog
-from .chat import chat_completions
-from .completions import completions
+from .admission.access import REQUEST_ID_HEADER, AccessLog
+from .admission.tenants import bearer
+from .api.chat import chat_completions
+from .api.completions import completions
+from .api.messages import count_tokens, messages
+from .api.openapi import openapi_document
+from .api.responses import responses
+from .api.tokens import detokenize, tokenize
 from .config import FrontendConfig
 from .errors import APIError
 from .keys import ACCESS, CONFIG, FRONTEND, RECORD, TENANT
-from .messages_api import count_tokens, messages
-from .openapi import openapi_document
-from .responses import responses
+from .routing.spans import http_span, http_status
 from .service import FrontendService
-from .spans import http_span, http_status
-from .tenants import bearer
-from .tokens import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -105,7 +105,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The bearer key's tenant (tenants.py; with no keys configured, `default`), charged one
+    """The bearer key's tenant (admission/tenants.py; with no keys configured, `default`), charged one
     request of its rate: 401 for an unknown key, 429 over the rate."""
     if request.path in _PUBLIC:
         return await handler(request)

@@ -65,7 +65,7 @@ class AdmissionConfig(BaseModel):
 
 class LocalRender(BaseModel):
     """The tokenizer service's model and template, for a frontend that renders prompts itself
-    (local_render.py): the same tokenizer loaded in this process, so no bus round trip comes
+    (prompts/local_render.py): the same tokenizer loaded in this process, so no bus round trip comes
     before routing. Detokenizing and DeepSeek-V4's recipe prompts stay with the tokenizer service."""
 
     model_config = ConfigDict(extra="forbid")
@@ -79,7 +79,7 @@ class FrontendConfig(ServiceConfig):
     host: str = "0.0.0.0"
     port: int = 8000
     models: list[str] = ["smollm2"]  # model names served (what the workers advertise)
-    # Flat keys of the `default` tenant (tenants.py); none here, in api_keys_file or keys_file: no auth.
+    # Flat keys of the `default` tenant (admission/tenants.py); none here, in api_keys_file or keys_file: no auth.
     # On the command line `ps` shows them to every user: prefer api_keys_file.
     api_keys: list[str] = []
     api_keys_file: str | None = None  # flat keys, one a line, read at start (`moebus up` writes one, 0600)
@@ -102,7 +102,7 @@ class FrontendConfig(ServiceConfig):
     # repeat with the first ask's result (balancer/route_memo.py), so a slow route is not doubled.
     route_attempt_s: float = Field(2.0, gt=0)
     stream_idle_timeout_s: float = 120.0  # no chunk for this long: give up on the request
-    # Bus blips (generation.py): a gap in a stream's chunk numbers is filled from the worker's
+    # Bus blips (routing/generation.py): a gap in a stream's chunk numbers is filled from the worker's
     # replay buffer once it has lasted gap_wait_s; a stream whose bus stays down bus_outage_s fails (503).
     gap_wait_s: float = Field(0.2, ge=0)
     # (120 s: a nats-server paused a minute, e.g. its VM frozen, loses no stream; RELIABILITY.md)
@@ -115,7 +115,7 @@ class FrontendConfig(ServiceConfig):
     accept_images: bool = False
     encoder_timeout_s: float = 10.0  # a request to a killed encoder is asked again after this
     # Moves of one request to another worker (its worker died, drained or failed retryably); the
-    # open choices go on from the tokens already sent (generation.py).
+    # open choices go on from the tokens already sent (routing/generation.py).
     max_migrations: int = Field(3, ge=0)
     # Workers one request may break (they died, or their engine failed, while holding it) before
     # it is failed instead of sent to the next: a poison request cannot walk the fleet.

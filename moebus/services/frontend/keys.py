@@ -5,9 +5,9 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from .access import AccessLog, RequestRecord
+from .admission.access import AccessLog, RequestRecord
+from .admission.tenants import Tenant
 from .config import FrontendConfig
-from .tenants import Tenant
 
 if TYPE_CHECKING:
     from .service import FrontendService

@@ -19,22 +19,23 @@ from moebus.shared.messages import (
 )
 from moebus.shared.service import Service
 
-from .access import AccessLog
-from .admission import Admission
-from .choice import ChoiceState, Detok
+from .admission.access import AccessLog
+from .admission.admission import Admission
+from .admission.tenants import KeyRing, Tenant
+from .choices.choice import ChoiceState, Detok
+from .choices.latency import Latencies, TimedChoice
 from .config import FrontendConfig
-from .encoders import EncoderPicker
 from .errors import APIError
-from .fleet import FleetView
-from .generation import Generation
-from .images import image_input
-from .latency import Latencies, TimedChoice
-from .local_render import LocalRenderer
-from .peers import FrontendPeers
-from .readiness import WorkerWatch
-from .router import StreamRouter
-from .spans import finish_generation, generation_span
-from .tenants import KeyRing, Tenant
+from .fleet.encoders import EncoderPicker
+from .fleet.fleet import FleetView
+from .fleet.peers import FrontendPeers
+from .fleet.readiness import WorkerWatch
+from .prompts.images import image_input
+from .prompts.local_render import LocalRenderer
+from .routing.finish import finish_generation
+from .routing.generation import Generation
+from .routing.router import StreamRouter
+from .routing.spans import generation_span
 
 
 class FrontendService(Service):
@@ -158,7 +159,7 @@ class FrontendService(Service):
     async def generation(self, model: str, prompt_ids: list[int], params: SamplingOptions,
                          images: list[ImageEmbedding] = (), tenant: Tenant | None = None,
                          owner: str = "") -> AsyncIterator[Generation]:
-        """`_generation` inside its `generate <model>` span (spans.py). owner: the API call of
+        """`_generation` inside its `generate <model>` span (routing/spans.py). owner: the API call of
         several generations (a completions call's prompts): one fair share on a worker."""
         before, gen = self.latencies.current.get(), None
         with generation_span(self.tracing, model, len(prompt_ids), params) as span:
@@ -174,7 +175,7 @@ class FrontendService(Service):
                           images: list[ImageEmbedding] = (), tenant: Tenant | None = None,
                           owner: str = "") -> AsyncIterator[Generation]:
         """A routed generation, aborted on its worker if we leave early (client gone, error); it
-        holds its tenant's tokens and a place in the capacity until it ends (admission.py)."""
+        holds its tenant's tokens and a place in the capacity until it ends (admission/admission.py)."""
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         tenant = tenant or self.keyring.default

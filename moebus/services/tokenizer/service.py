@@ -9,19 +9,19 @@ from nats.aio.msg import Msg
 from moebus.shared.deepseek_v4 import recipe_version
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import DetokenizeReply, DetokenizeRequest, RenderReply, RenderRequest
-from moebus.shared.prompt_render import INLINE_CHARS, PromptRenderer, check_length, flatten, new_marker
 from moebus.shared.service import Service
-from moebus.shared.stop_strings import apply_stops, matched_stop
 from moebus.shared.subjects import Queues
 from moebus.shared.tracing import Attr, annotate
+from moebus.text.detokenizer import decode_step
+from moebus.text.prompt_render import INLINE_CHARS, PromptRenderer, check_length, flatten, new_marker
+from moebus.text.stop_strings import apply_stops, matched_stop
 
 from .config import TokenizerConfig
-from .detok import decode_step
 from .recipe import Recipe, RecipeError, v4_tokenizer_json
 
 
 def load_tokenizer(model: str, chat_template_file: str | None = None) -> Any:
-    from moebus.engine.serving_tokenizer import load_serving_tokenizer  # torch-side import, only here
+    from moebus.text.serving_tokenizer import load_serving_tokenizer  # tokenizers, jinja2: loaded in setup
 
     return load_serving_tokenizer(model, chat_template_file)
 
@@ -35,7 +35,7 @@ class TokenizerService(Service):
         self.served_model = cfg.served_model_name or cfg.model
         self.tok = tokenizer
         self._skip: frozenset[int] = frozenset()
-        self.renderer: PromptRenderer | None = None  # chat templates, prompts, token ids (shared/prompt_render.py)
+        self.renderer: PromptRenderer | None = None  # chat templates, prompts, token ids (moebus/text/prompt_render.py)
         self.recipe: Recipe | None = None  # DeepSeek-V4: conversations render through deepseek-recipe
         self._renders = self.metrics.counter("renders_total", "Prompts rendered")
         self._prompt_tokens = self.metrics.counter("prompt_tokens_total", "Prompt tokens encoded")

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from .kv_link import WorkerKVLink
 
 log = logging.getLogger(__name__)
-# Aborts the stack sends itself (frontend.generation, the balancer): nobody asks to replay the stream after them.
+# Aborts the stack sends itself (frontend.routing.generation, the balancer): nobody asks to replay the stream after them.
 ROUTINE_ABORTS = frozenset({"client", "migrated", "orphan", "route timeout", "no prefill worker"})
 
 

@@ -83,7 +83,7 @@ class GenerateRequest(Message):
     # (empty: every choice from the start). Chunk numbers (seq) restart at 0 with each attempt.
     resume: list[ResumedChoice] = []
     images: list[ImageEmbedding] = []  # encoder rows for the prompt's image placeholders (offsets set)
-    priority: int = 0  # its tenant's: the engine queue runs lower first (frontend/tenants.py)
+    priority: int = 0  # its tenant's: the engine queue runs lower first (frontend/admission/tenants.py)
     # The API call it is part of (a completions call's prompts share one): its fair share of a
     # worker's batch (engine/scheduler.py). Empty: the request itself.
     owner: str = ""
