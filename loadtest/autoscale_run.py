@@ -1,8 +1,8 @@
 """Autoscaling on a rising-then-falling load (issue 15, item 5): replicas over time, SLO attainment,
 requests lost.
 
-    python loadtest/autoscale_run.py                       # ~7 min on 2 cores; results in
-                                                           # loadtest/results/autoscale-ramp/
+    python loadtest/autoscale_run.py                       # ~7 min on 2 cores; results in --out,
+                                                           # default ~/.cache/moebus/loadtest/autoscale-ramp/
 
 1. writes a seeded Mooncake-format trace (trace.jsonl: `timestamp` ms, `input_length`,
    `output_length`, `hash_ids`): Poisson arrivals whose rate holds at --base-rate, ramps linearly
@@ -38,6 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from moebus.loadtest.cli import default_results_dir  # noqa: E402
 from moebus.services.launcher import Stack, StackConfig, _merged  # noqa: E402
 from moebus.shared.bus import Bus, BusConfig  # noqa: E402
 from moebus.shared.messages.planner import PlannerDecision  # noqa: E402
@@ -45,7 +46,7 @@ from moebus.shared.nats_server import free_port  # noqa: E402
 from moebus.shared.subjects import Subjects  # noqa: E402
 from moebus.shared.tracing import Tracing  # noqa: E402
 
-OUT = REPO / "loadtest/results/autoscale-ramp"
+OUT = default_results_dir() / "autoscale-ramp"  # out of the source tree; --out for another place
 TTFT_SLO_S, ITL_SLO_S = 2.0, 0.3
 
 # The planner's knobs for a 2-core CPU and SmolLM2 at 1 torch thread per worker (docs/planner.md).
