@@ -1,8 +1,8 @@
 """Autoscaling on a rising-then-falling load (issue 15, item 5): replicas over time, SLO attainment,
 requests lost.
 
-    python loadtest/autoscale_run.py                       # ~7 min on 2 cores; results in
-                                                           # loadtest/results/autoscale-ramp/
+    python loadtest/autoscale_run.py                       # ~7 min on 2 cores; results in --out,
+                                                           # default ~/.cache/moebus/loadtest/autoscale-ramp/
 
 1. writes a seeded Mooncake-format trace (trace.jsonl: `timestamp` ms, `input_length`,
    `output_length`, `hash_ids`): Poisson arrivals whose rate holds at --base-rate, ramps linearly
@@ -38,6 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from moebus.loadtest.cli import default_results_dir  # noqa: E402
 from moebus.services.launcher import Stack, StackConfig, _merged  # noqa: E402
 from moebus.shared.bus import Bus, BusConfig  # noqa: E402
 from moebus.shared.messages.planner import PlannerDecision  # noqa: E402
@@ -45,17 +46,17 @@ from moebus.shared.nats_server import free_port  # noqa: E402
 from moebus.shared.subjects import Subjects  # noqa: E402
 from moebus.shared.tracing import Tracing  # noqa: E402
 
-OUT = REPO / "loadtest/results/autoscale-ramp"
+OUT = default_results_dir() / "autoscale-ramp"  # out of the source tree; --out for another place
 TTFT_SLO_S, ITL_SLO_S = 2.0, 0.3
 
 # The planner's knobs for a 2-core CPU and SmolLM2 at 1 torch thread per worker (docs/planner.md).
-# Measured before choosing them (1 worker, 64-token prompts, 16 output tokens, open loop): 1.0 req/s
-# -> TTFT p90 0.49 s, ITL p90 0.20 s; 1.5 req/s -> TTFT p90 1.2 s, ITL p90 0.50 s. So one worker
-# serves ~1.2 req/s within TTFT 2 s / ITL 0.3 s, i.e. ~35 work tokens/s (64 x 0.25 + 16 per request);
-# the default prior (200 work tokens/s) would never see a CPU worker as loaded, and the default ITL
-# target (0.2 s) is what a single 64-token prefill between two decode steps already costs here.
-# warmup_s 30: the planner starts with the launcher's MIN workers, and a real-model worker takes
-# ~15 s to send its first heartbeat on 2 busy cores; with the default 3 s the planner's first tick
+# capacity_tokens_s is what one worker was measured to serve within TTFT 2 s / ITL 0.3 s before
+# choosing them (1 worker, 64-token prompts, 16 output tokens, open loop; work tokens = 64 x 0.25 +
+# 16 per request; the run: docs/benchmarks/history-fleet.md, "Autoscaling on a rising-then-falling
+# load"); the default prior (200 work tokens/s) would never see a CPU worker as loaded, and the
+# default ITL target (0.2 s) is about what a single 64-token prefill between two decode steps
+# already costs on such a CPU. warmup_s 30: the planner starts with the launcher's MIN workers, and
+# a real-model worker loads its model before its first heartbeat on 2 busy cores; with the default 3 s the planner's first tick
 # sees an empty pool and starts one more worker ("below min_replicas"), stopped again a few seconds later.
 PLANNER: dict[str, Any] = {
     "interval_s": 3.0,

@@ -245,7 +245,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {s: [] for s in systems}
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     # llama.cpp's OpenMP threads meet at a barrier per graph node: it runs at its library default
-    # (spin, then sleep) unless asked, since PASSIVE costs it ~1.8x on this kind of box (BENCHMARKS.md)
+    # (spin, then sleep) unless asked, since PASSIVE slows it down (docs/benchmarks/history-engine.md)
     llama_env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if a.llama_wait_policy != "default":
         llama_env["OMP_WAIT_POLICY"] = a.llama_wait_policy

@@ -27,10 +27,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from moebus.loadtest.cli import default_results_dir
 from moebus.services.launcher import Stack, StackConfig
 from moebus.shared.nats_server import free_port
 
-RESULTS = Path("loadtest/results")
+RESULTS = default_results_dir()  # run folders stay out of the source tree, as `moebus loadtest run`'s
 
 
 def _migrations(url: str) -> dict[str, float]:
@@ -64,7 +65,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--kill-every", type=float, default=20.0, help="seconds between SIGKILLs (0: no faults)")
     ap.add_argument("--seed", type=int, default=0, help="which worker dies when")
-    ap.add_argument("--name", required=True, help="run folder under loadtest/results")
+    ap.add_argument("--name", required=True, help="run folder under default_results_dir() (~/.cache/moebus/loadtest)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--stack", default="{}", help='extra StackConfig fields as JSON, e.g. '
                     '\'{"frontend": {"max_worker_failures": 3}}\'')

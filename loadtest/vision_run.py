@@ -1,7 +1,7 @@
 """Vision encoder figures (issue 16, item 6): encoder latency per image and throughput with 1 and 2
 encoder processes, and photo-question requests/s through the whole stack.
 
-    python loadtest/vision_run.py            # ~3 min on 2 cores; writes loadtest/results/vision/vision.json
+    python loadtest/vision_run.py            # ~3 min on 2 cores; writes ~/.cache/moebus/loadtest/vision/vision.json
 
 For each encoder count N in --encoders (alternating runs, --rounds each):
   1. starts the stack on the real model (1 worker, 1 torch thread per process, N encoders);
@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 import openai  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from moebus.loadtest.cli import default_results_dir  # noqa: E402
 from moebus.services.launcher import Stack, StackConfig  # noqa: E402
 from moebus.shared.bus import Bus, BusConfig  # noqa: E402
 from moebus.shared.messages import EncodeReply, EncodeRequest, ImageInput  # noqa: E402
@@ -38,7 +39,7 @@ from moebus.shared.nats_server import free_port  # noqa: E402
 from moebus.shared.subjects import Subjects  # noqa: E402
 from moebus.shared.tracing import Tracing  # noqa: E402
 
-OUT = REPO / "loadtest/results/vision"
+OUT = default_results_dir() / "vision"  # out of the source tree, as `moebus loadtest run`'s folders
 PHOTO = REPO / "tests/data/images/cat.jpg"
 
 

@@ -3,7 +3,8 @@
 #   run_peers.sh ROUND SERVER...      e.g. run_peers.sh 1 moebus vllm llamacpp
 # For each server: start it (serve_<server>.sh on its own port), wait for /v1/models, send one
 # warm-up request, record `uptime`, run `moebus loadtest run` into
-# loadtest/results/peers-<server>-<round>/, record `uptime` again, stop the server.
+# $RESULTS/peers-<server>-<round>/ (RESULTS defaults to moebus loadtest's own folder, out of the
+# source tree: $MOEBUS_CACHE/loadtest or ~/.cache/moebus/loadtest), record `uptime` again, stop the server.
 set -euo pipefail
 . "$(dirname "$0")/common.sh"
 ROUND=${1:?usage: run_peers.sh ROUND SERVER...}; shift
@@ -12,12 +13,13 @@ CONCURRENCY=${CONCURRENCY:-4}
 LOGS=${LOGS:-$PEERS/logs}
 declare -A PORTS=([moebus]=8401 [vllm]=8402 [llamacpp]=8403)
 mkdir -p "$LOGS"
+RESULTS=${RESULTS:-${MOEBUS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/moebus}/loadtest}
 cd "$REPO"
 
 for server in "$@"; do
   port=${PORTS[$server]:?unknown server $server}
   name=peers-$server-$ROUND
-  out=loadtest/results/$name
+  out=$RESULTS/$name
   log=$LOGS/$name.log
   echo "== $name: starting $server on :$port (log $log)"
   setsid bash "$REPO/loadtest/peers/serve_$server.sh" "$port" >"$log" 2>&1 &

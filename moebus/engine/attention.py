@@ -98,8 +98,8 @@ def _prefill_banded(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]
     of keys and values ending at its own position straight from the paged cache ([rows, W] slots),
     then one batched softmax in float32 (a sink is one more logit with a zero value). O(rows * W),
     and no per-sequence loop: for windows shorter than the prompts this replaces a masked dense
-    SDPA call per sequence (tiny V4 MoE, 4096-token prefill step: attention ops ~55 -> ~18 ms over
-    its 4 layers)."""
+    SDPA call per sequence, which did the masked-out work too (figures: docs/benchmarks/
+    history-engine.md, "Banded sliding-window prefill")."""
     k_cache, v_cache = kv_cache
     qsl, bs, dev = meta.query_start_loc, meta.block_size, q.device
     hkv, dk, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
@@ -159,7 +159,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[to
         done = set(singles)
     rest = [b for b in range(meta.num_seqs) if b not in done and qsl[b + 1] > qsl[b]]
     # CPU: every remaining chunk in one C kernel call over the paged cache instead of an SDPA call
-    # per sequence (16 x 128-token prompts, 2 threads: 1.8x per layer in bf16, 1.3x in fp32). Its
+    # per sequence: K/V packed once per step, no per-sequence dispatch (BENCHMARKS.md history). Its
     # rows do not depend on the batch, so deterministic mode takes it too.
     if rest and q.device.type == "cpu" and prefill_attention_cpu(
             q, k_cache, v_cache, meta.block_tables[rest], [qsl[b] for b in rest],

@@ -34,8 +34,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # The step budget while several prompts wait to prefill (SchedulerConfig): a burst of 16 x 128
     # prompts prefills as 12 then 4 and the first tokens of most go out after 3/4 of the work. Not
-    # smaller: bf16 GEMMs (oneDNN, AMX, 2 threads) cost ~4 us a row up to ~1300 rows, ~2.9 from ~1500.
-    # Burst TTFT p50 ~-30% at c=16, ~-23% at c=64, tok/s unchanged (BENCHMARKS.md, "Peers side by side").
+    # smaller: bf16 GEMMs cost more per row below ~1500 rows. It cut burst TTFT at the same tok/s
+    # (docs/benchmarks/history-peers.md, "Burst TTFT: a smaller step budget while prompts compete").
     burst_step_tokens: int | None = 1536
     # One owner (an API call: all its prompts and choices) holds at most this share of max_num_seqs
     # while others wait: its extra sequences queue behind theirs (scheduler.py). 1.0: no cap.

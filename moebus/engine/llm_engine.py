@@ -6,8 +6,8 @@ thread while a host thread post-processes step N. Tokens not yet known are place
 fills in; a step after one that sampled for a structured-output request post-processes first
 instead (its grammar mask needs that token). The model stays on the caller's thread because CPU
 kernels run on that thread's OpenMP team: a second computing thread would start a second team,
-oversubscribe the cores and make libgomp throttle its spin-waits (measured: async 0.55x of sync
-on 2 cores when the model ran elsewhere).
+oversubscribe the cores and make libgomp throttle its spin-waits (async ran well below sync on 2
+cores when the model ran elsewhere: docs/benchmarks/history-engine.md, "Async scheduling").
 """
 from __future__ import annotations
 

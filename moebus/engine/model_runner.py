@@ -163,7 +163,7 @@ class ModelRunner:
         entries = sorted(set(inp.sample_owner))
         if self.raw_argmax and self._raw_greedy(inp, entries):
             # without a greedy head: the sampler's own argmax of the logits, without building a
-            # SamplingBatch (~0.2 ms of a batch-1 step's Python)
+            # SamplingBatch (a visible share of a batch-1 step's Python)
             tokens = (self.greedy_head(rows) if self.greedy_head is not None
                       else row_argmax(self.head.logits(rows))).tolist()
             for k, j in enumerate(entries):

@@ -26,9 +26,9 @@ from moebus.kernels.quant_matmul import (
 # QuantLinear calls of at most this many rows take the integer-activation kernel (below the C
 # kernel's tiled path, where decoding a block once for many rows is already cheap per row).
 QA_MAX_ROWS = 3
-# Weight types that take 16-bit activations. Q8_0 too since 2026-12-04: on a Sapphire Rapids core
-# (AVX-512) SmolLM2's tied 49152 x 576 Q8_0 head takes 1.23 vs 1.45 ms a 1-row call (float path),
-# while on Zen 3 (AVX2) it lost 3% (2.52 vs 2.45 ns a block); the head's logits move by <= 1e-4.
+# Weight types that take 16-bit activations. Q8_0 too since 2026-12-04: faster than the float path
+# for SmolLM2's tied Q8_0 head on AVX-512 (a small loss on AVX2); the head's logits move by <= 1e-4
+# (docs/benchmarks/history-engine.md, "Single-stream decode on the GGUF's blocks").
 QA16_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
@@ -68,8 +68,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("panels", panels, persistent=False)  # None where they do not apply
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # 2-D x (the models' [tokens, hidden]) skips both reshapes: ~6 us of a 1-row call's ~15 us
-        # of Python (measured on the 2-core VM), and a decode step makes ~120 of these calls.
+        # 2-D x (the models' [tokens, hidden]) skips both reshapes: a large share of a 1-row call's
+        # Python, and a decode step makes ~120 of these calls.
         two_d = x.dim() == 2 and x.shape[1] == self.in_features
         flat = x if two_d else x.reshape(-1, self.in_features)
         if flat.stride(-1) != 1:

@@ -38,7 +38,7 @@ class GrammarHub:
 
     @property
     def compiler(self) -> StructuredOutputCompiler:
-        if self._compiler is None:  # building the token trie costs ~1 s: only when first needed
+        if self._compiler is None:  # building the token trie walks the vocabulary: only when first needed
             from moebus.engine.sampling.structured import StructuredOutputCompiler
 
             self._compiler = StructuredOutputCompiler(self.tokenizer.backend, self.vocab_size,

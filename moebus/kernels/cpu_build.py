@@ -23,7 +23,7 @@ import torch
 
 _CSRC = Path(__file__).with_name("csrc")
 # -fno-trapping-math: without it GCC will not if-convert the float selects in fast_exp, so the SiLU
-# and softmax loops stayed scalar on AVX2 (measured: SiLU-and-mul 3x slower on a Zen 3 VM).
+# and softmax loops stayed scalar on AVX2 (docs/benchmarks/history-engine.md, "-fno-trapping-math").
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-std=gnu11"]
 

@@ -19,9 +19,8 @@ from .silu_mul import silu_and_mul_ref, silu_and_mul_triton
 # The C kernel takes batches up to CPU_MAX_TOKENS tokens, and any batch when an expert's weights
 # are at most CPU_SMALL_EXPERT_BYTES (cache-resident: the per-expert torch ops dominate the
 # reference there). Larger batches of larger experts are GEMM-bound and the reference's torch
-# GEMMs are as fast. Measured on a Zen 3 VM, fp32, (T, D, I, E, k), reference vs C: (64, 128, 64,
-# 16, 2) 1.49 vs 0.18 ms; (4096, same) 8.3 vs 5.9 ms; (4096, 256, 128, 32, 4) 39.7 vs 36.2 ms;
-# (256, 2048, 1024, 64, 6) 337 vs 223 ms; (2048, 1024, 512, 64, 6) 372 vs 383 ms.
+# GEMMs are as fast (measured on a Zen 3 VM in fp32: docs/benchmarks/history-engine.md, "Fused MoE
+# C kernel").
 CPU_MAX_TOKENS = 1024
 CPU_SMALL_EXPERT_BYTES = 1 << 20
 _CPU_ARGTYPES = [PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I32, I32, F32]

@@ -9,13 +9,12 @@ streams; pre [n], post [n], comb [n, n] in that order), `base [(2 + n) * n]` and
     comb = comb / (column sums + eps), then iters - 1 rounds of row then column normalisation
            (Sinkhorn-Knopp, towards a doubly-stochastic matrix).
 
-The torch reference is ~4 * iters tiny ops per call (~120 at iters = 20, n = 4) and was 80% of a
+The torch reference is ~4 * iters tiny ops per call (~120 at iters = 20, n = 4) and was most of a
 HyperConnection's time at decode sizes; the Triton and C kernels do it in one pass per token.
 
 `hc_merge(streams [T, n, H], block_out [T, H], post, comb)` is the other half of an mHC: the new
 streams `out[t, k] = post[t, k] * block_out[t] + sum_j comb[t, j, k] * streams[t, j]`. Its reference
-is a batched [n, n] x [n, H] matmul, which torch runs as T tiny GEMMs (14 ms at T = 4096, n = 4,
-H = 128 on a Zen 3 VM); the kernels stream each token once, in float32, rounding once.
+is a batched [n, n] x [n, H] matmul, which torch runs as T tiny GEMMs; the kernels stream each token once, in float32, rounding once.
 
 `hc_pre(streams, fn, base, scale, n, iters, hc_eps, norm_eps) -> (block input [T, H], post, comb)`
 is the whole first half: RMS-normalise the flattened streams, `mix = linear(x, fn)`, hc_mix, then

@@ -2,7 +2,7 @@
 every row count (csrc/qpanel.h has the layout and the arithmetic).
 
 Why: the GGUF row layout suits a one-row GEMV (quant_dot.h sums each output across its lanes), but
-not a batch, where its float path decodes the weights to float32 and loses to bf16 by 2.7x at 64
+not a batch, where its float path decodes the weights to float32 and loses to bf16 by far at 64
 rows. Panels put 16 outputs in the 16 lanes of a register: a block's 32 weights are integer
 multiply-adds of one broadcast activation pair each (vpdpwssd), exact in int32, then one scaled
 float multiply-add a block. The same arithmetic for one row or a thousand, so a row's logits never

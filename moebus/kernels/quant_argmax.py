@@ -8,7 +8,7 @@ kernels run, so its tokens equal row_argmax of their logits exactly; against the
 (float64 sums) only a near-tie can resolve the other way.
 
 Why: at batch 1 the tied Q8_0 head of SmolLM2 (49152 x 576) is the largest GEMV of a decode step;
-its logits' write, read-back and separate argmax call were ~0.1 ms of a ~6 ms token.
+its logits' write, read-back and separate argmax call were a measurable share of a token.
 """
 from __future__ import annotations
 

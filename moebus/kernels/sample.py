@@ -12,7 +12,7 @@ above the max take the row argmax instead: torch's `max(dim=1).indices`, the fir
 first NaN (a +inf logit holds all the mass).
 
 Why: the sampler's torch path (float32 copy, softmax, [B, V] Exp(1) noise from torch's scalar
-exponential_, exponential race) cost ~100 ms at B=64 over a 49152-token vocabulary on one core;
+exponential_, exponential race) was slow at B=64 over a 49152-token vocabulary on one core;
 the C kernel reads each row twice with a vectorised exp. Its exp (cpu_common.h fast_exp) is within
 ~2 ulp and its sums are float32 per block of 256, float64 across, so the token can differ from the
 float64 reference only when u_b lands within ~1e-6 (relative) of a CDF step.

@@ -7,7 +7,7 @@
     moebus loadtest compare ~/.cache/moebus/loadtest/a ~/.cache/moebus/loadtest/b
 
 Run folders go to --out, else under the user cache (default_results_dir()), never the source tree:
-its loadtest/results/ holds the committed runs that BENCHMARKS.md cites.
+loadtest/results/README.md keeps only a summary of each study's runs and how to make them again.
 """
 from __future__ import annotations
 

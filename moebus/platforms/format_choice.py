@@ -5,15 +5,15 @@ The blocks, on a CPU with AVX-512 that runs kernels/qpanel.py, are the more fait
 faster choice for a lone stream: they are the file's weights exactly (16-bit activations: KL 1.4e-7
 against HF fp32 on the dequantized weights, against bf16's 1.6e-3), every row count takes one
 formula (a request's logits the same bits alone or batched), and a decode step reads 4.5-8.5 bits a
-weight instead of 16 (BENCHMARKS.md, "A lone stream on the GGUF's blocks": the lone stream
-2.2x bf16's speed, batches of 64 ~20% below it, the per-block scales costing float work a block).
+weight instead of 16 (BENCHMARKS.md, "A lone stream on the GGUF's blocks": the lone stream well
+ahead of bf16, batches of 64 somewhat behind it, the per-block scales costing float work a block).
 So auto takes the blocks only where all of that was measured: a Llama GGUF whose weights are
 mostly in a block type (a bf16 or f32 file has none to serve), dtype auto (an explicit dtype asks
 for dense weights in it), a CPU with AVX-512 and without AMX (whose bf16 tiles were not measured
 against the panels). The MoE decoder families serve their blocks only when asked (`weight_format
-gguf`): on a Granite-3.0-1B-A400M-shaped Q8_0 file the lone stream is twice bf16's speed and ahead
-of llama-server on the same file, but prefill and batches run on the integer panels' 16-bit dots
-at 0.6x bf16's prefill rate, and the float32 KV cache holds half the tokens (BENCHMARKS.md, "An MoE
+gguf`): on a Granite-3.0-1B-A400M-shaped Q8_0 file the lone stream is faster than bf16's and ahead
+of llama-server on the same file, but prefill and batches run on the integer panels' 16-bit dots,
+slower than bf16's, and the float32 KV cache holds half the tokens (BENCHMARKS.md, "An MoE
 on its GGUF's blocks"): a latency choice, not a default.
 """
 from __future__ import annotations

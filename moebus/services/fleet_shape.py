@@ -1,11 +1,10 @@
 """How many workers `moebus up` starts when the operator does not say (`--workers auto`).
 
-One worker with every core's torch thread loses 13-20% of its throughput under load on a small
-host: whenever another process runs (the frontend, the client), one of its OpenMP threads is off
+One worker with every core's torch thread loses throughput under load on a small host: whenever another process runs (the frontend, the client), one of its OpenMP threads is off
 its core and the others wait at the next barrier. Two workers that share the cores by turns
 (platforms/cpu/core_share.py) do not: a busy pair runs one thread each with no barrier between them, and
 a lone request still gets every core. Measured side by side with vLLM's CPU build on a 2-core
-Zen 4 VM (BENCHMARKS.md, "two workers sharing the cores by default"). So where the host has two
+Zen 4 VM (BENCHMARKS.md, "Peers side by side"; the runs: docs/benchmarks/history-peers.md). So where the host has two
 cores or more and memory for two copies of the model, auto means two workers sharing the cores;
 otherwise one.
 

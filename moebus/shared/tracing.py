@@ -86,7 +86,7 @@ class Tracing:
     def extract(self, carrier: Mapping[str, str]) -> otel_context.Context:
         """The parent context a lowercase carrier names. A plain version-00 `traceparent` (what
         every service here sends) is read directly: the first code a handler runs after the
-        process slept, where the propagator's generic path cost about 0.1 ms (issue 21 target 3).
+        process slept, where the propagator's generic path is costly when run cold (issue 21 target 3).
         Anything else (a `tracestate`, another version, a malformed value) goes to the propagator."""
         tp = carrier.get(TRACEPARENT)
         if "tracestate" not in carrier and isinstance(tp, str) and _plain_traceparent(tp):

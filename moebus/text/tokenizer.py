@@ -28,7 +28,7 @@ class Tokenizer:
     chat_template: str | None = None
     add_bos: bool = False
     special_ids: set[int] = field(default_factory=set)
-    # (template text, its compiled form): compiling costs ~10 ms a request, rendering well under 1
+    # (template text, its compiled form): compiling costs far more than rendering, so once per template
     _compiled: tuple[str, jinja2.Template] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

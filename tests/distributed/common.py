@@ -9,7 +9,7 @@ from moebus.engine.config import EngineConfig
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.sampling import SamplingParams
 
-# Forkserver children fork from one process that imported these once: ~10 s less per rank.
+# Forkserver children fork from one process that imported these once, not one import per rank.
 PRELOAD = ["moebus.engine.distributed", "torch._dynamo"]
 ENGINE_KWARGS = {"num_kv_blocks": 96, "max_model_len": 512}
 

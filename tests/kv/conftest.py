@@ -22,7 +22,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread() -> Iterator[None]:
-    # Two intra-op threads on two shared cores run the small model 5-10x slower than one.
+    # Two intra-op threads on two shared cores run the small model far slower than one.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

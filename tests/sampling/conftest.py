@@ -26,7 +26,7 @@ def smollm2_tokenizer():
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread_torch():
     # These tensors are small: one intra-op thread is faster and immune to a loaded CI box
-    # (2 threads under contention made a 49k-element op ~10x slower).
+    # (2 threads under contention made a 49k-element op far slower).
     import torch
 
     before = torch.get_num_threads()

@@ -1,5 +1,5 @@
 """The tokenizer service renders every chat request through the engine tokenizer's chat template:
-compiled once (compiling a real template costs ~10 ms of the TTFT), recompiled when replaced."""
+compiled once (compiling a real template is a visible share of the TTFT), recompiled when replaced."""
 from __future__ import annotations
 
 import jinja2.sandbox

@@ -76,11 +76,10 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     # Long prefill chunks run the MLP this many rows at a time: the [rows, 2I] intermediate then
-    # stays in cache instead of a fresh 50 MB buffer per layer (SmolLM2, 4096 rows). Zen 3 VM, fp32,
-    # 8192 prompt tokens at a 4096-token budget: 18.1-20.9 s -> 17.1-17.7 s at 1024 rows. Not below
-    # the default step budget (2048): a 1536-token bf16 prefill step (Sapphire Rapids, AMX, 2 threads)
-    # took 279-309 ms split 1024 + 512 (a 512-row GEMM is slow per row, then a copy) and 247-269 ms
-    # whole, over three alternating runs; fp32 was even (1202-1216 vs 1211-1230 ms).
+    # stays in cache instead of a fresh 50 MB buffer per layer (SmolLM2, 4096 rows). Not below
+    # the default step budget (2048): split 1024 + 512, a bf16 step pays a 512-row GEMM (slow per
+    # row) and a copy to join the halves (docs/benchmarks/history-peers.md, "Prefill step: the MLP
+    # unchunked up to the step budget").
     chunk_rows: int = 2048
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:

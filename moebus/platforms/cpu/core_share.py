@@ -32,7 +32,7 @@ class CoreShare:
     def __init__(self, directory: str | os.PathLike, name: str, cores: int, lease_s: float = 30.0,
                  rescan_s: float = 1.0) -> None:
         """cores: what all the workers of the directory share; lease_s: longer than any step (an
-        8192-token float32 prefill step on 2 cores takes ~9 s here); a dead process's claim ends
+        8192-token float32 prefill step on 2 cores takes seconds); a dead process's claim ends
         at once anyway, so only a live worker that stopped stepping waits it out."""
         if cores < 1:
             raise ValueError("cores must be >= 1")

@@ -34,8 +34,8 @@ _WIDTH = operator.attrgetter("activation_bits", "batch_invariant")
 
 
 def _linears(model: nn.Module) -> list[nn.Module]:
-    """Every layer's four linear modules, read from the _modules dicts (nn.Module.__getattr__ would
-    cost ~100 us a step over 30 layers) by C-level getters: the decode step runs this every token."""
+    """Every layer's four linear modules, read from the _modules dicts (nn.Module.__getattr__ is
+    slow over 30 layers) by C-level getters: the decode step runs this every token."""
     out: list[nn.Module] = []
     for ly in model.layers._modules.values():
         attn, mlp = _SUBS(ly._modules)

@@ -46,7 +46,7 @@ def _greedy(x: torch.Tensor, panel: PanelLinear | None,
     """Where the panel kernel is taken: its float32 logits, then their argmax (the same logits as
     the sampler's, so a greedy row's token is the same on both paths and in any batch; on a Zen 4
     VM at decode sizes this also beat the fused head+argmax kernel, whose tiles are 16 rows x 1
-    panel: BENCHMARKS.md, "the greedy head on the panel kernel"); elsewhere the fused kernel, no
+    panel: docs/benchmarks/history-peers.md, "The greedy head on the panel kernel"); elsewhere the fused kernel, no
     [rows, vocab] logits."""
     if panel is not None:
         logits = panel(x)

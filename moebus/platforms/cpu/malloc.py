@@ -5,8 +5,8 @@ layer (1536 tokens x 3072 x 2 bytes = 9.4 MB for gate/up in bf16). glibc by defa
 above its mmap threshold (128 KiB at start, raised on the fly to the largest block freed, at most
 32 MiB) with fresh mmaps, and hands the heap's top back to the kernel past its trim threshold
 (twice that), so the next step page-faults its activations in again: zeroed 4 KiB pages, on every
-thread of the step. Measured on SmolLM2 bf16, 12 x 128-token prefill steps, 2 threads
-(BENCHMARKS.md): default 290-466 ms a step from one process to the next, fixed 279-297 ms.
+thread of the step, and a step's time varies from one process to the next (SmolLM2 bf16 prefill
+steps: docs/benchmarks/history-peers.md, "Prefill step: glibc malloc").
 
 Fixed thresholds keep freed blocks in the heap for reuse (mallopt also stops glibc's own
 adjustment): the process keeps its high-water mark of activations instead of returning it. Linux

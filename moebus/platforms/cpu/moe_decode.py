@@ -1,7 +1,7 @@
 """The batch-1 decode fast path of the MoE decoder families (engine/models/moe_decoder.py: Qwen3-MoE,
 Mixtral, OLMoE, GraniteMoE): one sequence, one new token on CPU, in kernels/decode_stack.py's one
-C call with its MoE layers, where the module path pays ~10 ms a token of host work at the shape of
-Granite-3.0-1B-A400M (issue 35: c=1 TPOT against llama-server on the same GGUF).
+C call with its MoE layers, where the module path pays per-layer host work (torch ops, Python) a
+token at the shape of Granite-3.0-1B-A400M (issue 35: c=1 TPOT against llama-server on the same GGUF).
 
 It applies where the C step computes what the module path computes: the weight_format "gguf"
 model (experts on their GGUF blocks, QuantExperts; attention and dense MLPs on linear layers the

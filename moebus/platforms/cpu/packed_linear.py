@@ -2,10 +2,9 @@
 QuantLinear, is engine/quant_linear.py.)
 
 `F.linear` on the plain [out, in] weight re-lays the weight out on every call (bf16) or goes to
-MKL's sgemm (fp32); oneDNN's matmul on a weight reordered once into its blocked layout is faster:
-bf16 at decode sizes 1.2-1.7x (AVX-512/AMX; at 4096 rows the plain path wins, 0.7x), fp32 at
-every row count on AVX2 (Zen 3: 1.1-1.2x on the layer shapes of SmolLM2, 1.3-2.2x on its
-49152-row LM head, 1-4096 rows). A PackedLinear keeps both weights and picks by dtype and row
+MKL's sgemm (fp32); oneDNN's matmul on a weight reordered once into its blocked layout is faster
+for bf16 at decode sizes and for fp32 at every row count on AVX2 (the SmolLM2 layer shapes and
+its 49152-row LM head; figures in docs/benchmarks/history-engine.md). A PackedLinear keeps both weights and picks by dtype and row
 count. Results are the same GEMM up to summation order (tested against F.linear). The packed copy
 is taken once: weights must not change after, and it doubles the memory of the packed weights. On
 AVX-512 CPUs without AMX, layers keep a third copy in pack_panels' layout, and kernels/panel_linear.py
@@ -28,12 +27,9 @@ log = logging.getLogger(__name__)
 
 # Rows above which the plain GEMM is used; None: packed at every size. Where the CPU has native bf16
 # dot products the packed bf16 GEMM is as fast or faster at large sizes too, so it is packed at every
-# size there (2 threads, SmolLM2's four layer shapes, weights packed for 64 rows). Sapphire Rapids
-# (AMX): 1536 rows 4.16 vs 4.45 ms, 2048 5.56 vs 5.65, 4096 11.27 vs 11.40, a 1536-token prefill step
-# 289-301 vs 304-325 ms (512 rows alone lose, 1.94 vs 1.79). Zen 4 (avx512_bf16, no AMX;
-# loadtest/ab_packed_linear.py, medians of 9): 256 rows 4.61 vs 5.19 ms, 512 8.98 vs 9.77, 1536 25.96
-# vs 28.54, 2048 34.61 vs 37.61. The cap of 256 stays for CPUs that only convert bf16 (unmeasured
-# since it was set).
+# size there: measured so on Sapphire Rapids (AMX) and Zen 4 (avx512_bf16, no AMX;
+# loadtest/ab_packed_linear.py; figures in docs/benchmarks/history-peers.md). The cap of 256 stays
+# for CPUs that only convert bf16 (unmeasured since it was set).
 PACKED_MAX_ROWS: dict[torch.dtype, int | None] = {torch.bfloat16: 256, torch.float32: None}
 PACKED_MAX_ROWS_NATIVE_BF16: dict[torch.dtype, int | None] = {torch.bfloat16: None, torch.float32: None}
 
@@ -41,19 +37,14 @@ PACKED_MAX_ROWS_NATIVE_BF16: dict[torch.dtype, int | None] = {torch.bfloat16: No
 # (pack_panels' layout, the next weights prefetched): bf16 on vdpbf16ps, float32 on AVX-512 FMAs.
 # Its rows are summed in one order whatever the call holds, so a row's result never depends on the
 # rest of the step: greedy tokens are the same alone or batched, by default (oneDNN picks its
-# blocking by row count). At decode sizes it is also the faster kernel. Zen 4 VM, 2 threads,
-# SmolLM2's four layer shapes x 30 layers of distinct weights (cold, as in a decode step),
-# loadtest/ab_panel_linear.py --head, oneDNN's packed GEMM -> the panel kernel, 7/7 rounds each:
-# bf16 1 row 13.7 -> 9.8 ms, 16 rows 18.9 -> 14.5, 64 49.8 -> 45.3, 128 89.6 -> 85.5; float32
-# (layers only) 1 row 17.8 -> 11.9, 16 rows 24.5 -> 20.2, 64 77.3 -> 68.9, 128 148.0 -> 141.3.
-# Above that it is what batch invariance costs (bf16, ab_panel_linear.py --rows 256 512 1024 1536
-# --rounds 5): 0.98x-1.02x oneDNN's speed up to 512 rows, 0.94x at 1536; a burst of 128-token
-# prompts, in process (ab_batch_invariance.py): -1% to -3% tok/s (BENCHMARKS.md, issue 34).
+# blocking by row count). At decode sizes it is also the faster kernel (its weights prefetched
+# while the last are summed; loadtest/ab_panel_linear.py). At prefill sizes oneDNN is a little
+# faster, which is what batch invariance costs (BENCHMARKS.md, "Engine decode throughput at batch
+# 16/64" and issue 34).
 
-# Calls of fewer multiply-adds (rows x in x out) take the plain GEMM: oneDNN's packed call costs
-# ~40 us more per call, which small GEMMs never win back. Measured on a Zen 3 VM in fp32 (packed vs
-# F.linear): 64 x 128 -> 128 82 vs 29 us, 1 x 1536 -> 576 132 vs 80 us, 64 x 128 -> 512 (4.2M)
-# 101 vs 131 us, 64 x 576 -> 1536 865 vs 966 us. bf16 is unmeasured there (no AVX-512): 0.
+# Calls of fewer multiply-adds (rows x in x out) take the plain GEMM: oneDNN's packed call has a
+# fixed cost per call that small GEMMs never win back (fp32 on a Zen 3 VM; docs/benchmarks/
+# history-engine.md, "Plain GEMM under 4M multiply-adds"). bf16 is unmeasured there (no AVX-512): 0.
 PACKED_MIN_MACS: dict[torch.dtype, int] = {torch.bfloat16: 0, torch.float32: 1 << 22}
 
 
@@ -132,7 +123,7 @@ def _packable(w: torch.Tensor) -> bool:
 def pack_linears(model: nn.Module, row_hint: int = 64) -> int:
     """Swap every fp32/bf16 CPU nn.Linear for a PackedLinear sharing its parameters, and give a
     model whose LM head is tied to `embed_tokens` (lm_head None) a packed head sharing the
-    embedding (the vocab GEMM is the largest of a decode step: 1.6-1.9x faster packed at 64 rows).
+    embedding (the vocab GEMM is the largest of a decode step, and faster packed).
     Returns how many were packed."""
     n = 0
     unpacked_bf16 = False
@@ -144,7 +135,8 @@ def pack_linears(model: nn.Module, row_hint: int = 64) -> int:
             elif type(child) is nn.Linear and child.weight.dtype == torch.bfloat16:
                 unpacked_bf16 = True
     if unpacked_bf16:
-        # Measured on a Zen 3 VM: a 64 x 576 x 3072 bf16 GEMM 12.1 ms vs 2.4 ms in float32.
+        # Without native bf16 arithmetic torch's bf16 GEMM is several times slower than float32 (Zen 3
+        # VM: docs/benchmarks/history-engine.md, "Stop 10").
         log.warning("bf16 weights cannot be prepacked on this CPU (no AVX-512 / AVX-NE-CONVERT) and torch's "
                     "bf16 GEMMs here run ~4-5x slower than float32: serve with dtype float32")
     emb = getattr(model, "embed_tokens", None)

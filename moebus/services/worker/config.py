@@ -59,8 +59,8 @@ class WorkerConfig(ServiceConfig):
     warmup_timeout_s: float = Field(600.0, gt=0)  # a first C kernel build can take minutes
     # Added to the engine thread's nice value (and so its torch compute threads'): the event loop,
     # the bus and the other services on the host then run before the next step's compute when they
-    # wake, so a token goes out while that step runs (c=1 TTFT on 2 cores: about 2 ms less, not
-    # under heavy outside load, BENCHMARKS.md). It also yields to unrelated processes: 0 (off)
+    # wake, so a token goes out while that step runs (it helped c=1 TTFT on 2 cores, but not under
+    # heavy outside load: docs/benchmarks/history-stack.md). It also yields to unrelated processes: 0 (off)
     # unless the host only serves.
     engine_nice: int = Field(0, ge=0, le=19)
     # After a step that made a request's first token, the engine thread waits up to this long
