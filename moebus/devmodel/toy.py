@@ -128,7 +128,7 @@ class ToyEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0,
                     resume: Mapping[int, Sequence[int]] | None = None, images: Sequence[Any] = (),
-                    owner: str = "") -> None:
+                    owner: str = "", block_hashes: Any = None) -> None:
         """params: anything with the sampling fields it reads (n, max_tokens, logprobs, structured);
         resume: choice -> tokens it produced elsewhere (its reply goes on from there)."""
         if images:

@@ -39,6 +39,7 @@ from moebus.engine.sampling.spec_decode import DraftModelProposer, NgramProposer
 from moebus.engine.scheduler import Scheduler, SchedulerOutput
 from moebus.engine.structured_state import GrammarHub
 from moebus.kv.groups import KVLayout, PoolSizing, allocate_caches, build_block_manager, pool_sizes
+from moebus.kv.hashing import BlockHashes
 from moebus.text.stop_strings import StopStringMatcher
 from moebus.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -123,13 +124,15 @@ class LLMEngine:
     # --- public API ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
-                    images: Sequence[ImageSpan] = (), owner: str = "") -> None:
+                    images: Sequence[ImageSpan] = (), owner: str = "",
+                    block_hashes: BlockHashes | None = None) -> None:
         """Queue a request. owner: the API call it is part of (its fair share of the batch,
         scheduler.py); "": the request itself. params.n > 1 fans out into n choices (choice i seeded params.seed + i);
         the later ones wait for the first one's prefill, so all share the prompt's KV blocks.
         resume: a migrated request (engine/resume.py): for each choice still to run, the tokens it
         had produced elsewhere; choices left out had finished. images: encoder rows that replace
-        placeholder tokens of the prompt (engine/multimodal.py). Raises ValueError for a request it
+        placeholder tokens of the prompt (engine/multimodal.py). block_hashes: the prompt's stable
+        block hashes as its frontend computed them (each choice starts from them). Raises ValueError for a request it
         refuses; a request that raises leaves nothing behind."""
         ids = choice_ids(request_id, params.n)
         if self.tracked.taken(request_id, ids):
@@ -152,6 +155,8 @@ class LLMEngine:
             tr = self._track(ids[k], request_id, k, prompt_token_ids, params.for_choice(k), priority,
                              owner or request_id)
             tr.req.images = images
+            if block_hashes is not None:
+                tr.req.stable_space, tr.req.stable_hashes = block_hashes.space, list(block_hashes.hashes)
             prime(tr, prior[k])
             choices.append(tr)
         for tr in choices[1:]:

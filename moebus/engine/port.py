@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 from moebus.kv.connector_port import KVConnectorPort
+from moebus.kv.hashing import BlockHashes
 
 
 class RequestRefused(ValueError):
@@ -70,7 +71,7 @@ class EnginePort(Protocol):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any,
                     priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
-                    images: Sequence[Any] = (), owner: str = "") -> None: ...
+                    images: Sequence[Any] = (), owner: str = "", block_hashes: BlockHashes | None = None) -> None: ...
 
     def prepare(self, params: Any) -> Future[None] | None: ...
 

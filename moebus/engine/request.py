@@ -51,6 +51,10 @@ class Request:
     wait_for: Request | None = None  # n>1 siblings wait for the first one's prefill to share blocks
     stop_reason: int | str | None = None
     images: list[ImageSpan] = field(default_factory=list)  # placeholder rows the encoder fills
+    # Stable (cross-process) hashes of its full blocks so far and their space (kv/hashing.py:
+    # request_block_hashes): seeded with the frontend's, extended as blocks fill.
+    stable_hashes: list[int] = field(default_factory=list)
+    stable_space: str = ""
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

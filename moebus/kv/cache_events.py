@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moebus.kv.hashing import kv_namespace, stable_block_hashes
+from moebus.kv.hashing import kv_namespace, request_block_hashes
 
 if TYPE_CHECKING:
     from moebus.kv.host import KVHost
@@ -18,7 +18,6 @@ class CacheEventTracker:
     def __init__(self, namespace: str | None = None) -> None:
         self.namespace = namespace
         self._known: dict[int, int] = {}  # engine-local hash -> stable hash, reported as stored
-        self._stable: dict[str, list[int]] = {}  # request id -> stable hashes of its full blocks
 
     @property
     def held(self) -> list[int]:
@@ -35,14 +34,11 @@ class CacheEventTracker:
             n = len(bm.cached_prefix(local))
             if not n or local[n - 1] in self._known:
                 continue  # nothing new: chains are reported prefix first
-            st = stable_block_hashes(req.hash_token_ids[: n * bs], bs, ns, self._stable.setdefault(req.request_id, []))
+            st = request_block_hashes(req, n, bs, ns)
             for h, s in zip(local[:n], st, strict=False):
                 if h not in self._known:
                     self._known[h] = s
                     stored.append(s)
-        alive = {r.request_id for r in live}
-        for rid in [r for r in self._stable if r not in alive]:
-            del self._stable[rid]
         gone = [h for h in self._known if not bm.is_cached(h)]
         evicted = [self._known.pop(h) for h in gone]
         return stored, evicted

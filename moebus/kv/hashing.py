@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 class _Shaped(Protocol):
@@ -64,6 +64,36 @@ def prompt_block_hashes(token_ids: list[int], block_size: int, namespace: str, c
     if carried_space == hash_space(namespace, block_size):
         return carried
     return stable_block_hashes(token_ids, block_size, namespace)
+
+
+class BlockHashes(NamedTuple):
+    """A prompt's stable block hashes and the space they were computed in (hash_space)."""
+
+    space: str
+    hashes: list[int]
+
+
+class HashedRequest(Protocol):
+    """An engine request as its stable hashes see it (engine/request.py:Request)."""
+
+    @property
+    def hash_token_ids(self) -> list[int]: ...
+
+    stable_hashes: list[int]
+    stable_space: str
+
+
+def request_block_hashes(req: HashedRequest, n_blocks: int, block_size: int, namespace: str) -> list[int]:
+    """The first n_blocks stable hashes of an engine request, for every KV consumer of the engine
+    (cache events, transfer, tiers): the request keeps them (seeded with the frontend's hashes of
+    its prompt where they are of this space) and they are extended in place as its blocks fill, so
+    each block of a request is hashed once. A request hashed in another space is hashed afresh."""
+    space = hash_space(namespace, block_size)
+    tokens = req.hash_token_ids[: n_blocks * block_size]
+    if req.stable_space and req.stable_space != space:
+        return stable_block_hashes(tokens, block_size, namespace)
+    req.stable_space = space
+    return stable_block_hashes(tokens, block_size, namespace, req.stable_hashes)[:n_blocks]
 
 
 def mm_hash_view(token_ids: list[int], images: list[tuple[int, int, int]]) -> list[int]:

@@ -31,7 +31,7 @@ from moebus.kv.cache_io import (
     scatter_grouped,
 )
 from moebus.kv.groups import WINDOW
-from moebus.kv.hashing import kv_fingerprint, kv_namespace, stable_block_hashes
+from moebus.kv.hashing import kv_fingerprint, kv_namespace, request_block_hashes
 from moebus.kv.payload import Groups, KVPayload
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def extract_kv(engine: KVHost, request: str | Request, num_tokens: int | None = 
         if len(window) < nb - ws or min(window, default=0) < 0:
             raise ValueError(f"{req.request_id}: the window blocks of its first {n} tokens are freed")
         layers = gather_grouped(engine.kv_caches, groups, blocks[:nb], window, device)
-    return KVPayload(layers, bs, n, tokens, stable_block_hashes(req.hash_token_ids[:n], bs, ns), ns,
+    return KVPayload(layers, bs, n, tokens, request_block_hashes(req, n // bs, bs, ns), ns,
                      req.request_id, outs[0] if outs and outs[0] != PLACEHOLDER else None,
                      req.generator.get_state() if req.generator is not None else None,
                      groups=groups, window_start=ws)
@@ -102,7 +102,7 @@ def _payload_problem(engine: KVHost, req: Request, prompt: list[int],
     if n <= 0 or (payload.token_ids and payload.token_ids[:n] != prompt[:n]):
         return "payload tokens are not a prefix of the prompt", False
     k = min(len(payload.block_hashes), n // bs)  # token ids only: no pass over the KV
-    if payload.block_hashes[:k] != stable_block_hashes(req.hash_token_ids[: k * bs], bs, ns):
+    if payload.block_hashes[:k] != request_block_hashes(req, k, bs, ns):
         return "block hashes differ from the prompt's", True
     if problem := layout_problem(payload.layers, engine.kv_caches):
         return problem, False

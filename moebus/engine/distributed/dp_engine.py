@@ -24,6 +24,7 @@ from moebus.engine.distributed.placement import imbalance
 from moebus.engine.llm_engine import LLMEngine, RequestOutput
 from moebus.engine.multimodal import ImageSpan
 from moebus.engine.sampling import SamplingParams
+from moebus.kv.hashing import BlockHashes
 from moebus.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -82,8 +83,9 @@ class DPEngine:
     # --- per-rank request API (local, no collectives) -------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, resume: Mapping[int, Sequence[int]] | None = None,
-                    images: Sequence[ImageSpan] = (), owner: str = "") -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params, priority, resume, images, owner)
+                    images: Sequence[ImageSpan] = (), owner: str = "",
+                    block_hashes: BlockHashes | None = None) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params, priority, resume, images, owner, block_hashes)
 
     def prepare(self, params: SamplingParams) -> Future[None] | None:
         return self.engine.prepare(params)  # this rank's own compile: no collective

@@ -21,7 +21,7 @@ import torch
 from moebus.engine.request import Request, RequestStatus
 from moebus.kv.cache_io import kv_block_ids, kv_groups, lookup, scatter_blocks, scatter_grouped
 from moebus.kv.groups import WINDOW
-from moebus.kv.hashing import kv_fingerprint, kv_namespace, stable_block_hashes
+from moebus.kv.hashing import kv_fingerprint, kv_namespace, request_block_hashes
 from moebus.kv.payload import WINDOWED, Groups, KVBlock, LayerKV, stack_blocks
 from moebus.kv.tiers.store import TieredKVStore
 
@@ -44,7 +44,7 @@ def load_prefix(engine: KVHost, request: str | Request, store: TieredKVStore,
     if n_local >= max_blocks:
         return n_local * bs
     ns = namespace or kv_namespace(engine)
-    stable = stable_block_hashes(req.hash_token_ids[: max_blocks * bs], bs, ns)
+    stable = request_block_hashes(req, max_blocks, bs, ns)
     want = stable[n_local:max_blocks]
     want = want[: store.longest_prefix(want)]
     want = want[: max(0, bm.num_free_blocks - bm.num_free_of(hits))]  # never evict the hit we extend

@@ -8,12 +8,12 @@ stable hash and the engine's KV fingerprint (kv.payload.KVBlock).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moebus.kv.cache_io import gather_blocks, gather_grouped, kv_block_ids, kv_groups
 from moebus.kv.groups import WINDOW
-from moebus.kv.hashing import kv_fingerprint, kv_namespace, stable_block_hashes
+from moebus.kv.hashing import kv_fingerprint, kv_namespace, request_block_hashes
 from moebus.kv.payload import WINDOWED, KVBlock, missing_part
 from moebus.kv.tiers.store import TieredKVStore
 
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class _Progress:
-    hashes: list[int] = field(default_factory=list)  # stable hashes of the request's full blocks
     done: int = 0  # blocks already offered to the store
 
 
@@ -48,10 +47,10 @@ class KVOffloader:
             n_full = min(engine.settled_tokens(req) // bs, len(block_ids))
             if n_full <= prog.done:
                 continue
-            stable_block_hashes(req.hash_token_ids[: n_full * bs], bs, ns, prog.hashes)
+            hashes = request_block_hashes(req, n_full, bs, ns)
             for i in range(prog.done, n_full):
-                if prog.hashes[i] not in self.store:
-                    todo.setdefault(prog.hashes[i], (block_ids[i], window_ids[i] if i < len(window_ids) else -1))
+                if hashes[i] not in self.store:
+                    todo.setdefault(hashes[i], (block_ids[i], window_ids[i] if i < len(window_ids) else -1))
             prog.done = n_full
         alive = {r.request_id for r in live}
         for rid in [r for r in self._progress if r not in alive]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from moebus.engine.port import EngineOutput, EnginePort, LockstepEngine, RequestRefused
+from moebus.kv.hashing import BlockHashes
 from moebus.shared.messages import ImageEmbedding
 
 if TYPE_CHECKING:
@@ -138,14 +139,16 @@ class EngineLoop:
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: Any, prefill_only: bool = False,
             resume: dict[int, list[int]] | None = None, images: Sequence[ImageEmbedding] = (),
-            priority: int = 0, owner: str = "") -> None:
+            priority: int = 0, owner: str = "", block_hashes: BlockHashes | None = None) -> None:
         """params: the request's engine parameters, all n choices (the engine fans out); resume: a
         migrated request's open choices and their tokens so far; images: encoder rows of the prompt;
-        priority: the engine queue's order (lower first); owner: the API call it is part of."""
+        priority: the engine queue's order (lower first); owner: the API call it is part of;
+        block_hashes: the prompt's stable block hashes as the frontend computed them."""
         handing = self._asleep and self.admit_s > 0
         if handing:
             self._woke.clear()
-        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only, resume, images, priority, owner))
+        self._cmds.put(("add", request_id, prompt_token_ids, params, prefill_only, resume, images, priority, owner,
+                        block_hashes))
         if handing:
             self._woke.wait(self.admit_s)
 
@@ -298,7 +301,7 @@ class EngineLoop:
                 result, exc = None, e
             self._loop.call_soon_threadsafe(_settle, fut, result, exc)
         elif kind == "add":
-            _, rid, prompt, params, prefill_only, resume, images, priority, owner = cmd
+            _, rid, prompt, params, prefill_only, resume, images, priority, owner, hashes = cmd
             try:
                 if not prepared and self._held(rid, params, cmd):
                     return
@@ -307,6 +310,8 @@ class EngineLoop:
                     extra["priority"] = priority
                 if owner:
                     extra["owner"] = owner
+                if hashes is not None:
+                    extra["block_hashes"] = hashes
                 if resume is None:
                     self.engine.add_request(rid, prompt, params, **extra)
                 else:

@@ -27,6 +27,7 @@ from nats.aio.subscription import Subscription
 
 from moebus.devmodel.toy import TOY_MODEL
 from moebus.engine.port import EngineOutput, EnginePort
+from moebus.kv.hashing import BlockHashes
 from moebus.platforms.cpu.core_share import CoreShare, torch_pacer
 from moebus.platforms.cpu.cores import usable_cores
 from moebus.shared.errors import ErrorCode, ServiceError
@@ -290,8 +291,10 @@ class WorkerService(Service):
 
     def _add(self, a: Active) -> None:
         resume = {c.index: c.token_ids for c in a.req.resume} if a.req.resume else None
+        hashes = BlockHashes(a.req.block_hash_space, a.req.block_hashes) if a.req.block_hashes else None
         self._loop.add(a.req.request_id, a.req.prompt_token_ids, a.params, prefill_only=a.req.stage == "prefill",
-                       resume=resume, images=a.req.images, priority=a.req.priority, owner=a.req.owner)
+                       resume=resume, images=a.req.images, priority=a.req.priority, owner=a.req.owner,
+                       block_hashes=hashes)
 
     async def _fetch_then_add(self, a: Active) -> None:
         try:

@@ -8,9 +8,9 @@ import inspect
 from moebus.kv.hashing import hash_space, stable_block_hashes
 from moebus.services.balancer import service as balancer_service
 from moebus.services.frontend.config import FrontendConfig
-from moebus.services.frontend.fleet import FleetView
-from moebus.services.frontend.readiness import WorkerWatch
-from moebus.services.frontend.router import StreamRouter
+from moebus.services.frontend.fleet.fleet import FleetView
+from moebus.services.frontend.fleet.readiness import WorkerWatch
+from moebus.services.frontend.routing.router import StreamRouter
 from moebus.shared.messages import Heartbeat, KVInfo, SamplingOptions
 from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
