@@ -101,8 +101,10 @@ async def _ttft(c: openai.AsyncOpenAI, prompt: str) -> tuple[float, int]:
 async def test_repeated_long_prompt_is_served_from_the_cache(which: str, request) -> None:
     c = client(request.getfixturevalue(which))
     prompt = f"{which}: {LONG}"
+    stack = request.getfixturevalue(which)
+    held = await indexed_blocks(stack)
     first, cached0 = await _ttft(c, prompt)
-    await asyncio.sleep(3 * HEARTBEAT)  # the prefix reaches the KV broker's index
+    await _indexed_more(stack, held)  # the balancer routes the repeat to the cache holding it
     second, cached1 = await _ttft(c, prompt)
     print(f"\n{which}: TTFT first {first * 1000:.0f} ms (cached {cached0}), "
           f"second {second * 1000:.0f} ms (cached {cached1})")
@@ -111,8 +113,19 @@ async def test_repeated_long_prompt_is_served_from_the_cache(which: str, request
 
 
 async def indexed_blocks(stack: Stack) -> dict[str, int]:
-    """Blocks the KV broker's index holds per worker."""
-    return (await stats(stack, "kvbroker", "kvbroker-0"))["holders"]
+    """Blocks the balancer's own prefix index holds per worker (what it routes by)."""
+    return (await stats(stack, "balancer", "balancer-0"))["kv"]["holders"]
+
+
+async def _indexed_more(stack: Stack, held: dict[str, int], worker: str | None = None) -> None:
+    """Until the balancer's index holds more blocks of `worker` (any worker) than `held`."""
+    deadline = time.monotonic() + 20
+    while True:
+        now = await indexed_blocks(stack)
+        if any(now.get(w, 0) > held.get(w, 0) for w in ([worker] if worker else now)):
+            return
+        assert time.monotonic() < deadline, "the worker's cached prefix never reached the balancer's index"
+        await asyncio.sleep(HEARTBEAT / 2)
 
 
 async def test_routing_follows_the_cache(agg: Stack) -> None:
@@ -122,12 +135,8 @@ async def test_routing_follows_the_cache(agg: Stack) -> None:
     await c.completions.create(model="smollm2", prompt=prompt, max_tokens=2, temperature=0)
     after = await picks(agg)
     (home,) = [w for w in after if after[w] > before.get(w, 0)]
-    # Route only once the prefix reached the broker's index: a fixed sleep lost that race on a
-    # loaded 2-core CI machine (the first question then went by load alone).
-    deadline = time.monotonic() + 20
-    while (await indexed_blocks(agg)).get(home, 0) <= held.get(home, 0):
-        assert time.monotonic() < deadline, "the worker's cached prefix never reached the KV broker's index"
-        await asyncio.sleep(HEARTBEAT)
+    # Route only once the prefix reached the balancer's index (its KV events): an event, not a sleep.
+    await _indexed_more(agg, held, home)
     for i in range(3):
         await c.completions.create(model="smollm2", prompt=f"{prompt} Question {i}: why?", max_tokens=2,
                                    temperature=0)

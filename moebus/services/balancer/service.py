@@ -86,7 +86,8 @@ class BalancerService(Service):
         self.memo = RouteMemo(cfg.route_memo_s, on_repeat=self._m_routed.labels("repeat").inc)
 
     def stats(self) -> dict[str, Any]:
-        kv = {"queries": self.ranker.queries, "hits": self.ranker.hits} if self.ranker else {}
+        kv = {"queries": self.ranker.queries, "hits": self.ranker.hits,
+              "holders": self.index.holder_sizes()} if self.ranker else {}
         return {"workers": self.table.snapshot(time.monotonic()), "mode": self.cfg.mode, "policy": self.cfg.policy, "kv": kv,
                 "picks": dict(self.picks)}
 
