@@ -18,9 +18,10 @@ from ..schema.body import parse_body
 from ..schema.fields import ParamError
 from ..schema.protocol import ChatCompletionRequest
 from ..schema.tools import ToolPlan, finish_reason
+from ..streams.chunks import ChunkWriter
 from ..streams.events import Delta, Event, events
 from ..streams.formats import chat_logprobs, usage
-from ..streams.sse_pump import pump_sse
+from ..streams.pump import pump
 from .rendering import ChatPrompt, render_chat
 
 
@@ -65,9 +66,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "usage": usage(len(prompt), choices, choices[0].num_cached_tokens),
             })
         base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
-        return await pump_sse(request, fe, stream, _ChatChunks(choices, params.logprobs is not None, tools),
-                              base=base, groups=[choices], n_prompt=len(prompt), include_usage=body.include_usage,
-                              started=started, continuous_usage=body.continuous_usage)
+        writer = ChunkWriter(fe, _ChatChunks(choices, params.logprobs is not None, tools), base=base,
+                             groups=[choices], n_prompt=len(prompt), include_usage=body.include_usage,
+                             continuous_usage=body.continuous_usage)
+        return await pump(request, stream, writer, started=started)
 
 
 def _message(ts: ToolStream, plan: ToolPlan) -> dict:

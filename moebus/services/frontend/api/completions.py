@@ -16,9 +16,10 @@ from ..errors import APIError, bad_request
 from ..keys import FRONTEND, TENANT
 from ..schema.body import parse_body
 from ..schema.protocol import CompletionRequest
+from ..streams.chunks import ChunkWriter
 from ..streams.events import Delta, events
 from ..streams.formats import completion_logprobs, usage
-from ..streams.sse_pump import pump_sse
+from ..streams.pump import pump
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -71,9 +72,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         groups = [cs for _, cs in pairs]
         fmt = _CompletionChunks([c for cs in groups for c in cs], [p[1] for p in prompts] if body.echo else None,
                                 body.n, want_lp)
-        return await pump_sse(request, fe, stream, fmt, base=base, groups=groups, n_prompt=n_prompt,
-                              include_usage=body.include_usage, started=started,
-                              continuous_usage=body.continuous_usage)
+        writer = ChunkWriter(fe, fmt, base=base, groups=groups, n_prompt=n_prompt, include_usage=body.include_usage,
+                             continuous_usage=body.continuous_usage)
+        return await pump(request, stream, writer, started=started)
 
 
 @dataclass(slots=True)

@@ -15,15 +15,17 @@ from pydantic import Field, ValidationInfo, field_validator
 from moebus.shared.errors import ServiceError
 from moebus.shared.messages import ChatMessage, SamplingOptions
 from moebus.text.tool_parser_deepseek import RECIPE_PARSERS, Reasoning
-from moebus.text.tool_parsers import CallArgs, CallStart, Text
+from moebus.text.tool_parsers import CallArgs, CallStart, Out, Text
 
 from ..errors import APIError, bad_request
 from ..keys import FRONTEND
 from ..schema.body import parse_body
 from ..schema.fields import ParamError, _Req, limits_of
 from ..schema.tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
+from ..streams.pump import pump
+from ..streams.sse import NamedSSE
 from .rendering import ChatPrompt, render_chat
-from .turn import NamedSSE, Turn, open_turn
+from .turn import Turn, open_turn
 
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
@@ -189,7 +191,7 @@ async def _messages(request: web.Request) -> web.StreamResponse:
                 pass
             return web.json_response({**_message(body, turn), "content": _blocks(turn), **_stop(turn),
                                       "usage": _usage(turn)})
-        return await _stream(request, body, turn)
+        return await pump(request, turn.steps(), _Events(body, turn))
 
 
 def _tool_id() -> str:
@@ -230,56 +232,58 @@ def _usage(turn: Turn) -> dict:
             "cache_read_input_tokens": turn.choice.num_cached_tokens, "cache_creation_input_tokens": 0}
 
 
-async def _stream(request: web.Request, body: MessagesRequest, turn: Turn) -> web.StreamResponse:
-    steps = turn.steps()
-    first = await anext(steps, None)  # errors before the first token keep their HTTP status
-    sse = NamedSSE(request)
-    await sse.open()
-    await sse.send({"type": "message_start", "message": {
-        **_message(body, turn), "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {**_usage(turn), "output_tokens": 0}}})
-    index, kind = -1, None  # the open content block
+class _Events:
+    """The stream's writer (streams/pump.py): message_start, a content block per run of thinking or
+    text and per tool call, message_delta (the stop reason) and message_stop."""
 
-    async def stop_block() -> None:
-        nonlocal kind
-        if kind is not None:
-            await sse.send({"type": "content_block_stop", "index": index})
-        kind = None
+    framing = NamedSSE
 
-    try:
-        outs = first
-        while outs is not None:
-            for o in outs:
-                if isinstance(o, Reasoning):  # DeepSeek-V4 with thinking enabled
-                    if kind != "thinking":
-                        await stop_block()
-                        index, kind = index + 1, "thinking"
-                        await sse.send({"type": "content_block_start", "index": index,
-                                        "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
-                    await sse.send({"type": "content_block_delta", "index": index,
-                                    "delta": {"type": "thinking_delta", "thinking": o.text}})
-                elif isinstance(o, Text):
-                    if kind != "text":
-                        await stop_block()
-                        index, kind = index + 1, "text"
-                        await sse.send({"type": "content_block_start", "index": index,
-                                        "content_block": {"type": "text", "text": ""}})
-                    await sse.send({"type": "content_block_delta", "index": index,
-                                    "delta": {"type": "text_delta", "text": o.text}})
-                elif isinstance(o, CallStart):
-                    await stop_block()
-                    index, kind = index + 1, "tool_use"
-                    await sse.send({"type": "content_block_start", "index": index, "content_block": {
-                        "type": "tool_use", "id": o.id, "name": o.name, "input": {}}})
-                elif isinstance(o, CallArgs):
-                    await sse.send({"type": "content_block_delta", "index": index,
-                                    "delta": {"type": "input_json_delta", "partial_json": o.fragment}})
-            outs = await anext(steps, None)
-    except APIError as e:  # headers are gone: in-band, as Anthropic does
-        await sse.send({"type": "error", "error": {"type": _ERROR_TYPE.get(e.status, "api_error"),
-                                                   "message": e.message}})
-        return await sse.close()
-    await stop_block()
-    await sse.send({"type": "message_delta", "delta": _stop(turn), "usage": {"output_tokens": turn.choice.num_tokens}})
-    await sse.send({"type": "message_stop"})
-    return await sse.close()
+    def __init__(self, body: MessagesRequest, turn: Turn) -> None:
+        self.body, self.turn = body, turn
+        self.index, self.kind = -1, None  # the open content block
+
+    def preamble(self) -> list[dict]:
+        return [{"type": "message_start", "message": {
+            **_message(self.body, self.turn), "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {**_usage(self.turn), "output_tokens": 0}}}]
+
+    def step(self, outs: list[Out]) -> list[dict]:
+        return [e for o in outs for e in self._out(o)]
+
+    def error(self, err: APIError) -> dict:  # as Anthropic sends it
+        return {"type": "error", "error": {"type": _ERROR_TYPE.get(err.status, "api_error"), "message": err.message}}
+
+    def closing(self) -> list[dict]:
+        return [*self._stop_block(), {"type": "message_delta", "delta": _stop(self.turn),
+                                      "usage": {"output_tokens": self.turn.choice.num_tokens}},
+                {"type": "message_stop"}]
+
+    def _out(self, o: Out | Reasoning) -> list[dict]:
+        if isinstance(o, Reasoning):  # DeepSeek-V4 with thinking enabled
+            return [*self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""}),
+                    {"type": "content_block_delta", "index": self.index,
+                     "delta": {"type": "thinking_delta", "thinking": o.text}}]
+        if isinstance(o, Text):
+            return [*self._start("text", {"type": "text", "text": ""}),
+                    {"type": "content_block_delta", "index": self.index,
+                     "delta": {"type": "text_delta", "text": o.text}}]
+        if isinstance(o, CallStart):  # a block per call, even after another call
+            return [*self._stop_block(), *self._start("tool_use", {
+                "type": "tool_use", "id": o.id, "name": o.name, "input": {}})]
+        if isinstance(o, CallArgs):
+            return [{"type": "content_block_delta", "index": self.index,
+                     "delta": {"type": "input_json_delta", "partial_json": o.fragment}}]
+        return []
+
+    def _start(self, kind: str, block: dict) -> list[dict]:
+        """A new content block unless one of this kind is open."""
+        if self.kind == kind:
+            return []
+        out = self._stop_block()
+        self.index, self.kind = self.index + 1, kind
+        return [*out, {"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def _stop_block(self) -> list[dict]:
+        out = [{"type": "content_block_stop", "index": self.index}] if self.kind is not None else []
+        self.kind = None
+        return out

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from moebus.shared.messages import ChatMessage, SamplingOptions, StructuredOptions
 from moebus.text.tool_parser_deepseek import Reasoning
-from moebus.text.tool_parsers import Call, CallArgs, CallStart, Text
+from moebus.text.tool_parsers import Call, CallArgs, CallStart, Out, Text
 
 from ..errors import APIError, bad_request
 from ..keys import FRONTEND
@@ -21,8 +21,10 @@ from ..schema.fields import ParamError, _Req
 from ..schema.guided import JsonSchemaFormat
 from ..schema.protocol import ToolCallTurn
 from ..schema.tools import Description, FunctionDef, FunctionName, ToolPlan, check_parameters
+from ..streams.pump import pump
+from ..streams.sse import NamedSSE
 from .rendering import ChatPrompt
-from .turn import NamedSSE, Turn, open_turn
+from .turn import Turn, open_turn
 
 
 class _Part(_Req):
@@ -153,7 +155,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             async for _ in turn.steps():
                 pass
             return web.json_response(view.body())
-        return await _stream(request, view, turn)
+        return await pump(request, turn.steps(), _Events(view))
 
 
 class _Response:
@@ -215,93 +217,90 @@ def _choice(choice: Any) -> Any:
     return choice.model_dump() if isinstance(choice, _Req) else (choice or "auto")
 
 
-async def _stream(request: web.Request, view: _Response, turn: Turn) -> web.StreamResponse:
-    steps = turn.steps()
-    first = await anext(steps, None)  # errors before the first token keep their HTTP status
-    sse = NamedSSE(request)
-    await sse.open()
-    ev = _Events(view, sse)
-    await ev.send("response.created", response=view.body("in_progress"))
-    await ev.send("response.in_progress", response=view.body("in_progress"))
-    try:
-        outs = first
-        while outs is not None:
-            for o in outs:
-                await ev.out(o)
-            outs = await anext(steps, None)
-    except APIError as e:  # headers are gone: in-band, as OpenAI does
-        await ev.send("error", code=e.code, message=e.message, param=e.param)
-        return await sse.close()
-    await ev.close_item()
-    final = view.body()
-    await ev.send("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
-    return await sse.close()
-
-
 class _Events:
-    """The stream's items as they open and close: a message item per run of text, a function_call
-    item per call; every event numbered."""
+    """The stream's writer (streams/pump.py): the response's items as they open and close, a message
+    item per run of text, a function_call item per call; every event numbered."""
 
-    def __init__(self, view: _Response, sse: NamedSSE) -> None:
-        self.view, self.sse = view, sse
+    framing = NamedSSE
+
+    def __init__(self, view: _Response) -> None:
+        self.view = view
         self.seq, self.index, self.messages = 0, -1, 0
         self.open: str | None = None  # "reasoning", "message" or "call"
         self.text = ""
         self.call: Call | None = None
 
-    async def send(self, kind: str, **fields: Any) -> None:
-        await self.sse.send({"type": kind, "sequence_number": self.seq, **fields})
-        self.seq += 1
+    def preamble(self) -> list[dict]:
+        return [self._event("response.created", response=self.view.body("in_progress")),
+                self._event("response.in_progress", response=self.view.body("in_progress"))]
 
-    async def out(self, o: Text | CallStart | CallArgs | Reasoning) -> None:
-        v = self.view
+    def step(self, outs: list[Out]) -> list[dict]:
+        return [e for o in outs for e in self._out(o)]
+
+    def error(self, err: APIError) -> dict:  # as OpenAI sends it
+        return self._event("error", code=err.code, message=err.message, param=err.param)
+
+    def closing(self) -> list[dict]:
+        events = self._close_item()
+        final = self.view.body()
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        return [*events, self._event(kind, response=final)]
+
+    def _event(self, kind: str, **fields: Any) -> dict:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def _out(self, o: Text | CallStart | CallArgs | Reasoning) -> list[dict]:
+        v, ev, out = self.view, self._event, []
         if isinstance(o, Reasoning):  # one reasoning item, before the answer
             if self.open != "reasoning":
-                await self.close_item()
+                out += self._close_item()
                 self.index, self.open = self.index + 1, "reasoning"
-                await self.send("response.output_item.added", output_index=self.index,
-                                item=v.reasoning(None, "in_progress"))
+                out.append(ev("response.output_item.added", output_index=self.index,
+                              item=v.reasoning(None, "in_progress")))
             self.text += o.text
-            await self.send("response.reasoning_text.delta", item_id=v.reasoning(None, "")["id"],
-                            output_index=self.index, content_index=0, delta=o.text)
+            out.append(ev("response.reasoning_text.delta", item_id=v.reasoning(None, "")["id"],
+                          output_index=self.index, content_index=0, delta=o.text))
         elif isinstance(o, Text):
             if self.open != "message":
-                await self.close_item()
+                out += self._close_item()
                 self.index, self.open, self.messages = self.index + 1, "message", self.messages + 1
-                await self.send("response.output_item.added", output_index=self.index,
-                                item=v.message(None, "in_progress", self.messages - 1))
-                await self.send("response.content_part.added", item_id=v.message_id(self.messages - 1),
-                                output_index=self.index, content_index=0, part=_text_part(""))
+                out.append(ev("response.output_item.added", output_index=self.index,
+                              item=v.message(None, "in_progress", self.messages - 1)))
+                out.append(ev("response.content_part.added", item_id=v.message_id(self.messages - 1),
+                              output_index=self.index, content_index=0, part=_text_part("")))
             self.text += o.text
-            await self.send("response.output_text.delta", item_id=v.message_id(self.messages - 1),
-                            output_index=self.index, content_index=0, delta=o.text, logprobs=[])
+            out.append(ev("response.output_text.delta", item_id=v.message_id(self.messages - 1),
+                          output_index=self.index, content_index=0, delta=o.text, logprobs=[]))
         elif isinstance(o, CallStart):
-            await self.close_item()
+            out += self._close_item()
             self.index, self.open, self.call = self.index + 1, "call", v.turn.tools.calls[o.index]
-            await self.send("response.output_item.added", output_index=self.index,
-                            item={**v.call(self.call, "in_progress"), "arguments": ""})
+            out.append(ev("response.output_item.added", output_index=self.index,
+                          item={**v.call(self.call, "in_progress"), "arguments": ""}))
         elif isinstance(o, CallArgs) and self.call is not None:
-            await self.send("response.function_call_arguments.delta", item_id=v.call(self.call, "")["id"],
-                            output_index=self.index, delta=o.fragment)
+            out.append(ev("response.function_call_arguments.delta", item_id=v.call(self.call, "")["id"],
+                          output_index=self.index, delta=o.fragment))
+        return out
 
-    async def close_item(self) -> None:
-        v, i = self.view, self.index
+    def _close_item(self) -> list[dict]:
+        v, i, ev, out = self.view, self.index, self._event, []
         if self.open == "message":
             item_id = v.message_id(self.messages - 1)
-            await self.send("response.output_text.done", item_id=item_id, output_index=i, content_index=0,
-                            text=self.text, logprobs=[])
-            await self.send("response.content_part.done", item_id=item_id, output_index=i, content_index=0,
-                            part=_text_part(self.text))
-            await self.send("response.output_item.done", output_index=i,
-                            item=v.message(self.text, "completed", self.messages - 1))
+            out = [ev("response.output_text.done", item_id=item_id, output_index=i, content_index=0,
+                      text=self.text, logprobs=[]),
+                   ev("response.content_part.done", item_id=item_id, output_index=i, content_index=0,
+                      part=_text_part(self.text)),
+                   ev("response.output_item.done", output_index=i,
+                      item=v.message(self.text, "completed", self.messages - 1))]
         elif self.open == "reasoning":
             item = v.reasoning(self.text, "completed")
-            await self.send("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
-                            text=self.text)
-            await self.send("response.output_item.done", output_index=i, item=item)
+            out = [ev("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                      text=self.text),
+                   ev("response.output_item.done", output_index=i, item=item)]
         elif self.open == "call" and self.call is not None:
             item = v.call(self.call, "completed")
-            await self.send("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                            arguments=self.call.arguments, name=self.call.name)
-            await self.send("response.output_item.done", output_index=i, item=item)
+            out = [ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                      arguments=self.call.arguments, name=self.call.name),
+                   ev("response.output_item.done", output_index=i, item=item)]
         self.open, self.text = None, ""
+        return out

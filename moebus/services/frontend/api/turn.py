@@ -1,13 +1,13 @@
 """One assistant turn (n = 1) for the APIs that are not chat completions (Responses, Anthropic
 Messages): render the conversation, generate, and read the text back through the turn's
-ToolStream, one list of outs per step. Each API turns the outs into its own events and body."""
+ToolStream, one list of outs per step. Each API turns the outs into its own body, or into its
+events through its writer for the one SSE loop (streams/pump.py)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import orjson
 from aiohttp import web
 
 from moebus.shared.errors import ServiceError
@@ -20,7 +20,6 @@ from ..keys import FRONTEND, TENANT
 from ..routing.generation import Generation
 from ..schema.tools import ToolPlan, finish_reason
 from ..streams.events import Delta, Event, events
-from ..streams.formats import SSE
 from .rendering import ChatPrompt, render_chat
 
 
@@ -63,14 +62,3 @@ async def open_turn(request: web.Request, model: str, prompt: ChatPrompt, params
         yield turn
         fe.m_tokens.inc(choice.num_tokens)
 
-
-class NamedSSE(SSE):
-    """Server-sent events with names (`event: <type>` + `data: <json>`), as the Responses and
-    Anthropic streams send them; no `[DONE]` line."""
-
-    async def send(self, payload: dict) -> None:
-        await self.resp.write(b"event: " + payload["type"].encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n")
-
-    async def close(self) -> web.StreamResponse:
-        await self.resp.write_eof()
-        return self.resp

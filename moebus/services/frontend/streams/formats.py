@@ -1,8 +1,5 @@
-"""OpenAI response pieces: usage, chat logprobs, legacy completions logprobs, SSE framing."""
+"""OpenAI response pieces: usage, chat logprobs, legacy completions logprobs."""
 from __future__ import annotations
-
-import orjson
-from aiohttp import web
 
 from moebus.shared.messages import TokenLogprob
 
@@ -32,28 +29,3 @@ def completion_logprobs(items: list[TokenLogprob], text_offset: int = 0) -> dict
         pos += len(t.token)
     return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
             "top_logprobs": [{x.token: x.logprob for x in t.top} for t in items], "text_offset": offsets}
-
-
-class SSE:
-    """Server-sent events writer: ``data: <json>\\n\\n`` ... ``data: [DONE]``."""
-
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                "X-Accel-Buffering": "no"})
-
-    async def open(self) -> None:
-        await self.resp.prepare(self.request)
-
-    async def send(self, payload: dict) -> None:
-        await self.resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
-
-    async def send_all(self, payloads: list[dict]) -> None:
-        """Several events in one write: one TCP segment for the client to wait on, not one each."""
-        if payloads:
-            await self.resp.write(b"".join(b"data: " + orjson.dumps(p) + b"\n\n" for p in payloads))
-
-    async def close(self) -> web.StreamResponse:
-        await self.resp.write(b"data: [DONE]\n\n")
-        await self.resp.write_eof()
-        return self.resp

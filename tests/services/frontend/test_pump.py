@@ -1,6 +1,6 @@
-"""The SSE pump byte for byte, for chat and completions chunks, from scripted event streams:
-role / echo preamble, deltas with logprobs, finish, usage, an in-band error after the headers,
-and an error before the first event that keeps its HTTP status."""
+"""The pump byte for byte, for chat and completions chunks, from scripted event streams: role /
+echo preamble, deltas with logprobs, finish, usage, an in-band error after the headers, and an
+error before the first event that keeps its HTTP status."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -14,8 +14,10 @@ from moebus.services.frontend.api.chat import _ChatChunks
 from moebus.services.frontend.api.completions import _CompletionChunks
 from moebus.services.frontend.choices.choice import ChoiceState
 from moebus.services.frontend.errors import APIError
+from moebus.services.frontend.keys import FRONTEND
+from moebus.services.frontend.streams.chunks import ChunkWriter
 from moebus.services.frontend.streams.events import Delta, Event, Finish
-from moebus.services.frontend.streams.sse_pump import pump_sse
+from moebus.services.frontend.streams.pump import pump
 from moebus.shared.errors import ErrorCode, ServiceError
 from moebus.shared.messages import TokenLogprob, TopLogprob
 
@@ -67,6 +69,7 @@ async def serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]])
             return e.response()
 
     app = web.Application()
+    app[FRONTEND] = _FE()  # type: ignore[assignment]
     app.router.add_post("/", wrapped)
     async with TestClient(TestServer(app)) as client:
         resp = await client.post("/")
@@ -76,8 +79,9 @@ async def serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]])
 def chat_handler(n: int, include_usage: bool, fail: str | None = None) -> Callable[..., Any]:
     async def handler(request: web.Request) -> web.StreamResponse:
         choices = [ChoiceState(i, None) for i in range(n)]  # type: ignore[arg-type]
-        return await pump_sse(request, _FE(), script([choices], fail)(), _ChatChunks(choices, True), base=CHAT_BASE,
-                              groups=[choices], n_prompt=4, include_usage=include_usage, started=0.0)
+        writer = ChunkWriter(_FE(), _ChatChunks(choices, True), base=CHAT_BASE, groups=[choices],  # type: ignore[arg-type]
+                             n_prompt=4, include_usage=include_usage)
+        return await pump(request, script([choices], fail)(), writer, started=0.0)
     return handler
 
 
@@ -85,8 +89,9 @@ def completion_handler(echoes: list[str] | None, n: int, include_usage: bool) ->
     async def handler(request: web.Request) -> web.StreamResponse:
         groups = [[ChoiceState(k * n + i, None) for i in range(n)] for k in range(2)]  # type: ignore[arg-type]
         fmt = _CompletionChunks([c for cs in groups for c in cs], echoes, n, True)
-        return await pump_sse(request, _FE(), script(groups)(), fmt, base=CMPL_BASE, groups=groups, n_prompt=6,
-                              include_usage=include_usage, started=0.0)
+        writer = ChunkWriter(_FE(), fmt, base=CMPL_BASE, groups=groups, n_prompt=6,  # type: ignore[arg-type]
+                             include_usage=include_usage)
+        return await pump(request, script(groups)(), writer, started=0.0)
     return handler
 
 
