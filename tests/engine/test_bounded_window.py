@@ -18,6 +18,8 @@ from moebus.engine.sampling import SamplingParams
 from moebus.engine.window_blocks import WindowedBlockManager
 from moebus.kv.groups import FULL, WINDOW, KVLayout, PoolSizing, group_block_ids, pool_sizes
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 MIXED = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
          "compressed_sparse_attention"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

@@ -7,6 +7,8 @@ import pytest
 from moebus.engine.llm import LLM
 from moebus.engine.sampling import SamplingParams, StructuredOutputParams
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 

@@ -11,6 +11,8 @@ from moebus.engine.llm import LLM
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.sampling import SamplingParams, StructuredOutputParams
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 POISON = "poison"
 

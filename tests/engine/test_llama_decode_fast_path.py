@@ -17,6 +17,7 @@ from moebus.kernels.decode_stack import DecodeStack, cpu_kernel_available
 from moebus.kernels.quant_matmul import dequantize_ref
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
+pytestmark = [pytestmark, pytest.mark.slow]  # the slow tier: ./run test-slow
 
 # Both paths run the same GEMV kernels on the same weights; attention, norms and SiLU sum in other
 # orders (~1e-6 a layer): float activations measured max 1.0e-4 over the 38 positions. With integer

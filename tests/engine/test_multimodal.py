@@ -8,6 +8,8 @@ from moebus.engine.llm import LLM
 from moebus.engine.multimodal import ImageSpan
 from moebus.engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PLACEHOLDER = 0
 

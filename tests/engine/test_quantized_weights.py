@@ -16,6 +16,8 @@ from moebus.engine.models import load_model
 from moebus.engine.quant_linear import QuantLinear
 from moebus.engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 # Largest |logit| of SmolLM2 on these prompts is ~30; float32 sums over K <= 1536 in two orders
 # differ by ~1e-5 per layer and that grows through 30 layers: measured max 1.2e-4 (Zen 3, AVX2).
 LOGIT_ATOL = 1e-3

@@ -11,6 +11,8 @@ import pytest
 from moebus.eval.configs import HF_BF16
 from moebus.eval.run import Result, Settings, prepare, run_configs
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 pytest.importorskip("transformers")
 
 SETTINGS = Settings(ctx=512, max_chunks=1, max_prompts=10, max_tokens=16)

@@ -6,6 +6,8 @@ from moebus.kernels import row_argmax, row_argmax_ref, row_argmax_triton
 from moebus.kernels.argmax import row_argmax_cpu
 from moebus.kernels.paged_attention import cpu_kernel_available
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 SHAPES = [(1, 1), (3, 17), (5, 513), (64, 4113)]  # odd widths, one past the C kernel's 512 block
 

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 ROOT = Path(__file__).resolve().parents[2]
 LOADTEST = ROOT / "loadtest"
 pytest.importorskip("triton")

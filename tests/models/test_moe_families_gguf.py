@@ -20,6 +20,8 @@ from moebus.text.gguf import embedded_gguf_path
 
 from .paged_steps import caches, prompt, run
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 # llama.cpp's converters keep no dense layers in qwen3moe, drop OLMoE's clip_qkv and write OLMoE's
 # RMSNorm eps as 1e-5 whatever the config says, and marks DeepSeek-V3's sigmoid gating only from a
 # `scoring_func` in config.json (as V3's release has; HF's config class does not save one): the tiny

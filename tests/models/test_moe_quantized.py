@@ -28,6 +28,7 @@ from moebus.text.gguf import embedded_gguf_path
 from .paged_steps import caches, prompt, run
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler")
+pytestmark = [pytestmark, pytest.mark.slow]  # the slow tier: ./run test-slow
 
 # int16 activation blocks (rounding <= max|x| / 65534 an element) through 3 tiny layers; the
 # logits here are O(1): measured max 1.1e-4 over these families

@@ -29,6 +29,8 @@ from moebus.shared.nats_server import NatsServer, free_port
 
 from .conftest import toy_stack, wait_for
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 STREAMS = 20
 STEP_S = 0.1  # the toy reply is ~60 tokens: ~6 s a stream, so the 5 s outage covers most of its tail
 ENGINE = {"step_delay_s": STEP_S, "max_num_seqs": STREAMS}

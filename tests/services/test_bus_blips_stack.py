@@ -13,6 +13,8 @@ from moebus.services.launcher import Stack
 
 from .test_bus_blips import BOUND_S, STREAMS, metric, stream_stack, streams_under_blip, undisturbed
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 
 @pytest.fixture
 def stack(tmp_path):

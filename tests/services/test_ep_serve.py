@@ -21,6 +21,8 @@ from .conftest import wait_for
 from .test_failover import migrations
 from .test_migration_toy import Reader
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 pytest.importorskip("torch")
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 

@@ -17,6 +17,8 @@ from .conftest import real_model_stack
 from .test_failover import migrations
 from .test_migration_toy import Reader
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 pytest.importorskip("torch")
 TOPICS = ["the sea", "a mountain", "the moon", "a city at night", "autumn leaves", "a river", "snow", "the desert",
           "a library", "a train", "the wind", "a garden"]

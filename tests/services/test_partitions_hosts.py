@@ -43,6 +43,7 @@ from moebus.shared.tracing import Tracing
 from .test_bus_blips import STREAMS, Stream, run_stream
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"no network namespaces: {available()}")
+pytestmark = [pytestmark, pytest.mark.slow]  # the slow tier: ./run test-slow
 
 HB = {"heartbeat_interval_s": 0.2}
 ENGINE = {"step_delay_s": 0.1, "max_num_seqs": STREAMS}

@@ -21,6 +21,8 @@ from moebus.services.launcher import Stack
 
 from .test_bus_blips import STREAMS, metric, stream_stack, streams_under_blip, undisturbed
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 KINDS = ("worker-0", "balancer-0", "tokenizer-0", "frontend-0", "kvbroker-0", "planner-0", "nats")
 EVERYONE = "everyone"
 

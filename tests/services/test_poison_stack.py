@@ -21,6 +21,8 @@ from moebus.shared.tracing import Tracing
 
 from .conftest import real_model_stack
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 pytest.importorskip("torch")
 MSG = [{"role": "user", "content": "Say hi."}]
 MAX_MODEL_LEN = 512

@@ -24,6 +24,8 @@ from moebus.shared.nats_server import free_port
 from .conftest import UpProcess, moebus_up, stop_process
 from .test_dashboard import DEPLOY, expressions
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 pytest.importorskip("torch")
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 RATE_WINDOW = "30s"  # $__rate_interval: the traffic below falls inside it when the queries run

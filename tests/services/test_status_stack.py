@@ -19,6 +19,8 @@ import pytest
 from .conftest import UpProcess, moebus_up
 from .test_launcher_faults import descendants, pid_of
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 pytest.importorskip("torch")
 # Longer than two KV blocks, so the second request finds the first one's blocks in the prefix cache.
 PROMPT = [{"role": "user", "content": "In three sentences, explain why the sky is blue, what Rayleigh scattering "

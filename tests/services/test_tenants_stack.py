@@ -18,6 +18,8 @@ from moebus.services.frontend.config import TenantLimits
 
 from .conftest import toy_stack
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 CHAT = [{"role": "user", "content": "hi"}]
 
 

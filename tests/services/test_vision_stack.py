@@ -21,6 +21,8 @@ from moebus.shared.tracing import Tracing
 
 from .conftest import real_model_stack
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 IMAGES = Path(__file__).parent.parent / "data" / "images"
 QUESTION = "What is in this image?"
 
