@@ -113,7 +113,9 @@ class KVBrokerService(Service):
 
     async def _publish_tiers(self, stored: Sequence[int] = (), snapshot: bool = False) -> None:
         """Our tiers' changes (or all they hold) as a holder's KVEvent, for the balancers' indexes."""
-        evicted, self._evicted[:] = list(self._evicted), []
+        n = len(self._evicted)  # (the store thread may append meanwhile: those go out next time)
+        evicted = self._evicted[:n]
+        del self._evicted[:n]
         if snapshot:
             stored = await asyncio.to_thread(self.store.keys)
         if stored or evicted or snapshot:
