@@ -26,6 +26,8 @@ from moebus.engine.models.hf_checkpoint import read_hf_checkpoint
 
 from .common import ENGINE_KWARGS, PRELOAD, greedy, prompt, reference_tokens
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 BLOCK = 16
 HOT_TOKENS = [7, 11]
 

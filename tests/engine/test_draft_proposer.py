@@ -1,6 +1,10 @@
 """The draft-model hook: whatever a drafter proposes, exact verification keeps greedy output."""
+import pytest
+
 from moebus.engine.llm_engine import LLMEngine
 from moebus.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
 
 
 class OracleDrafter:

@@ -10,6 +10,8 @@ import pytest
 from moebus.engine.llm import LLM
 from moebus.engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 BIG = SamplingParams(n=16, temperature=0, max_tokens=24, ignore_eos=True)
 SMALL = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

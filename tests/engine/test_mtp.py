@@ -16,6 +16,8 @@ from moebus.engine.llm import LLM
 from moebus.engine.models.hf_checkpoint import MTP_OWN, write_tiny_deepseek_v4
 from moebus.engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 WINDOW = 16  # the tiny config's sliding window
 LENGTHS = (3, 17, 40, 70)  # two prompts longer than the window, one several windows long
 ENGINE = dict(tokenizer="smollm2", enable_prefix_caching=False, num_kv_blocks=64)

@@ -11,6 +11,8 @@ import pytest
 from moebus.eval import disagg
 from moebus.eval.run import Settings, run_configs
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 pytest.importorskip("transformers")
 
 SETTINGS = Settings(ctx=32, max_chunks=1, max_prompts=3, max_tokens=6)

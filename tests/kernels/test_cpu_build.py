@@ -2,6 +2,8 @@ import pytest
 
 from moebus.kernels import cpu_build
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 
 def test_build_is_cached_per_source_and_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEBUS_CACHE", str(tmp_path))

@@ -14,6 +14,8 @@ import pytest
 from moebus.engine.port import RequestRefused
 from moebus.engine.sampling import StructuredOutputCompiler, StructuredOutputConfig, StructuredOutputParams
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 DEADLINE_S = 1.0
 # Measured (xgrammar 0.2.9, one compile thread): ~1,000 optional properties compile in ~2 s, 2,000
 # in ~22 s, 3,000 in more than a minute: cubic, and only ~33 KB of JSON (the API allows 64 KB).

@@ -14,6 +14,8 @@ from moebus.services.launcher import Stack, StackConfig
 from moebus.services.startup import summarize_model
 from moebus.shared.nats_server import free_port
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 PROMPT = " ".join(f"<{i}>" for i in (5, 17, 300, 42, 9, 77, 123, 8, 64, 250, 31, 12))
 
 

@@ -15,6 +15,8 @@ from moebus.services.launcher import Stack
 from .test_bus_blips import STEP_S, STREAMS, Stream, run_stream, stream_stack
 from .test_failover import migrations
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 SPREAD_S = 10 * STEP_S  # the moved streams' ends: a few steps apart at most (one by one: ~5 s each)
 
 

@@ -22,6 +22,8 @@ from moebus.shared.tracing import Tracing
 
 from .test_failover import migrations, wait_accepted
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 CHAT = [{"role": "user", "content": "hi"}]
 ENGINE = {"step_delay_s": 0.04, "max_num_seqs": 16}  # ~2.5 s a reply: the cut lands mid-stream
 

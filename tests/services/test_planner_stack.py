@@ -22,6 +22,8 @@ from moebus.shared.service import Empty, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 FAST_PLANNER = {"interval_s": 0.5, "warmup_s": 1.0, "missed_heartbeats": 3,
                 "policy": {"scale_out_cooldown_s": 1.0, "scale_in_cooldown_s": 1.0, "scale_in_stable_s": 1.5,
                            "lookahead_s": 1.0, "startup_grace_s": 20.0, "pools": {"both": {"target_inflight": 4}}}}

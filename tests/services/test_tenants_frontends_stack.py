@@ -12,11 +12,14 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from moebus.services.frontend.admission.tenants import add_key
 from moebus.services.frontend.config import TenantLimits
 from moebus.services.launcher import Stack, StackConfig
 from moebus.shared.ports import free_port
+
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
 
 L = 4  # the capped tenant's requests at once: its budget / one request's tokens
 PROMPT, MAX_TOKENS = "hi", 60  # 2 prompt tokens: 62 tokens held per request

@@ -16,6 +16,8 @@ from moebus.shared.trace_view import find_traces, read_spans
 
 from .conftest import real_model_stack
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 pytest.importorskip("torch")
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
