@@ -44,7 +44,8 @@ def _run_child(rootpath: Path) -> dict[str, tuple[str, str]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.jsonl"
         env = {**os.environ, "TRITON_INTERPRET": "1", _RESULTS_ENV: str(out)}
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_delegated],
+        # -m "": the parent already chose these tests (its tier); the child must not deselect them
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", *_delegated],
                               cwd=rootpath, env=env, capture_output=True, text=True, timeout=900)
         results = {}
         if out.exists():

@@ -104,29 +104,40 @@ def _check(case: Any, resp: requests.Response, figures: Figures) -> None:
             figures.failures.append(f"{where}\n  a stream without [DONE]: {resp.text[-300:]!r}")
 
 
-def _deepest_string(body: Any, path: str = "") -> str | None:
-    """The path (`messages.0.content`) of the most deeply nested string value in a JSON body."""
-    found: list[str] = []
+def _deepest_string(body: Any, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """The keys down to the most deeply nested string value in a JSON body (keys may hold dots,
+    or be empty: a path of keys, not a dotted string)."""
+    found: list[tuple[str | int, ...]] = []
     if isinstance(body, str):
         found.append(path)
     elif isinstance(body, dict | list):
         for k, v in body.items() if isinstance(body, dict) else enumerate(body):
-            if (p := _deepest_string(v, f"{path}.{k}" if path else str(k))) is not None:
+            if (p := _deepest_string(v, (*path, k))) is not None:
                 found.append(p)
-    return max(found, key=lambda p: p.count("."), default=None)
+    return max(found, key=len, default=None)
+
+
+def _named(keys: tuple[str | int, ...]) -> str:
+    """How the API names that place in an error's `param` (`messages.0.content`: keys joined by dots,
+    as schema/body.py writes it, an empty key leaving no mark)."""
+    name = ""
+    for k in keys:
+        name = f"{name}.{k}" if name else str(k)
+    return name
 
 
 def _lone_surrogate(case: Any, base_url: str, session: requests.Session, figures: Figures) -> None:
     """The case's body again with its deepest string made a lone surrogate ("\\ud800", issue 36
     item 6): whatever the body, a 400 naming that string."""
-    if not isinstance(case.body, dict) or (where := _deepest_string(case.body)) is None:
+    if not isinstance(case.body, dict) or (keys := _deepest_string(case.body)) is None:
         return
     body = copy.deepcopy(case.body)
-    *parents, last = where.split(".")
+    *parents, last = keys
     node = body
     for key in parents:
-        node = node[int(key)] if isinstance(node, list) else node[key]
-    node[int(last) if isinstance(node, list) else last] = "x\ud800"
+        node = node[key]
+    node[last] = "x\ud800"
+    where = _named(keys)
     resp = session.post(base_url + case.formatted_path, data=json.dumps(body), headers=AUTH, timeout=60)
     figures.faults["lone_surrogate"] += 1
     err = resp.json().get("error", {}) if resp.headers.get("Content-Type", "").startswith("application/json") else {}
