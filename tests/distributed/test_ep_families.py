@@ -11,6 +11,8 @@ from moebus.engine.models.tiny_checkpoints import FAMILIES, write_tiny
 
 from .common import ENGINE_KWARGS, PRELOAD, greedy, prompt, reference_tokens
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 
 def requests(rank: int) -> list[tuple[str, list[int], int]]:
     return [(f"r{rank}-a", prompt(5 + 3 * rank, seed=rank), 4 + 3 * rank),

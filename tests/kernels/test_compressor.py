@@ -8,6 +8,8 @@ from moebus.kernels.compressor import (
     compress_windows_triton,
 )
 
+pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
+
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 # (windows, slots, channels): CSA-like (2r = 8 slots), HCA-like (128), odd sizes (2^k + 17)
 SHAPES = [(1, 8, 16), (5, 8, 81), (3, 128, 33), (17, 33, 145)]
