@@ -8,7 +8,6 @@ stable hash and the engine's KV fingerprint (kv.payload.KVBlock).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moebus.kv.cache_io import gather_blocks, gather_grouped, kv_block_ids, kv_groups
@@ -21,11 +20,6 @@ if TYPE_CHECKING:
     from moebus.kv.host import KVHost
 
 
-@dataclass(slots=True)
-class _Progress:
-    done: int = 0  # blocks already offered to the store
-
-
 class KVOffloader:
     """Keeps per-request progress so each full block is copied once; call offload(engine) after
     steps (every step, or every few): it returns the stable hashes it newly stored."""
@@ -33,7 +27,7 @@ class KVOffloader:
     def __init__(self, store: TieredKVStore, namespace: str | None = None) -> None:
         self.store = store
         self.namespace = namespace
-        self._progress: dict[str, _Progress] = {}
+        self._done: dict[str, int] = {}  # request id -> its blocks already offered to the store
 
     def offload(self, engine: KVHost) -> list[int]:
         bs = engine.block_manager.block_size
@@ -42,19 +36,19 @@ class KVOffloader:
         live = engine.scheduler.holding_kv()
         todo: dict[int, tuple[int, int]] = {}  # stable hash -> (block id, window block id or -1)
         for req in live:
-            prog = self._progress.setdefault(req.request_id, _Progress())
+            done = self._done.get(req.request_id, 0)
             block_ids, window_ids = kv_block_ids(req), kv_block_ids(req, WINDOW)
             n_full = min(engine.settled_tokens(req) // bs, len(block_ids))
-            if n_full <= prog.done:
+            if n_full <= done:
                 continue
             hashes = request_block_hashes(req, n_full, bs, ns)
-            for i in range(prog.done, n_full):
+            for i in range(done, n_full):
                 if hashes[i] not in self.store:
                     todo.setdefault(hashes[i], (block_ids[i], window_ids[i] if i < len(window_ids) else -1))
-            prog.done = n_full
+            self._done[req.request_id] = n_full
         alive = {r.request_id for r in live}
-        for rid in [r for r in self._progress if r not in alive]:
-            del self._progress[rid]
+        for rid in [r for r in self._done if r not in alive]:
+            del self._done[rid]
         if not todo:
             return []
         groups = kv_groups(engine)
