@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moebus import platforms
 from moebus.kernels import paged_attention_decode
-from moebus.kernels.prefill_attention import attend_one_ref, gather_seq, prefill_attention_cpu
+from moebus.kernels.prefill_attention import attend_one_ref, gather_seq
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,13 +159,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[to
                                            sinks=sinks)
         done = set(singles)
     rest = [b for b in range(meta.num_seqs) if b not in done and qsl[b + 1] > qsl[b]]
-    # CPU: every remaining chunk in one C kernel call over the paged cache instead of an SDPA call
-    # per sequence: K/V packed once per step, no per-sequence dispatch (BENCHMARKS.md history). Its
-    # rows do not depend on the batch, so deterministic mode takes it too.
-    if rest and q.device.type == "cpu" and prefill_attention_cpu(
-            q, k_cache, v_cache, meta.block_tables[rest], [qsl[b] for b in rest],
-            [qsl[b + 1] - qsl[b] for b in rest], [meta.seq_lens[b] for b in rest], scale,
-            sliding_window, sinks, out) is not None:
+    # The platform's one-call kernel for every remaining chunk, where it has one (the CPU's).
+    if rest and platforms.of(q).prefill_attention(q, k_cache, v_cache, meta, rest, scale, sliding_window,
+                                                 sinks, out) is not None:
         return out
     if sliding_window is not None and sliding_window <= BANDED_MAX_WINDOW and not meta.batch_invariant:
         if rest:

@@ -263,10 +263,13 @@ class LLMEngine:
         try:
             outs += self._step_async() if self._host is not None else self._step_sync()
         except _StepFailed as f:
-            return outs + f.outputs + self._recover(f.cause, f.sched)
+            outs += f.outputs + self._recover(f.cause, f.sched)
         except Exception as e:  # raised before the step changed anything it would need undone
-            return outs + self._recover(e, None)
-        self.failed_steps_in_a_row = 0
+            outs += self._recover(e, None)
+        else:
+            self.failed_steps_in_a_row = 0
+        if outs and self._kv is not None:
+            self._kv.after_step()  # its prefix-cache events and new blocks, while requests are live
         return outs
 
     # --- internals -------------------------------------------------------------------------

@@ -16,13 +16,21 @@ of max_num_seqs while another owner waits. Its extra sequences are passed over a
 when the batch is full it gives back running sequences above its share (its latest first: they
 recompute later, their prompt blocks usually still cached) so the others start within a step. Alone,
 an owner may fill the batch: the cap binds only while someone else waits.
+
+KV from a tier: with a KV connector attached (moebus.kv.connector), a waiting request about to be
+admitted with nothing computed is first handed to it, which loads the prompt's blocks a tier
+holds into the prefix cache; the ordinary prefix match then finds them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moebus.engine.block_manager import BlockManager
 from moebus.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from moebus.kv.connector_port import SchedulerKV
 
 
 @dataclass(slots=True)
@@ -72,6 +80,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
+        self._kv: SchedulerKV | None = None
 
     # --- verbs -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -93,6 +102,10 @@ class Scheduler:
             self.waiting.remove(req)
         self.bm.free_request(req)
         self.by_id.pop(req.request_id, None)
+
+    def attach_kv(self, kv: SchedulerKV) -> None:
+        """The KV connector to ask before admitting a request (its tier's blocks for the prompt)."""
+        self._kv = kv
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -221,6 +234,8 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, out: SchedulerOutput, whole: bool = False) -> int | None:
         """Start a waiting request (its prompt's cached prefix first); None: it does not fit, or
         (whole) it would not finish its prompt in this step."""
+        if req.num_computed_tokens == 0 and self._kv is not None:
+            self._kv.before_admit(req)
         cached = self.bm.match_prefix(req) if req.num_computed_tokens == 0 else []
         computed = len(cached) * self.bm.block_size if cached else req.num_computed_tokens
         n = req.num_tokens - computed

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from moebus.engine.outputs import RequestOutput
     from moebus.engine.request import Request
     from moebus.engine.sampling import SamplingParams
+    from moebus.kv.connector_port import SchedulerKV
     from moebus.kv.groups import KVLayout
 
 
@@ -31,6 +32,8 @@ class KVScheduler(Protocol):
     def reserve_prefilled(self, req: Request, num_tokens: int, cached: list[int] = ()) -> list[int] | None: ...
 
     def admit_prefilled(self, req: Request, num_tokens: int) -> None: ...
+
+    def attach_kv(self, kv: SchedulerKV) -> None: ...  # asked before each admission from then on
 
 
 @runtime_checkable

@@ -21,13 +21,19 @@ from moebus.platforms.interface import Platform
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Platform", "current"]
+__all__ = ["Platform", "current", "of"]
 
 
 def current(device: str | torch.device) -> Platform:
     """The platform of `device` ("cpu", "cuda:0", a torch.device): CpuPlatform on the CPU, else
     CudaPlatform."""
     return _platform(str(device))
+
+
+def of(tensor: torch.Tensor) -> Platform:
+    """The platform of the device `tensor` lives on, for per-call kernel choices (by device type:
+    one attribute read and a cached lookup)."""
+    return _platform(tensor.device.type)
 
 
 @functools.cache

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from moebus.engine.attention import AttentionMetadata
     from moebus.engine.lm_head import LMHead
     from moebus.platforms.format_choice import FormatChoice
 
@@ -56,4 +57,20 @@ class Platform(Protocol):
     def bind_lm_head(self, head: nn.Module | None, embed: nn.Module, weight: torch.Tensor) -> LMHead:
         """The LM head bound once (bias-free, not quantized: engine/lm_head.LMHead.of handles those);
         head None: tied to `embed`, whose weight is `weight`."""
+        ...
+
+    # Per-call kernel choices, asked through `platforms.of(tensor)` (one lookup by device type).
+    quantized_experts: bool  # GGUF-quantized MoE experts run here (models/quant_experts.py)
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, seqs: list[int], scale: float, sliding_window: int | None,
+                          sinks: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor | None:
+        """The prompt chunks of sequences `seqs` over the paged cache in one kernel call, into out;
+        None: not here (the engine's per-sequence path runs)."""
+        ...
+
+    def top_p_floor(self, x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                    kth: torch.Tensor) -> torch.Tensor | None:
+        """Each row's top-p floor (kernels/sample.py:top_p_floor_ref) without sorting the rows;
+        None: not here (the sampler's top-k widening path runs)."""
         ...

@@ -14,7 +14,7 @@ def prefill_path(request, monkeypatch):
     """On CPU the prefill chunks take the C kernel; "torch" makes it decline, so that the banded and
     per-sequence SDPA paths (the GPU's, and the fallback without a compiler) are checked here too."""
     if request.param == "torch":
-        monkeypatch.setattr(attention, "prefill_attention_cpu", lambda *a, **k: None)
+        monkeypatch.setattr("moebus.platforms.cpu.platform.prefill_attention_cpu", lambda *a, **k: None)
     return request.param
 
 

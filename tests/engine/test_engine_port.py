@@ -18,7 +18,7 @@ from moebus.engine.outputs import RequestOutput
 from moebus.engine.port import EngineOutput, EnginePort, LockstepEngine
 from moebus.engine.scheduler import Scheduler
 from moebus.kv.connector import KVConnector
-from moebus.kv.connector_port import KVConnectorPort
+from moebus.kv.connector_port import KVConnectorPort, SchedulerKV
 from moebus.kv.host import KVHost, KVScheduler, PrefillHost
 
 _PROTOCOL_NOISE = {"__init__", "__subclasshook__", "__class_getitem__", "__init_subclass__", "__weakref__",
@@ -85,6 +85,7 @@ def _conformance(cls: type, proto: type) -> list[str]:
 @pytest.mark.parametrize(("cls", "proto"), [
     (LLMEngine, EnginePort), (DPEngine, EnginePort), (DPEngine, LockstepEngine), (ToyEngine, EnginePort),
     (RequestOutput, EngineOutput), (ToyOutput, EngineOutput), (KVConnector, KVConnectorPort),
+    (KVConnector, SchedulerKV),
     (LLMEngine, KVHost), (LLMEngine, PrefillHost), (Scheduler, KVScheduler),
 ], ids=lambda x: x.__name__)
 def test_class_satisfies_the_port(cls: type, proto: type) -> None:

@@ -123,7 +123,6 @@ def test_cache_holds_only_the_latent(model, hf_model):
 def test_reference_attention_paths_read_the_latent_view(model, monkeypatch):
     """Real heads (r + rope = 576 channels) exceed the C kernels' head-dim limits, so attention then
     runs the torch references: they must read V as the strided view of K as well."""
-    from moebus.engine import attention
     from moebus.kernels import paged_attention
 
     ids = prompt(40, seed=10)
@@ -134,7 +133,7 @@ def test_reference_attention_paths_read_the_latent_view(model, monkeypatch):
                           run(model, ids[39:], [39], [1], kv)])
 
     kernels = chunked_then_decode()
-    monkeypatch.setattr(attention, "prefill_attention_cpu", lambda *args, **kwargs: None)
+    monkeypatch.setattr("moebus.platforms.cpu.platform.prefill_attention_cpu", lambda *args, **kwargs: None)
     monkeypatch.setattr(paged_attention, "paged_attention_decode_cpu", lambda *args, **kwargs: None)
     assert (chunked_then_decode() - kernels).abs().max().item() < TOL
 

@@ -101,17 +101,16 @@ def test_speculative_drafts_leave_greedy_output_unchanged(ckpt):
 def test_kv_namespace_and_cache_events_cover_the_compressor_planes(ckpt):
     """Workers publish prefix-cache events keyed by the KV namespace (on by default): it must name
     a compressed layer's extra planes, so engines with another layout never share its blocks."""
-    from moebus.kv.cache_events import CacheEventTracker
-
     llm = LLM(ckpt, tokenizer="smollm2", num_kv_blocks=KV_BLOCKS)
     shapes = llm.engine.kv.namespace.rsplit("|", 1)[1]
     # head_dim 32, index_head_dim 16, 16-token blocks: CSA src = kv|gate of [Ca|Cb] = 4 x 32 per token,
     # 4 entries per block; HCA src 2 x 32 per token, 1 entry row per block (rate 32)
     csa = "(16, 1, 32)/(16, 1, 0)/(16, 128)/(4, 32)/(16, 64)/(4, 16)"
     assert shapes == ",".join(["(16, 1, 32)/(16, 1, 32)", csa, "(16, 1, 32)/(16, 1, 0)/(16, 64)/(1, 32)", csa])
+    llm.engine.kv.attach()  # as a worker does: cache events recorded from now on
     llm.engine.add_request("ev", prompts(8, (50,))[0], GREEDY)
     llm.engine.step()  # the prompt's 3 full blocks are computed and cached
-    stored, _ = llm.engine.kv.cache_events(CacheEventTracker())
+    stored, _ = llm.engine.kv.take_events()
     assert len(stored) == 3
     while llm.engine.has_unfinished_requests():
         llm.engine.step()

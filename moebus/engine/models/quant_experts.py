@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moebus import platforms
 from moebus.kernels.qmoe import available, pack_experts, qmoe_cpu, shapes_ok
 from moebus.kernels.quant_matmul import check_weight
 
@@ -37,7 +38,7 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 swiglu_limit: float | None = None) -> torch.Tensor:
-        if x.is_cuda:
+        if not platforms.of(x).quantized_experts:
             raise RuntimeError("quantized experts run on CPU only: serve this model with weight_format 'dense'")
         out = qmoe_cpu(x, self.p13, self.p2, self.qtype, topk_weights, topk_ids, self.intermediate, swiglu_limit)
         if out is None:

@@ -13,8 +13,9 @@ from torch import Tensor
 
 # argmax over dim 1 (the first maximum, NaN wins). Its torch reference is max().indices, faster
 # than argmax on CPU in torch 2.13; the C kernel is faster again (rows in parallel, vectorised).
+from moebus import platforms
 from moebus.kernels import row_argmax
-from moebus.kernels.sample import softmax_mass, top_p_floor
+from moebus.kernels.sample import softmax_mass
 
 NEG_INF = float("-inf")
 
@@ -74,9 +75,8 @@ def _top_k_top_p_floor(x: Tensor, m: Tensor, temperature: Tensor, k: Tensor, p: 
         kth = torch.where(top_k_rows, vals.gather(1, (k - 1).clamp(max=c - 1).unsqueeze(1)).squeeze(1), NEG_INF)
     if not bool((p < 1).any()):
         return kth
-    if x.device.type == "cpu":  # the C kernel: no sort of the rows
-        return top_p_floor(x, temperature, p, kth)
-    return _top_p_floor_by_topk(x, m, temperature, kth, p)
+    floor = platforms.of(x).top_p_floor(x, temperature, p, kth)  # the CPU's: no sort of the rows
+    return floor if floor is not None else _top_p_floor_by_topk(x, m, temperature, kth, p)
 
 
 def _top_p_floor_by_topk(x: Tensor, m: Tensor, temperature: Tensor, kth: Tensor, p: Tensor) -> Tensor:

@@ -1,7 +1,8 @@
 """Filling an engine's prefix cache from a TieredKVStore before a waiting request is scheduled.
 
-load_prefix runs on the engine thread between steps, after add_request, so the scheduler's
-ordinary `match_prefix` turns tier hits into cache hits. It uses only the verbs of a KVHost
+load_prefix runs on the engine thread when the scheduler is about to admit a waiting request
+(the connector's before_admit, kv.connector), so its ordinary `match_prefix` turns tier hits into
+cache hits. It uses only the verbs of a KVHost
 (kv.host: the engine, its scheduler and block manager); the connector (kv.connector) wraps it
 for a worker. A block is every tensor of every layer's cache tuple (k, v, *planes), so
 DeepSeek-V4's compressor state travels with it.
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 def load_prefix(engine: KVHost, request: str | Request, store: TieredKVStore,
                 namespace: str | None = None) -> int:
     """Load the blocks beyond the local prefix-cache hit that the store holds; returns how many
-    prompt tokens are now cached. Call after add_request, before the step that admits it."""
+    prompt tokens are now cached. Call while the request waits, before the step that admits it."""
     req = lookup(engine, request)
     bm, bs = engine.block_manager, engine.block_manager.block_size
     if not bm.enable_prefix_caching or req.status is not RequestStatus.WAITING or req.num_computed_tokens:
@@ -63,18 +64,23 @@ def load_prefix(engine: KVHost, request: str | Request, store: TieredKVStore,
     # free blocks: exactly the state a finished request leaves behind.
     n = (n_local + len(blocks)) * bs
     carrier = Request(f"{req.request_id}#kv-load", req.all_token_ids[:n], req.params)
-    if groups is None:
-        bm.allocate(carrier, n, hits)
-        scatter_blocks(engine.kv_caches, kv_block_ids(carrier)[n_local:], stack_blocks(blocks))
-    else:
-        bm.full_block_hashes(carrier)
-        carrier.num_computed_tokens = n  # the window is reserved from token n on (engine.window_blocks)
-        if not bm.can_allocate(carrier, n, hits):
-            return n_local * bs
-        bm.allocate(carrier, n, hits)
-        first = max(bm.first_live(n), n_local)  # window blocks before it: passed, or the local hit's
-        scatter_grouped(engine.kv_caches, groups, kv_block_ids(carrier)[n_local:],
-                        kv_block_ids(carrier, WINDOW)[first:], _stack(blocks, groups, first - n_local))
+    try:
+        if groups is None:
+            bm.allocate(carrier, n, hits)
+            scatter_blocks(engine.kv_caches, kv_block_ids(carrier)[n_local:], stack_blocks(blocks))
+        else:
+            bm.full_block_hashes(carrier)
+            carrier.num_computed_tokens = n  # the window is reserved from token n on (engine.window_blocks)
+            if not bm.can_allocate(carrier, n, hits):
+                return n_local * bs
+            bm.allocate(carrier, n, hits)
+            first = max(bm.first_live(n), n_local)  # window blocks before it: passed, or the local hit's
+            scatter_grouped(engine.kv_caches, groups, kv_block_ids(carrier)[n_local:],
+                            kv_block_ids(carrier, WINDOW)[first:], _stack(blocks, groups, first - n_local))
+    except BaseException:
+        carrier.num_computed_tokens = 0
+        bm.free_request(carrier)  # half-filled blocks go back unpublished
+        raise
     carrier.num_computed_tokens = n
     bm.cache_blocks(carrier)
     bm.free_request(carrier)

@@ -3,17 +3,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from moebus.engine.lm_head import LMHead
+from moebus.kernels.prefill_attention import prefill_attention_cpu
+from moebus.kernels.sample import top_p_floor
 from moebus.platforms.cpu import lm_head, packed_linear
 from moebus.platforms.cpu.decode_fast_path import DecodeFastPath
 from moebus.platforms.cpu.malloc import tune_malloc
 from moebus.platforms.cpu.moe_decode import moe_decode_fast_path
 from moebus.platforms.dtype_choice import resolve_dtype
 from moebus.platforms.format_choice import FormatChoice, resolve_format
+
+if TYPE_CHECKING:
+    from moebus.engine.attention import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,7 @@ class CpuPlatform:
     # Raw-argmax steps take their tokens from a fused head+argmax kernel (or the panel kernel's
     # logits), no sampler: measured on CPU (GPUs keep the sampler path).
     raw_argmax: bool = True
+    quantized_experts: bool = True  # csrc/qmoe_cpu.c
 
     def resolve_dtype(self, requested: str) -> str:
         return resolve_dtype(requested, self.device)
@@ -55,3 +62,17 @@ class CpuPlatform:
 
     def bind_lm_head(self, head: nn.Module | None, embed: nn.Module, weight: torch.Tensor) -> LMHead:
         return lm_head.bind(head, weight)
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, seqs: list[int], scale: float, sliding_window: int | None,
+                          sinks: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor | None:
+        # One C call over the paged cache instead of an SDPA call per sequence: K/V packed once per
+        # step, no per-sequence dispatch. Its rows do not depend on the batch (deterministic mode too).
+        qsl = meta.query_start_loc
+        return prefill_attention_cpu(q, k_cache, v_cache, meta.block_tables[seqs], [qsl[b] for b in seqs],
+                                     [qsl[b + 1] - qsl[b] for b in seqs], [meta.seq_lens[b] for b in seqs],
+                                     scale, sliding_window, sinks, out)
+
+    def top_p_floor(self, x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                    kth: torch.Tensor) -> torch.Tensor | None:
+        return top_p_floor(x, temperature, top_p, kth)  # csrc/sample_cpu.c: a histogram of the mass

@@ -5,10 +5,12 @@ between steps, so the engine is never touched from two threads. Outputs go back 
 loop with call_soon_threadsafe, with a stats snapshot taken on the engine thread.
 
 The engine is anything satisfying moebus.engine.port.EnginePort (LLMEngine, an EP rank's
-DPEngine, the toy engine). KV hooks (`kv`, see worker/kv_engine.py EngineKV, which asks the
-engine's KV connector) also run here: loading a request's prefix from the KV
-tiers after add, offloading after steps, and extracting a prefill request's KV right after the
-step that sampled its first token (then aborting it there, before the next step reuses blocks).
+DPEngine, the toy engine). The worker's KV (`kv`, worker/kv_engine.py EngineKV) is attached to
+the engine's KV connector when an engine is built; from then on the engine's scheduler and step
+call the connector themselves (a prefix from the KV tier at admission, events and offload after
+steps). This loop only times the P/D hand-off: extracting a prefill request's KV right after the
+step that sampled its first token (then aborting it there, before the next step reuses blocks)
+and injecting a request prefilled elsewhere.
 Lockstep engines (an EP group's DPEngine) step every iteration, idle or not: the step is a
 collective the other ranks wait in.
 
@@ -248,8 +250,6 @@ class EngineLoop:
             step = StepTiming(started_ns, time.time_ns(), len(outputs))
             if engine.failed_steps_in_a_row >= self.max_failed_steps:
                 raise RuntimeError(f"{engine.failed_steps_in_a_row} engine steps in a row failed")
-            if self.kv is not None and outputs:
-                self.kv.after_step(engine)  # before extraction aborts prefill requests: they are still live
             prefilled = self._extract_prefilled(outputs) if self._prefill_only else []
             self.stats = dict(engine.stats())
             if outputs or failed or prefilled:
@@ -322,8 +322,6 @@ class EngineLoop:
             if prefill_only:
                 self._prefill_only.add(rid)
             self._fresh.add(rid)
-            if self.kv is not None:
-                self.kv.after_add(self.engine, rid)
         elif kind == "inject":
             _, rid, prompt, first_token, params, payload, images = cmd
             try:

@@ -1,9 +1,12 @@
 """Engine-thread side of a worker's KV features (imports torch: real engines only).
 
 Every method runs on the engine thread (EngineLoop calls them between steps), so the engine,
-the local tiered store and the trackers are only ever touched from that one thread. The engine
-is asked through its KV connector (`engine.kv`, moebus.kv.connector_port.KVConnectorPort); an EP
-rank's is its own cache's (moved between the group's steps, so no collective is involved).
+the local tiered store and the connector are only ever touched from that one thread. The engine
+is asked through its KV connector (`engine.kv`, moebus.kv.connector_port.KVConnectorPort), which
+`bind` attaches with the local tier: from then on the engine's scheduler asks the connector to load
+a prompt's prefix from the tier at admission, and its step records cache events and offloads new
+blocks; this class takes what was recorded for the worker's index events and the broker. An EP
+rank's connector is its own cache's (moved between the group's steps, so no collective is involved).
 """
 from __future__ import annotations
 
@@ -12,11 +15,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from moebus.engine.port import EnginePort
-from moebus.kv.cache_events import CacheEventTracker
 from moebus.kv.connector_port import KVConnectorPort
 from moebus.kv.payload import KVBlock, KVPayload
 from moebus.kv.tiers.cpu import CpuTier
-from moebus.kv.tiers.offload import KVOffloader
 from moebus.kv.tiers.store import TieredKVStore
 
 log = logging.getLogger(__name__)
@@ -36,20 +37,14 @@ class EngineKV:
         on_corrupt(tier): a block of the local tier failed its checksum or named another key,
         model or cache layout ("transfer": a received payload's did); dropped and recomputed."""
         self.on_corrupt = on_corrupt
-        self.store: TieredKVStore | None = None
+        self.store: TieredKVStore | None = None  # kept across engine rebuilds: same model, same blocks
         if cpu_bytes > 0:
             self.store = TieredKVStore([CpuTier(cpu_bytes, on_corrupt)], on_evict=self._evicted)
-        self.offloader = KVOffloader(self.store) if self.store is not None else None
-        self.tracker = CacheEventTracker()
         self.share_limit = share_limit
         self.namespace = ""
         self.block_size = 0
         self._fresh: list[int] = []  # offloaded to the local tier, not yet shared with the broker
         self._cpu_stored: list[int] = []  # ... not yet reported to the index
-        # Device cache events, polled after every step: the tracker only sees live requests, and
-        # a short request is gone long before the next heartbeat.
-        self._dev_stored: list[int] = []
-        self._dev_evicted: list[int] = []
         self._cpu_evicted: list[int] = []
         # Decode halves: a received payload adopted, or one that arrived and could not be (its
         # request recomputed the prompt: same tokens, slower), its blocks counted when they were
@@ -57,30 +52,19 @@ class EngineKV:
         self.counters = {"kv_injected": 0, "kv_inject_refused": 0, "kv_inject_corrupt_blocks": 0}
 
     def bind(self, engine: EnginePort) -> None:
+        """A new engine (the first, or a rebuilt one): its connector attached to the local tier."""
         kv = _kv(engine)
         self.namespace = kv.namespace
         self.block_size = kv.block_size
-        self.tracker.namespace = self.namespace
-        if self.offloader is not None:
-            self.offloader.namespace = self.namespace
+        kv.attach(self.store)
 
     def _evicted(self, hashes: list[int]) -> None:
         self._cpu_evicted += hashes
 
-    # ---- EngineLoop hooks ------------------------------------------------------------------
-    def after_add(self, engine: EnginePort, request_id: str) -> None:
-        if self.store is not None:  # n > 1: the first choice's prompt, which the others share
-            _kv(engine).load_prefix(request_id, self.store, self.namespace)
-
-    def after_step(self, engine: EnginePort) -> None:
-        kv = _kv(engine)
-        stored, evicted = kv.cache_events(self.tracker)
-        self._dev_stored += stored
-        self._dev_evicted += evicted
-        if self.offloader is not None:
-            new = kv.offload(self.offloader)
-            self._fresh += new
-            self._cpu_stored += new
+    def _take_offloaded(self, engine: EnginePort) -> None:
+        new = _kv(engine).take_offloaded()
+        self._fresh += new
+        self._cpu_stored += new
 
     def extract(self, engine: EnginePort, request_id: str) -> KVPayload:
         return _kv(engine).extract(request_id)
@@ -104,23 +88,24 @@ class EngineKV:
     # ---- called through EngineLoop.call ----------------------------------------------------
     def poll(self, engine: EnginePort) -> dict[str, tuple[list[int], list[int]]]:
         """Per tier, (stored, evicted) stable hashes since the last poll."""
-        stored, evicted = _kv(engine).cache_events(self.tracker)
-        out = {"device": (self._dev_stored + stored, self._dev_evicted + evicted)}
-        self._dev_stored, self._dev_evicted = [], []
+        out = {"device": _kv(engine).take_events()}
         if self.store is not None:
+            self._take_offloaded(engine)
             out["cpu"] = (self._cpu_stored, self._cpu_evicted)
             self._cpu_stored, self._cpu_evicted = [], []
         return out
 
     def held(self, engine: EnginePort) -> dict[str, list[int]]:
         """Everything held per tier (for snapshots that heal lost events)."""
-        out = {"device": self.tracker.held}
+        out = {"device": _kv(engine).held()}
         if self.store is not None:
             out["cpu"] = [h for t in self.store.tiers for h in t.keys()]
         return out
 
     def take_fresh(self, engine: EnginePort) -> tuple[list[int], list[KVBlock]]:
         """Newly offloaded blocks (at most share_limit) for the broker's shared tiers."""
+        if self.store is not None:
+            self._take_offloaded(engine)
         hashes, self._fresh = self._fresh[: self.share_limit], self._fresh[self.share_limit:]
         blocks = [self.store.get(h) for h in hashes] if self.store is not None else []
         kept = [(h, b) for h, b in zip(hashes, blocks, strict=True) if b is not None]
@@ -135,7 +120,7 @@ class EngineKV:
 
     def local_prefix(self, engine: EnginePort, hashes: list[int]) -> int:
         """Leading blocks this worker already has (device prefix cache or local tier)."""
-        device = set(self.tracker.held)
+        device = set(_kv(engine).held())
         n = 0
         while n < len(hashes) and (hashes[n] in device or (self.store is not None and hashes[n] in self.store)):
             n += 1

@@ -49,6 +49,7 @@ from moebus.shared.messages.generate import ReplayReply, ReplayRequest
 from moebus.shared.service import Service
 
 from .active import Active
+from .chunk_meter import ChunkMeter
 from .config import WorkerConfig
 from .counters import RequestCounters
 from .demand import Demand
@@ -98,11 +99,10 @@ class WorkerService(Service):
         self._generate_sub: Subscription | None = None
         m = self.metrics
         self.request_counts = RequestCounters(m)
-        self._m_ttft = m.histogram("time_to_first_token_seconds", "Accept to first token")
-        self._m_tokens = m.counter("generated_tokens_total", "Tokens generated")
         self._m_queue = m.gauge("queued_requests", "Requests waiting for their first token")
         self.engine_metrics = EngineMetrics(m, self.served_model, self.instance_id, self.load)  # moebus:*
         self.demand = Demand(cfg.latency_window_s)  # for the planner, in each heartbeat
+        self.meter = ChunkMeter(m, self.engine_metrics, self.demand)
 
     # ---- state -----------------------------------------------------------------------------
     @property
@@ -347,23 +347,14 @@ class WorkerService(Service):
             if a.spans is not None:
                 a.spans.chunk(chunk, step)
             now = time.monotonic()
-            if not a.started:
-                a.started = True
-                self._m_ttft.observe(now - a.accepted_at)
-                self.engine_metrics.first_chunk(chunk, prefilled_here=a.req.stage != "decode" and not a.req.resume)
-                if a.req.stage != "decode" and not a.req.resume:  # else not its request's first token
-                    self.demand.ttft.add(now - a.accepted_at, now)
-            elif chunk.token_ids:
-                self.demand.itl.add((now - a.last_chunk_at) / len(chunk.token_ids), now)
-            a.last_chunk_at = now
-            self._m_tokens.inc(len(chunk.token_ids))
-            self.engine_metrics.chunk(chunk)
-            self.demand.generated(len(chunk.token_ids))
+            self.meter.sent(chunk, first=not a.started, since_s=now - (a.last_chunk_at if a.started else a.accepted_at),
+                            prefilled_here=a.req.stage != "decode" and not a.req.resume, now=now)
+            a.started, a.last_chunk_at = True, now
             if chunk.finished:
                 a.open.discard(i)
                 if not a.open:
                     self.release(rid, "finished")
-                    self.engine_metrics.finished(chunk.finish_reason)
+                    self.meter.finished(chunk.finish_reason)
                     finished = True
             data = chunk.encode()
             self.replay.record(chunk, data)
