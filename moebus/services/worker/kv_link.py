@@ -2,8 +2,8 @@
 broker's index (events) and shared tiers (put/get). Every broker call degrades (None / [] /
 False): a dead broker or tier only means recomputing, never a lost request. What the broker's
 tiers hold is known here from its own KV events (as the balancers know it), so a fetch asks the
-broker only for blocks it has. The broker protocol
-itself is kv.broker_client (torch-free); kv.block_client.KVBlockClient moves the blocks.
+broker only for blocks it has. The broker protocol itself is kv.broker_client (torch-free);
+kv.block_client.KVBlockClient moves the blocks.
 
 KV moves on a NATS connection of its own (`kv_bus`), not the service's: bulk bytes never queue
 behind or ahead of heartbeats, hand-offs and token chunks, and a KV stall can cost no control
