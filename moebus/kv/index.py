@@ -1,6 +1,7 @@
 """Which holder (worker per tier, or the KV broker's shared tiers) has which prefix blocks, fed by
 KVEvents. The broker keeps one (its `query` endpoint answers from it) and so does every balancer
-replica (it routes from its own copy without asking anyone)."""
+replica (it routes from its own copy without asking anyone); a worker sharing the broker's tiers
+keeps one of the broker's own events (it asks for blocks only where they are)."""
 from __future__ import annotations
 
 from collections import defaultdict

@@ -58,7 +58,8 @@ def role_subjects(role: str, s: Subjects, i: str = ANY) -> tuple[list[str], list
                      s.health("frontend", ANY)],  # is a silent frontend gone or paused (leases.py)
                     [s.worker_generate(i), s.worker_abort(i), s.worker_handoff(i), s.worker_handoff_beat(i),
                      s.worker_abort_all, s.worker_replay(i), s.kvtransfer_push_all if i == ANY else s.kvtransfer_push(i),
-                     s.balancer_worker_lost, s.heartbeat_all("frontend")])  # frontend beats: leases.py
+                     s.balancer_worker_lost, s.heartbeat_all("frontend"),  # frontend beats: leases.py
+                     s.kvbroker_events])  # the broker's tier events: fetch asks only for what it holds (kv_link.py)
         case "kvbroker":  # a get's blocks go to the reply address the worker named (a worker inbox)
             return ([inbox("worker", ">"), s.kvtransfer_push_all, s.kvbroker_events],  # events: its own tiers
                     [s.kvbroker_events, s.kvbroker_query, s.kvbroker_get, s.kvbroker_put, s.kvbroker_stats,

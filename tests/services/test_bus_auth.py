@@ -149,6 +149,7 @@ async def test_kv_broker_put_and_get_with_role_users(server: NatsServer, tmp_pat
     from moebus.kv.block_client import KVBlockClient
     from moebus.kv.payload import KVBlock
     from moebus.services.kvbroker import KVBrokerConfig, KVBrokerService
+    from moebus.shared.messages import KVEvent
 
     users = BusUsers(S)
     broker_file = write_credentials(tmp_path / "kvbroker-0.json", {"kvbroker-0": users.add("kvbroker", "kvbroker-0")})
@@ -160,12 +161,22 @@ async def test_kv_broker_put_and_get_with_role_users(server: NatsServer, tmp_pat
         monkeypatch.setenv(CREDS_ENV, str(broker_file))  # as the launcher passes it to the broker process
         async with KVBrokerService(KVBrokerConfig(nats_url=srv.url, instance_id="kvbroker-0", chunk_bytes=1024)) as kb:
             bus = await connect(srv.url, worker, tmp_path, name="worker-0")
-            try:
+            events: list[KVEvent] = []
+            seen = asyncio.Event()
+
+            async def on_event(ev: KVEvent, _: Msg) -> None:
+                events.append(ev)
+                seen.set()
+
+            try:  # the broker's events on what its tiers store reach the worker (kv_share's fetch reads them)
+                await bus.subscribe(S.kvbroker_events, KVEvent, on_event)
                 async with KVBlockClient(bus, "worker-0", chunk_bytes=1024) as w0:
                     assert await w0.put_blocks([1, 2, 3], blocks)
                     got = await w0.get_blocks([1, 2, 3])
                     assert len(got) == 3 and all(torch.equal(a.layers[0][0], b.layers[0][0])
                                                  for a, b in zip(got, blocks, strict=True))
+                await asyncio.wait_for(seen.wait(), 5)
+                assert [(e.holder, e.stored) for e in events] == [("kvbroker", [1, 2, 3])]
                 assert not bus.denied and not kb.bus.denied
             finally:
                 await bus.drain()

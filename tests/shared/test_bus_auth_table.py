@@ -74,6 +74,8 @@ def test_the_issues_rules() -> None:
     assert not w0.can_subscribe(S.kvtransfer_push("worker-1")) and not w0.can_subscribe(S.frontend_stream_all("f"))
     assert w0.can_publish(S.worker_handoff("decode-1")) and w0.can_publish(S.kvtransfer_push("decode-1"))
     assert w0.can_publish(S.heartbeat("worker", "worker-0")) and not w0.can_publish(S.heartbeat("worker", "worker-1"))
+    # a worker reads the KV events (the broker's tiers: kv_share's fetch), never the broker's requests
+    assert w0.can_subscribe(S.kvbroker_events) and not w0.can_subscribe(S.kvbroker_get)
     drain = S.drain("worker", "worker-1")
     assert [r for r in SERVICE_ROLES if permissions(r, S).can_publish(drain)] == ["planner"]
     for role in SERVICE_ROLES:  # nobody but the planner sends control messages; no service role reads everything

@@ -39,6 +39,9 @@ class WorkerConfig(ServiceConfig):
     kv_cpu_bytes: int = Field(0, ge=0)
     kv_share: bool = False
     kv_snapshot_s: float = Field(10.0, gt=0)  # full index snapshot this often (< the broker's holder_ttl_s)
+    # kv_share: what the broker's tiers hold, as its KV events tell (it snapshots them every
+    # snapshot_s), is forgotten after this long without one; then no fetch asks it (kv_link.py).
+    kv_broker_ttl_s: float = Field(30.0, gt=0)
     torch_threads: int | None = None  # torch intra-op threads of this process (None: torch's default)
     # Workers on one host sharing its torch_threads cores (platforms/cpu/core_share.py): the directory of their
     # busy files; before each step a worker takes torch_threads // (workers with work). None: off.

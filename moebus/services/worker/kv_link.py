@@ -1,7 +1,9 @@
 """Asyncio side of a worker's KV features: the transports of a prefill/decode split, the KV
 broker's index (events) and shared tiers (put/get). Every broker call degrades (None / [] /
-False): a dead broker or tier only means recomputing, never a lost request. The broker protocol
-itself is kv.broker_client (torch-free); kv.block_client.KVBlockClient moves the blocks.
+False): a dead broker or tier only means recomputing, never a lost request. What the broker's
+tiers hold is known here from its own KV events (as the balancers know it), so a fetch asks the
+broker only for blocks it has. The broker protocol itself is kv.broker_client (torch-free);
+kv.block_client.KVBlockClient moves the blocks.
 
 KV moves on a NATS connection of its own (`kv_bus`), not the service's: bulk bytes never queue
 behind or ahead of heartbeats, hand-offs and token chunks, and a KV stall can cost no control
@@ -16,16 +18,18 @@ from collections.abc import Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from moebus.kv.block_client import KVBlockClient
 from moebus.kv.broker_client import KVBrokerClient
 from moebus.kv.hashing import kv_fingerprint
+from moebus.kv.index import PrefixIndex
 from moebus.kv.payload import KVPayload
 from moebus.kv.transports.nats import NatsKVTransport, NatsTransportConfig
 from moebus.kv.transports.shm import ShmKVTransport, ShmTransportConfig
 from moebus.kv.transports.transport import KVTransferError, KVTransport
 from moebus.shared.bus import Bus, BusConfig
-from moebus.shared.messages import GenerateRequest, HandoffBeat, KVTransferSpec
+from moebus.shared.messages import BROKER_HOLDER, GenerateRequest, HandoffBeat, KVEvent, KVTransferSpec
 from moebus.shared.metrics import Metrics
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
@@ -52,6 +56,7 @@ class WorkerKVLink:
         self._senders: dict[str, KVTransport] = {}
         self.index: KVBrokerClient | None = None
         self.broker: KVBlockClient | None = None
+        self.shared = PrefixIndex()  # the broker's tiers only (holder BROKER_HOLDER), from its KV events
         self._m_bytes = metrics.counter("kv_transfer_bytes_total", "KV bytes moved between prefill and decode "
                                         "workers", ["direction"]) if metrics else None
         self._m_seconds = metrics.histogram("kv_transfer_seconds", "KV transfer time (receive: from waiting for "
@@ -61,6 +66,7 @@ class WorkerKVLink:
                 self._m_bytes.labels(direction)
         self.counters = {"kv_sent": 0, "kv_send_failed": 0, "kv_received": 0, "kv_receive_failed": 0,
                          "tier_fetched_blocks": 0, "tier_shared_blocks": 0,
+                         "tier_fetch_skipped": 0,  # prompts missing blocks the broker was not known to hold: no get
                          "kv_corrupt_blocks": 0}  # failed their checksum on arrival: dropped, recomputed
 
     def transport_config(self) -> NatsTransportConfig:
@@ -82,6 +88,9 @@ class WorkerKVLink:
         if self.cfg.kv_share and self.kv.store is not None:
             self.broker = await KVBlockClient(self.bus, self.instance_id, self.subjects, on_corrupt=self._corrupt,
                                               kv_nc=self.kv_bus.nc, credit_bytes=self.cfg.kv_credit_bytes).start()
+            # (in order, as the balancer's; one per holder tick: untraced)
+            await self.bus.subscribe(self.subjects.kvbroker_events, KVEvent, self._on_kv_event, concurrent=False,
+                                     traced=False, endpoint="kv_events")
 
     async def close(self) -> None:
         for t in (self.receiver, self.broker, *self._senders.values()):
@@ -170,12 +179,30 @@ class WorkerKVLink:
         have = await self.loop.call(lambda e: self.kv.local_prefix(e, hashes))
         if have >= len(hashes):
             return 0
-        blocks = await self.broker.get_blocks(hashes[have:], fingerprint=kv_fingerprint(self.kv.namespace))
+        want = hashes[have:have + self.broker_run(hashes[have:])]
+        if not want:  # the broker is not known to hold the next block: a get would bring nothing
+            self.counters["tier_fetch_skipped"] += 1
+            return 0
+        blocks = await self.broker.get_blocks(want, fingerprint=kv_fingerprint(self.kv.namespace))
         if not blocks:
             return 0
-        got = await self.loop.call(lambda e: self.kv.put_local(e, hashes[have:], blocks))
+        got = await self.loop.call(lambda e: self.kv.put_local(e, want, blocks))
         self.counters["tier_fetched_blocks"] += got
         return got
+
+    def broker_run(self, hashes: list[int]) -> int:
+        """How many leading `hashes` the broker's tiers hold, as far as its KV events told us.
+        Stale at worst by lost events, and both ways only cost time: a block stored since is
+        missed (its tokens recomputed, the same ones), one dropped since makes the get return
+        fewer blocks (fetch takes what came). A started worker knows them from the broker's next
+        event or snapshot; a silent broker (kv_broker_ttl_s) is asked nothing."""
+        self.shared.expire(time.monotonic(), self.cfg.kv_broker_ttl_s)
+        # (the broker reports all its tiers as one, so the best tier's run is its whole run)
+        return max((m.num_blocks for m in self.shared.longest_prefix(hashes, {BROKER_HOLDER})), default=0)
+
+    async def _on_kv_event(self, ev: KVEvent, _: Msg) -> None:
+        if ev.holder == BROKER_HOLDER:  # (workers' events are the balancers' business)
+            self.shared.apply(ev, time.monotonic())
 
     async def run(self, interval_s: float) -> None:
         """Background: publish cache events every interval (a snapshot every kv_snapshot_s) and
