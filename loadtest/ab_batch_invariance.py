@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_peers import engine_burst  # noqa: E402
 
-from moebus.engine.llm_engine import LLMEngine  # noqa: E402
 from moebus.engine.config import EngineConfig  # noqa: E402
+from moebus.engine.llm_engine import LLMEngine  # noqa: E402
 from moebus.engine.sampling import SamplingParams  # noqa: E402
 from moebus.kernels import panel_linear  # noqa: E402
 from moebus.loadtest.ab import alternate  # noqa: E402
@@ -57,7 +57,7 @@ def main() -> None:
         prompts = [[rng.randrange(100, vocab) for _ in range(128)] for _ in range(c)]
         stats: dict[str, list[dict]] = {"every row count": [], "decode sizes only": []}
 
-        def run(name: str, every: bool) -> None:
+        def run(name: str, every: bool, stats=stats, prompts=prompts, c=c) -> None:  # this round's
             choice.every_size = every
             stats[name].append(engine_burst(eng, prompts, c, params))
 
