@@ -122,7 +122,7 @@ async def test_a_slow_route_asked_again_runs_once(nats_server) -> None:
 
         async def slow(req, msg):
             got = await real(req, msg)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a slow answer: the frontend's attempt (0.2 s) asks again
             return got
 
         bal._route = slow
