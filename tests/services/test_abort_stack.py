@@ -73,7 +73,7 @@ async def _ends_after_abort(stream, publish) -> tuple[float, Exception | None]:
 
 
 async def test_abort_by_another_party_ends_the_stream(stack: Stack) -> None:
-    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=15)
     fe, (admin, seen) = await _as_frontend(stack), await _watch_generates(stack)
     try:
         # decoding: aborted on its worker's own subject
