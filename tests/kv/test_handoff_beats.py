@@ -115,7 +115,7 @@ async def test_silence_while_this_worker_is_cut_off_is_no_evidence() -> None:
     host.bus.evidence_since = math.inf  # disconnected
     split = SplitStages(host, beat_s=0.05, lost_s=LOST)
     wait = asyncio.ensure_future(split.start_decode(half(host, "r")))
-    await asyncio.sleep(4 * LOST)
+    await asyncio.sleep(4 * LOST)  # silence well past lost_s: still no verdict
     assert not host.failed and not wait.done()
     host.bus.evidence_since = time.monotonic()  # back: silence counts from now on
     await asyncio.wait_for(wait, 10)
@@ -130,11 +130,12 @@ async def test_the_prefill_side_names_what_it_holds_to_each_decode_worker() -> N
     half(host, "c", stage="prefill", decode="decode-0")
     half(host, "d", stage="decode")  # a decode half is not this worker's to name
     task = asyncio.ensure_future(split.run_beats())
-    await asyncio.sleep(0.3)
+    async with asyncio.timeout(5):
+        while not (("decode-0", ["a#0", "c#0"]) in host.link.beats and ("decode-1", ["b#0"]) in host.link.beats):
+            await asyncio.sleep(0.01)
     host.actives.clear()
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a beat already under way may still go out
     n = len(host.link.beats)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # six beat intervals: none may name anything now
     task.cancel()
-    assert ("decode-0", ["a#0", "c#0"]) in host.link.beats and ("decode-1", ["b#0"]) in host.link.beats
     assert len(host.link.beats) == n  # nothing held: no beats

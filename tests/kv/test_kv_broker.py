@@ -61,10 +61,10 @@ async def test_broker_service_index_queries_and_tier_put_get(nats_server, tmp_pa
     async with KVBrokerService(cfg), KVBlockClient(bus, "worker-1") as w1, KVBlockClient(bus, "worker-2") as w2:
         await w1.publish(stored=[10, 11, 12])
         await w2.publish(stored=[10, 11])
-        await nc.flush()
-        await asyncio.sleep(0.05)
-        matches = await w1.query([10, 11, 12, 13])
-        assert [(m.holder, m.num_blocks) for m in matches] == [("worker-1", 3), ("worker-2", 2)]
+        want = [("worker-1", 3), ("worker-2", 2)]
+        async with asyncio.timeout(5):  # events and queries are separate subscriptions: no order between them
+            while [(m.holder, m.num_blocks) for m in await w1.query([10, 11, 12, 13])] != want:
+                await asyncio.sleep(0.01)
 
         blocks = [block(i) for i in range(3)]
         assert await w1.put_blocks([10, 11, 12], blocks)  # more than the CPU tier: spills to disk
@@ -76,9 +76,10 @@ async def test_broker_service_index_queries_and_tier_put_get(nats_server, tmp_pa
 
         await nc.publish(Subjects(prefix).balancer_worker_lost, WorkerLost(worker_id="worker-1").encode())
         await nc.flush()
-        await asyncio.sleep(0.05)
-        stats = await w1.stats()
-        assert "worker-1" not in stats.holders and stats.holders["worker-2"] == 2
+        async with asyncio.timeout(5):
+            while "worker-1" in (stats := await w1.stats()).holders:
+                await asyncio.sleep(0.01)
+        assert stats.holders["worker-2"] == 2
         assert stats.puts == 1 and stats.gets == 2 and stats.tiers["disk"]["blocks"] >= 1
         local = TieredKVStore([CpuTier(1 << 20)])
         assert await w1.fetch_into(local, [10, 11, 12]) == 3 and local.longest_prefix([10, 11, 12]) == 3

@@ -154,7 +154,7 @@ async def main():
         await nc.publish(sys.argv[2], b"x" * 65536, headers={**hdr, "Moebus-Kv-Seq": str(seq)})
     await nc.request(sys.argv[2], b"", timeout=10, headers={"Moebus-Kv-Id": "doomed", "Moebus-Kv-Want": "262144"})
     print(r.data.decode(), flush=True)
-    await asyncio.sleep(3600)
+    await asyncio.sleep(3600)  # holds the credit until the test kills it
 asyncio.run(main())
 """
 

@@ -68,7 +68,7 @@ async def test_interrupt_keeps_finished_and_marks_cut_requests(nats_server) -> N
     async with toy_stack(nats_server.url) as s, make_client(s.base_url) as client:
         task = asyncio.create_task(replay(Target(client, "toy"), reqs, prompts_for(reqs), Pacing(), got.append,
                                           progress=False))
-        await asyncio.sleep(0.35)
+        await asyncio.sleep(0.35)  # mid-trace: some requests done, some running, some not yet sent
         task.cancel()
         try:
             await task

@@ -103,7 +103,7 @@ def test_the_pacer_waits_for_the_cores_then_sets_the_threads(tmp_path) -> None:
 
         t = threading.Thread(target=engine_thread)
         t.start()
-        time.sleep(0.2)
+        time.sleep(0.2)  # b's chance to take the cores, were it not to wait
         assert t.is_alive() and not seen  # b waits while a's step holds both cores
         assert a.threads(True) == 1  # a's next step
         t.join(10)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 import subprocess
 import sys
@@ -59,14 +60,19 @@ class ToyStack:
 
 
 async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:
-    """Past the deadline the loop gets a last few turns before the verdict: after a stall of the
-    whole process (CI's loaded cores) this poll can wake before the I/O it waits on is handled."""
+    """Until predicate() (a plain or an async function) is true. Past the deadline the loop gets a
+    last few turns before the verdict: after a stall of the whole process (CI's loaded cores) this
+    poll can wake before the I/O it waits on is handled."""
+    async def met() -> bool:
+        ok = predicate()
+        return bool(await ok if inspect.isawaitable(ok) else ok)
+
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not await met():
         if time.monotonic() > deadline:
             for _ in range(10):
                 await asyncio.sleep(interval)
-                if predicate():
+                if await met():
                     return
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)

@@ -16,9 +16,11 @@ from moebus.services.launcher import Stack
 from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.bus_auth import CREDS_ENV
 from moebus.shared.messages import AbortRequest, GenerateRequest
+from moebus.shared.service import Empty, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
 
+from .conftest import wait_for
 from .test_bus_auth_stack import environ, toy
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -50,6 +52,12 @@ async def _watch_generates(stack: Stack) -> tuple[Bus, list[str]]:
     return admin, seen
 
 
+async def _accepted(admin: Bus, n: int) -> bool:
+    """Whether the worker has accepted n requests (asked over NATS)."""
+    stats = await admin.request(Subjects().stats("worker", "worker-0"), Empty(), Stats, timeout=2)
+    return stats.stats["accepted"] >= n
+
+
 async def _ends_after_abort(stream, publish) -> tuple[float, Exception | None]:
     """Abort (by `publish`) once the stream has 3 chunks; how long until the stream ended, and how."""
     got, t_abort = 0, None
@@ -65,7 +73,7 @@ async def _ends_after_abort(stream, publish) -> tuple[float, Exception | None]:
 
 
 async def test_abort_by_another_party_ends_the_stream(stack: Stack) -> None:
-    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=15)
     fe, (admin, seen) = await _as_frontend(stack), await _watch_generates(stack)
     try:
         # decoding: aborted on its worker's own subject
@@ -82,7 +90,7 @@ async def test_abort_by_another_party_ends_the_stream(stack: Stack) -> None:
         queued = asyncio.create_task(client.chat.completions.create(model="toy", messages=CHAT, max_tokens=500))
         while len(seen) < 3:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)  # accepted and waiting behind `first`
+        await wait_for(lambda: _accepted(admin, 3), timeout=10)  # accepted, waiting behind `first`
         t0 = time.monotonic()
         await fe.publish(Subjects().worker_abort_all, AbortRequest(request_id=seen[2], reason="operator"))
         with pytest.raises(openai.APIStatusError) as e:

@@ -37,7 +37,7 @@ async def test_an_add_to_a_sleeping_engine_returns_once_the_thread_took_it() -> 
     try:
         loop.add("r0", [1, 2, 3], PARAMS)
         assert loop._cmds.empty()  # the engine thread already has the request
-        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.wait_for(done.wait(), 10)
     finally:
         await asyncio.to_thread(loop.stop)
 
@@ -47,7 +47,7 @@ async def test_off_at_zero_the_add_only_queues() -> None:
     try:
         loop.add("r0", [1, 2, 3], PARAMS)
         assert not loop._cmds.empty()  # this thread holds the GIL: the engine thread cannot have taken it
-        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.wait_for(done.wait(), 10)
     finally:
         await asyncio.to_thread(loop.stop)
 
@@ -76,7 +76,7 @@ async def test_an_add_while_the_engine_steps_does_not_wait() -> None:
         assert waits == []  # no wait: the thread is stepping, it takes the request after this step
     finally:
         _SlowStep.release.set()
-        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.wait_for(done.wait(), 10)
         await asyncio.to_thread(loop.stop)
 
 

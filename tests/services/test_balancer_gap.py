@@ -25,7 +25,7 @@ async def test_a_request_in_the_gap_waits_for_the_next_beat(nats_server) -> None
             assert stack.balancer.table.remove("worker-0")  # as the reaper drops a silent worker
             r = await stack.client().completions.create(model="toy", prompt="hi", max_tokens=4)
             assert r.choices[0].finish_reason == "length"
-            await asyncio.sleep(HEARTBEAT)
+            await asyncio.sleep(HEARTBEAT)  # the next gap at another point of the beat cycle
 
 
 async def test_with_no_worker_left_the_answer_is_still_a_prompt_503(nats_server) -> None:
@@ -53,10 +53,10 @@ async def test_the_balancers_own_stall_is_no_workers_silence(nats_server) -> Non
             await bus.nc.flush()
             for _ in range(12):
                 time.sleep(5 * HEARTBEAT)  # the loop blocked: nobody beats, nobody listens
-                await asyncio.sleep(2 * HEARTBEAT)
+                await asyncio.sleep(2 * HEARTBEAT)  # the overdue beats and the reaper's late round run now
                 r = await stack.client().completions.create(model="toy", prompt="hi", max_tokens=4)
                 assert r.choices[0].finish_reason == "length"
-            await asyncio.sleep(4 * HEARTBEAT)
+            await asyncio.sleep(4 * HEARTBEAT)  # past the reaper's 3 missed beats: still nobody lost
             assert lost == [], f"a live worker was announced lost after the balancer's own stall: {lost}"
 
             await stack.workers[0].__aexit__(None, None, None)  # it beats no more: dropped as before

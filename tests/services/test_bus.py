@@ -38,7 +38,7 @@ async def test_no_responders_is_not_a_timeout(bus: Bus) -> None:
 
 async def test_timeout(bus: Bus) -> None:
     async def slow(_req: AbortRequest, _msg) -> None:
-        await asyncio.sleep(1)
+        await asyncio.sleep(1)  # longer than the request's timeout
 
     await bus.subscribe("t.bus.slow", AbortRequest, slow)
     await bus.flush()
@@ -70,15 +70,18 @@ async def test_service_errors_travel_as_headers(bus: Bus) -> None:
 
 
 async def test_slow_handler_does_not_block_the_subject(bus: Bus) -> None:
+    in_slow = asyncio.Event()
+
     async def handler(req: AbortRequest, _msg) -> GenerateAccepted:
         if req.request_id == "slow":
-            await asyncio.sleep(1.5)
+            in_slow.set()
+            await asyncio.sleep(1.5)  # the slow handler: the fast request must not queue behind it
         return GenerateAccepted(request_id=req.request_id, worker_id="w")
 
     await bus.subscribe("t.bus.mixed", AbortRequest, handler)
     await bus.flush()
     slow = asyncio.create_task(bus.request("t.bus.mixed", AbortRequest(request_id="slow"), GenerateAccepted, 5))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(in_slow.wait(), 5)
     started = time.monotonic()
     await bus.request("t.bus.mixed", AbortRequest(request_id="fast"), GenerateAccepted, timeout=2)
     assert time.monotonic() - started < 1

@@ -30,7 +30,7 @@ def toy(tmp_path: Path, **kw) -> StackConfig:
 
 
 async def chat(stack: Stack) -> str:
-    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=15)
     stream = await client.chat.completions.create(model="toy", messages=CHAT, max_tokens=500, stream=True)
     return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 

@@ -129,7 +129,7 @@ async def streams_under_blip(client: AsyncOpenAI, restart, down_s: float) -> Bli
     streams = [Stream() for _ in range(STREAMS)]
     tasks = [asyncio.create_task(run_stream(client, s)) for s in streams]
     try:
-        await wait_for(lambda: all(len(s.times) >= 3 for s in streams), timeout=30)
+        await wait_for(lambda: all(len(s.times) >= 3 for s in streams), timeout=10)
         assert not all(t.done() for t in tasks), "the streams ended before the outage: make them longer"
         down_at = time.monotonic()  # (checked before it: a 10 s outage outlasts the streams' own ~6 s)
         up_at = await restart(down_s) or time.monotonic()

@@ -49,7 +49,7 @@ async def _blip_under_a_request(idempotent: bool, wait_s: float, late: bool = Fa
         assert seen == ["a"], seen
         port = server.port
         await asyncio.to_thread(server.stop)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the blip: no server at all for a moment
         server = await asyncio.to_thread(NatsServer(port=port).start)
         back.set()
         try:  # well within the request's 30 s timeout

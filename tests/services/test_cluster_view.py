@@ -144,7 +144,12 @@ async def test_a_worker_keeps_the_requests_of_a_frontend_across_a_partition(moni
         req = GenerateRequest(request_id="r", model="m", prompt_token_ids=[1], params=SamplingOptions(),
                               reply_to="x", frontend_id="frontend-0", frontend_incarnation="f")
         task = asyncio.create_task(leases.run(FakeBus(), Subjects(), lambda r=req: [r], abort, 0.05))
-        await asyncio.sleep(0.4)
+        if want:
+            async with asyncio.timeout(5):
+                while not aborted:
+                    await asyncio.sleep(0.01)
+        else:
+            await asyncio.sleep(0.4)  # eight lease rounds: none may abort
         task.cancel()
         assert aborted[:1] == want, (node, grace)
 

@@ -30,7 +30,7 @@ async def test_the_engine_loop_paces_each_step_and_says_when_idle() -> None:
     try:
         assert await asyncio.to_thread(loop.ready.wait, 10)
         loop.add("r0", [1, 2, 3], SimpleNamespace(n=1, max_tokens=3, logprobs=None, structured=None))
-        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.wait_for(done.wait(), 10)
         finished = time.monotonic()
         for _ in range(200):  # the loop goes idle after the last step
             if calls and not calls[-1][0] and any(busy for busy, _ in calls):

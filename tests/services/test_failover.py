@@ -64,7 +64,7 @@ async def test_killed_worker_loses_no_retryable_request(stack: Stack) -> None:
              for _ in range(6)]
     await wait_accepted(stack, {"worker-0": 3, "worker-1": 3})  # each: one running, two queued
     stack.kill("worker-0", signal.SIGKILL)
-    results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 15)
     assert all(r.choices[0].message.content == TOY_REPLY[:8] for r in results)
     assert await migrations(stack, "fresh") == 3  # all of worker-0's requests were rerun on worker-1
     # Streams that had not started are retried too.
@@ -80,7 +80,7 @@ async def test_drained_worker_hands_back_its_queue(stack: Stack) -> None:
                                                            stream=bool(i % 2))) for i in range(6)]
     await wait_accepted(stack, {"worker-0": 3, "worker-1": 3})
     stack.kill("worker-0", signal.SIGTERM)  # graceful: finish the running one, hand back the queue
-    results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 15)
     for r in results:
         if isinstance(r, openai.AsyncStream):
             assert "".join([ch.choices[0].delta.content or "" async for ch in r if ch.choices]) == TOY_REPLY[:8]

@@ -39,7 +39,7 @@ async def _beside_the_big_call(url: str) -> tuple[list[float], float]:
     ttfts = []
     for _ in range(5):
         ttfts.append(await _ttft(client))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # probes spread over the big call
     r = await big
     assert len(r.choices) == BIG_PROMPTS * BIG_N
     return ttfts, time.monotonic() - started

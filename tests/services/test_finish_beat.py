@@ -3,14 +3,12 @@ balancers see the freed load before the client can send its next request (a foll
 stale load went off its cached prefix: test_kv_stack's routing test failed in CI so)."""
 from __future__ import annotations
 
-import asyncio
-
 import nats
 
 from moebus.shared.messages import Heartbeat, TokenChunks
 from moebus.shared.subjects import Subjects
 
-from .conftest import toy_stack
+from .conftest import toy_stack, wait_for
 
 
 async def test_the_finish_beat_precedes_the_last_chunk(nats_server) -> None:
@@ -33,7 +31,7 @@ async def test_the_finish_beat_precedes_the_last_chunk(nats_server) -> None:
             for i in range(3):
                 r = await stack.client().completions.create(model="toy", prompt=f"hi {i}", max_tokens=4)
                 assert r.choices[0].finish_reason == "length"
-            await asyncio.sleep(0.2)
+            await wait_for(lambda: len(seen) >= 6)  # the watcher's connection may lag the client's reply
         finally:
             await watcher.close()
         assert seen == ["idle beat", "last chunk"] * 3, seen

@@ -46,7 +46,7 @@ async def _run(handoff_s: float, publish_s: float | None, requests: int = 2,
         assert await asyncio.to_thread(loop.ready.wait, 10)
         for i in range(requests):
             loop.add(f"r{i}", [1, 2, 3], PARAMS)
-        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.wait_for(done.wait(), 10)
     finally:
         await asyncio.to_thread(loop.stop)
     return steps, calls, set_at
@@ -104,7 +104,7 @@ async def test_no_hold_when_the_batch_is_mostly_requests_past_their_first_token(
         while len([s for s in steps if s[1]]) < 3:
             await asyncio.sleep(0.01)
         loop.add("late", [1, 2, 3], long)
-        await asyncio.wait_for(joined.wait(), 30)
+        await asyncio.wait_for(joined.wait(), 10)
     finally:
         await asyncio.to_thread(loop.stop)
     first_ab = next(i for i, s in enumerate(steps) if s[1])

@@ -94,7 +94,7 @@ async def test_slow_headers_are_cut_off(edge: ToyStack) -> None:
     while not closed.done() and sent < len(head):
         writer.write(head[sent:sent + 1])
         sent += 1
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # one byte every 0.1 s: the head never completes in time
     assert await asyncio.wait_for(closed, 5) == b""
     elapsed = time.monotonic() - started
     assert 0.9 < elapsed < 2.5 and sent < len(head), (elapsed, sent)

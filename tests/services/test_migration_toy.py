@@ -105,7 +105,7 @@ async def test_drain_hands_started_streams_over(stack: Stack, how: str) -> None:
             assert reply.instance_id == "worker-0"
         finally:
             await bus.drain()
-    done = await asyncio.wait_for(asyncio.gather(*(r.rest() for r in readers)), 30)
+    done = await asyncio.wait_for(asyncio.gather(*(r.rest() for r in readers)), 15)
     assert [r.text for r in done] == [{0: TOY_REPLY}] * 8
     assert stack.procs["worker-0"].wait(15) == 0  # drained, not crashed
     assert await migrations(stack, "resumed") >= 1  # the grace (0.3 s) is shorter than a reply

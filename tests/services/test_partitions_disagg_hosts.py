@@ -63,7 +63,7 @@ def run(stack: HostStack, seconds: float) -> dict:
             during = await asyncio.gather(*(_open(c, t) for t in STREAMS))
             done = await asyncio.gather(*(r.rest() for r in during))
             done_s = time.monotonic() - cut_at
-            await asyncio.sleep(max(0.0, cut_at + seconds - time.monotonic()))
+            await asyncio.sleep(max(0.0, cut_at + seconds - time.monotonic()))  # the split lasts `seconds`
             await asyncio.to_thread(stack.net.unsplit, "b", "c")
             healed_at = time.monotonic()
             await asyncio.to_thread(stack.until_routed)

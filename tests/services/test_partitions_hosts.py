@@ -144,7 +144,7 @@ def partition(stack: HostStack, kind: str, seconds: float) -> Outcome:
                 assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
                 await asyncio.sleep(0.02)
             await asyncio.to_thread(cut, stack)
-            await asyncio.sleep(seconds)
+            await asyncio.sleep(seconds)  # the partition holds
             await asyncio.to_thread(heal, stack)
             healed_at = time.monotonic()
             whole_s = await asyncio.wait_for(_whole(stack, bus, healed_at), 60)

@@ -41,7 +41,7 @@ async def test_decisions_are_published_and_exported(nats_server: NatsServer) -> 
         for _ in range(5):
             beat.ts = time.time()
             await planner.bus.publish(planner.subjects.heartbeat("worker", "w-0"), beat)
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # beats at the worker's interval
         await wait_for(lambda: any(p.action == "scale_out" for d in seen for p in d.pools))
         d = next(p for d in seen for p in d.pools if p.action == "scale_out")
         assert d.pool == "both" and d.observed.replicas == 1 and d.slo_violated and "ttft" in d.reason

@@ -137,8 +137,8 @@ async def test_a_batch_of_suspects_with_a_poison_is_split_on_its_worker() -> Non
             tasks = []
             for text in ["hi 0", "hi 1", "hi 2", "hi 3", MARK, "hi 4"]:  # round robin: P beside 0 and 2
                 tasks.append(asyncio.create_task(ask(text)))
-                await asyncio.sleep(0.05)
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+                await asyncio.sleep(0.05)  # apart, so round robin places them in this order
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 20)
             err = results.pop(4)
             assert isinstance(err, openai.APIStatusError) and "failed on 2 workers" in err.body["message"], err
             assert results == [TOY_REPLY] * 5

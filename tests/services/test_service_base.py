@@ -1,8 +1,6 @@
 """The Service base: control endpoints over NATS, heartbeats, HTTP probes, ordered shutdown."""
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import pytest
 
@@ -13,6 +11,8 @@ from moebus.shared.nats_server import free_port
 from moebus.shared.service import Empty, Service, ServiceConfig, Stats
 from moebus.shared.subjects import Subjects
 from moebus.shared.tracing import Tracing
+
+from .conftest import wait_for
 
 
 class Dummy(Service):
@@ -74,7 +74,7 @@ async def test_control_endpoints_and_heartbeats(nats_server, client: Bus) -> Non
         assert (await client.request(s.ready("dummy"), Empty(), HealthReply, timeout=2)).ready
         stats = await client.request(s.stats("dummy", "dummy-0"), Empty(), Stats, timeout=2)
         assert stats.stats == {"answer": 42}
-        await asyncio.sleep(0.2)
+        await wait_for(lambda: len(beats) >= 3)
     assert svc.torn_down
     assert len(beats) >= 3 and beats[0].load.num_running == 2
     assert beats[-1].draining, "the last heartbeat announces the shutdown"

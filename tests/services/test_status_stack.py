@@ -101,14 +101,19 @@ def test_a_sigkilled_worker_is_missing_then_back_with_one_restart(up: UpProcess)
     print(f"\nstatus: worker-1 SIGKILLed, seen {sorted(states)}, back with 1 restart in {time.monotonic() - t0:.1f}s")
 
 
-def test_watch_refreshes_until_interrupted(up: UpProcess) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "moebus.cli", "status", "--url", up.url, "--watch", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
+def test_watch_refreshes_until_interrupted(up: UpProcess, tmp_path) -> None:
+    out_path = tmp_path / "watch.out"
+    with out_path.open("w") as out:  # a file, read while it runs: each refresh is flushed
+        proc = subprocess.Popen([sys.executable, "-m", "moebus.cli", "status", "--url", up.url, "--watch", "0.2"],
+                                stdout=out, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while out_path.read_text().count("INSTANCE") < 2:  # two refreshes
+        assert proc.poll() is None and time.monotonic() < deadline, out_path.read_text()
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
-    assert out.count("INSTANCE") >= 2 and "Traceback" not in err
+    assert out_path.read_text().count("INSTANCE") >= 2 and "Traceback" not in err
 
 
 def test_a_stopped_stack_is_one_line_and_exit_code_1(up: UpProcess) -> None:

@@ -127,8 +127,13 @@ def _itl(label: str, gaps: list[float]) -> str:
 async def _beside(c: openai.AsyncOpenAI, work) -> tuple[list[float], Any]:
     stop, gaps = asyncio.Event(), []
     witness = asyncio.create_task(_witness(c, stop, gaps))
-    await asyncio.sleep(1.0)  # the witness is decoding
     try:
+        async with asyncio.timeout(60):
+            while not gaps:  # the witness is decoding
+                if witness.done():
+                    await witness  # its error, if it failed
+                    raise AssertionError("the witness stream ended before it decoded")
+                await asyncio.sleep(0.05)
         result = await work
     finally:
         stop.set()
@@ -139,7 +144,7 @@ async def _beside(c: openai.AsyncOpenAI, work) -> tuple[list[float], Any]:
 async def test_every_pathological_constraint_is_served_or_a_400_and_the_stream_beside_goes_on(stack) -> None:
     c = _client(stack)
     await _ask(c, "guided_regex", "[0-9]+")  # the compile child's start, once
-    alone, _ = await _beside(c, asyncio.sleep(6.0))
+    alone, _ = await _beside(c, asyncio.sleep(6.0))  # the witness's own pace, the baseline
     poisoned, poison = await _beside(c, _ask(c, "guided_regex", "((.*)*)*x"))
 
     async def corpus() -> list[tuple[str, str, float]]:

@@ -106,7 +106,7 @@ async def test_tenant_limits_hold_across_two_frontends(tmp_path: Path) -> None:
                     assert r.status in (200, 429)
                     ok += r.status == 200
                 asked += 1
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.02)  # a steady ask rate over the window
             window = time.monotonic() - t0
             bound = BURST + RATE * window
             print(f"paced tenant, rate {RATE:g}/s burst {BURST}: {ok} of {asked} admitted in {window:.2f}s over "

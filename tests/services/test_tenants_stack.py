@@ -30,8 +30,9 @@ async def _metrics(http: aiohttp.ClientSession, base: str) -> dict[str, float]:
             for line in text.splitlines() if line.startswith("moebus_frontend_tenant_")}
 
 
-async def _complete(http: aiohttp.ClientSession, base: str, key: str, max_tokens: int) -> tuple[int, float | None]:
-    """Stream one completion to its end: (status, seconds to the first token)."""
+async def _complete(http: aiohttp.ClientSession, base: str, key: str, max_tokens: int,
+                    streaming: asyncio.Event | None = None) -> tuple[int, float | None]:
+    """Stream one completion to its end: (status, seconds to the first token); `streaming` is set at it."""
     t0 = time.monotonic()
     body = {"model": "toy", "prompt": "hi", "max_tokens": max_tokens, "stream": True}
     async with http.post(base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
@@ -39,6 +40,8 @@ async def _complete(http: aiohttp.ClientSession, base: str, key: str, max_tokens
         async for line in r.content:
             if first is None and line.startswith(b"data: {") and b'"text":""' not in line:
                 first = time.monotonic() - t0
+                if streaming is not None:
+                    streaming.set()
         return r.status, first
 
 
@@ -69,8 +72,9 @@ async def test_keys_rate_and_budget(nats_server, tmp_path) -> None:
         assert e.value.body["code"] == "rate_limit_exceeded" and int(e.value.response.headers["Retry-After"]) >= 1
 
         # tight: 150 tokens in flight; each request holds 2 (prompt) + 60 (max_tokens)
-        running = [asyncio.create_task(_complete(http, stack.base_url, tight, 60)) for _ in range(2)]
-        await asyncio.sleep(0.3)
+        streaming = [asyncio.Event() for _ in range(2)]
+        running = [asyncio.create_task(_complete(http, stack.base_url, tight, 60, s)) for s in streaming]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in streaming)), 10)
         with pytest.raises(openai.RateLimitError) as e:
             await stack.client(tight).completions.create(model="toy", prompt="hi", max_tokens=60)
         assert e.value.body["code"] == "tokens_in_flight_exceeded" and e.value.response.headers["Retry-After"]
@@ -81,8 +85,9 @@ async def test_keys_rate_and_budget(nats_server, tmp_path) -> None:
             await stack.client(tight).completions.create(model="toy", prompt="hi", max_tokens=200)
 
         # a client that goes away mid-stream hands its tokens back too
-        task = asyncio.create_task(_complete(http, stack.base_url, tight, 60))
-        await asyncio.sleep(0.3)
+        streaming = asyncio.Event()
+        task = asyncio.create_task(_complete(http, stack.base_url, tight, 60, streaming))
+        await asyncio.wait_for(streaming.wait(), 10)
         task.cancel()
         await stack.wait_idle()
         m = await _metrics(http, stack.base_url)
@@ -143,7 +148,7 @@ async def _flood_ttft(nats_url: str, keys: dict[str, str], admission: dict | Non
             status, first = await _complete(http, stack.base_url, keys["b"], 4)
             assert status == 200 and first is not None
             ttfts.append(first)
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # b's requests apart, each into the flood's backlog
         stop.set()
         await asyncio.gather(*flooders)
         return ttfts

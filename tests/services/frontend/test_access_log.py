@@ -86,7 +86,8 @@ async def test_json_lines_carry_request_and_trace_ids(nats_server) -> None:
                 model="toy", messages=CHAT, max_tokens=2, extra_body={"frobnicate": 1},
                 extra_headers={"X-Request-Id": "json-1", "traceparent": traceparent})
             assert r.headers["x-request-id"] == "json-1"
-            await asyncio.sleep(0.05)
+            await wait_for(lambda: any('"moebus.access"' in x and '"json-1"' in x  # written after the response
+                                       for x in out.getvalue().splitlines()))
     finally:
         root.removeHandler(handler)
         root.setLevel(old)
@@ -110,8 +111,8 @@ def test_text_lines_name_the_request() -> None:
 async def test_workers_log_a_stats_line_while_busy(nats_server, caplog) -> None:
     caplog.set_level(logging.INFO, logger="moebus.services.worker.stats_log")
     async with toy_stack(nats_server.url, worker={"stats_log_interval_s": 0.2}) as stack:
-        await asyncio.sleep(0.5)
-        assert not [r for r in caplog.records if r.name.endswith("stats_log")]  # idle: silent
+        await asyncio.sleep(0.5)  # two of its intervals: an idle worker logs nothing
+        assert not [r for r in caplog.records if r.name.endswith("stats_log")]
         await stack.client().chat.completions.create(model="toy", messages=CHAT, max_tokens=40)
         await wait_for(lambda: any("generation" in r.getMessage() for r in caplog.records), timeout=5)
     line = next(r.getMessage() for r in caplog.records if r.name.endswith("stats_log"))

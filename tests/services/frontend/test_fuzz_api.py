@@ -185,7 +185,7 @@ async def _cut_streams(stack: ToyStack, stop: asyncio.Event, figures: Figures) -
                 assert r.status == 200, await r.text()
                 await r.content.readline()
         figures.faults["stream_cut"] += 1
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # a fault now and then, not a flood
 
 
 async def _slow_loris(stack: ToyStack, stop: asyncio.Event, figures: Figures) -> None:
@@ -199,7 +199,7 @@ async def _slow_loris(stack: ToyStack, stop: asyncio.Event, figures: Figures) ->
             if closed.done():
                 break
             writer.write(head[i:i + 1])
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # slow-loris: a byte at a time
         try:
             assert await asyncio.wait_for(closed, 10) == b"", "a slow head got an answer"
         except ConnectionResetError:  # closed with our bytes unread: a reset, as good
