@@ -9,8 +9,11 @@ The corpus is what measured catastrophic for xgrammar 0.2.9 on this tokenizer (c
 one thread, mask milliseconds a step at token n), and what the issue named:
 - compile: N optional properties (cubic: 1,000 ~2 s, 2,000 ~22 s, 3,000 > 60 s, in ~33 KB of
   JSON); bounded repetitions such as `.{1,60000}` (~2 s).
-- masks: stars nested around `.*`: `((.*)*)*x` ~3 ms at n=5, ~100 ms at 20, ~800 ms at 40;
-  `(((.*)*)*)*x` ~1 s at 30; `(\\w+\\s?)*$` a flat ~30 ms (under the budget: served).
+- masks: stars nested around `.*`, growing with the token n: `((.*)*)*x` ~1 ms at n=5, ~20 ms at
+  16, ~60 ms at 23, ~140 ms at 30 (so at 24 tokens it sits on the 50 ms budget: served or refused);
+  `(((.*)*)*)*x` ~50 ms at 16, ~150 ms at 23 (refused well within 24 tokens: the poison below);
+  `(\\w+\\s?)*$` a flat ~30 ms (under the budget: served). Measured again 2026-12-07, one matcher
+  in process (an earlier measure had `((.*)*)*x` at ~100 ms by n=20, and the test's poison was it).
 - harmless for xgrammar though classic for backtracking engines: `(a+)+b`, `(a|a)*b`, `a{1000}`,
   long alternations, recursive and ambiguous EBNF, big enums and choices, deep schemas.
 """
@@ -145,13 +148,13 @@ async def test_every_pathological_constraint_is_served_or_a_400_and_the_stream_b
     c = _client(stack)
     await _ask(c, "guided_regex", "[0-9]+")  # the compile child's start, once
     alone, _ = await _beside(c, asyncio.sleep(6.0))  # the witness's own pace, the baseline
-    poisoned, poison = await _beside(c, _ask(c, "guided_regex", "((.*)*)*x"))
+    poisoned, poison = await _beside(c, _ask(c, "guided_regex", "(((.*)*)*)*x"))
 
     async def corpus() -> list[tuple[str, str, float]]:
         return [await _ask(c, field, value) for field, value, _ in CORPUS]
 
     fuzzed, outcomes = await _beside(c, corpus())
-    lines = [_itl("witness alone", alone), _itl("beside ((.*)*)*x", poisoned) + f" -> {poison[0]} in {poison[2]:.1f}s",
+    lines = [_itl("witness alone", alone), _itl("beside (((.*)*)*)*x", poisoned) + f" -> {poison[0]} in {poison[2]:.1f}s",
              _itl("beside the corpus", fuzzed)]
     lines += [f"  {o:<32} {s:5.1f}s  {f}={json.dumps(v)[:40]}: {d}" for (f, v, _), (o, d, s) in zip(CORPUS, outcomes, strict=True)]
     print("\n" + "\n".join(lines))
