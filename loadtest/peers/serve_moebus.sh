@@ -9,7 +9,7 @@ set -euo pipefail
 . "$(dirname "$0")/common.sh"
 PORT=${1:?usage: serve_moebus.sh PORT}
 cd "$REPO"
-CORES=$(.venv/bin/python -c 'from moebus.shared.cores import usable_cores; print(usable_cores())')
+CORES=$(.venv/bin/python -c 'from moebus.platforms.cpu.cores import usable_cores; print(usable_cores())')
 THREAD_ARGS=()
 if [ "$THREADS" != "$CORES" ]; then THREAD_ARGS=(--torch-threads "$THREADS"); fi
 exec .venv/bin/moebus up --host 127.0.0.1 --port "$PORT" "${THREAD_ARGS[@]}" --dtype "${DTYPE:-float32}" "${@:2}"
