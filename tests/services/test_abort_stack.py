@@ -103,3 +103,24 @@ async def test_abort_by_another_party_ends_the_stream(stack: Stack) -> None:
     finally:
         await fe.drain()
         await admin.drain()
+
+
+async def test_an_abort_of_an_older_attempt_leaves_the_running_one(stack: Stack) -> None:
+    """A frontend that moves a request on aborts the attempt it leaves, naming it; its new attempt can
+    reach the same worker before that abort does (another way over the bus), and must go on."""
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=15)
+    fe, (admin, seen) = await _as_frontend(stack), await _watch_generates(stack)
+    try:
+        stream = await client.chat.completions.create(model="toy", messages=CHAT, max_tokens=20, stream=True)
+        # attempt 0 runs here; -1 stands for an attempt the frontend left (there is none before 0)
+        _, err = await asyncio.wait_for(_ends_after_abort(stream, lambda: fe.publish(
+            Subjects().worker_abort("worker-0"), AbortRequest(request_id=seen[-1], reason="migrated", attempt=-1))), 10)
+        assert err is None, err
+
+        stream = await client.chat.completions.create(model="toy", messages=CHAT, max_tokens=500, stream=True)
+        _, err = await asyncio.wait_for(_ends_after_abort(stream, lambda: fe.publish(
+            Subjects().worker_abort("worker-0"), AbortRequest(request_id=seen[-1], reason="migrated", attempt=0))), 10)
+        assert err is not None and "aborted (migrated)" in str(err), err  # the running attempt's own abort
+    finally:
+        await fe.drain()
+        await admin.drain()

@@ -308,7 +308,11 @@ class WorkerService(Service):
         """Stop the request whatever it is doing (queued, fetching KV, prefilling, decoding) and end
         its stream with a final error chunk: an abort its frontend did not send (an operator, a
         second frontend) must not leave the client waiting. Its own frontend ignores that chunk
-        (it forgot the request, or moved it to a newer attempt)."""
+        (it forgot the request, or moved it to a newer attempt). An abort of an older attempt than
+        the one running here is stale: that attempt already ended here or never ran here."""
+        a = self._active.get(req.request_id)
+        if a is not None and req.attempt is not None and req.attempt < a.req.attempt:
+            return
         self.fail(req.request_id, ErrorCode.ABORTED, f"the request was aborted ({req.reason})", retryable=False,
                   counter="aborted")
         if req.reason in ROUTINE_ABORTS:  # its frontend or the balancer gave up on it here: nobody replays it

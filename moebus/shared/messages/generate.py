@@ -187,6 +187,10 @@ class HandoffBeat(Message):
 class AbortRequest(Message):
     request_id: str
     reason: str = "client"
+    # The attempt it ends (None: whichever runs). A frontend moving a request on names the attempt it
+    # leaves: its new attempt may reach the same worker first (another path over the bus), and
+    # must not be ended by the old one's abort.
+    attempt: int | None = None
 
 
 class ReplayRequest(Message):

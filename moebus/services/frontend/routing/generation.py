@@ -274,7 +274,8 @@ class Generation:
         """Rerun the open choices on another worker from the tokens the client already has."""
         for worker in self._workers():  # alive after all (a NATS blip looks like a death)? stop the old attempt
             await self.router.bus.publish(self.router.subjects.worker_abort(worker),
-                                          AbortRequest(request_id=self.request_id, reason="migrated"))
+                                          AbortRequest(request_id=self.request_id, reason="migrated",
+                                                       attempt=self.req.attempt))
         fresh = self.open == set(range(self.req.params.n)) and not any(self.sent.values())
         resume = [] if fresh else [ResumedChoice(index=k, token_ids=self.sent.get(k, [])) for k in sorted(self.open)]
         excluded = [*self.req.exclude_workers, *([failed] if failed else [])]
