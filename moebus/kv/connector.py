@@ -41,6 +41,7 @@ class KVConnector:
         self._store: TieredKVStore | None = None
         self._offloader: KVOffloader | None = None
         self._tracker: CacheEventTracker | None = None  # None: not attached (a bare engine)
+        self._attached_ns: str | None = None
         self._stored: list[int] = []  # device events since the worker last took them
         self._evicted: list[int] = []
         self._offloaded: list[int] = []
@@ -57,7 +58,7 @@ class KVConnector:
     def attach(self, store: TieredKVStore | None = None) -> None:
         """Start recording prefix-cache events and, with a store, loading prompts' prefixes from
         it at admission and offloading new blocks to it; the scheduler asks from now on."""
-        ns = self.namespace
+        self._attached_ns = ns = self.namespace  # computed once: it names the model and cache shapes
         self._tracker = CacheEventTracker(ns)
         self._store = store
         self._offloader = KVOffloader(store, ns) if store is not None else None
@@ -96,7 +97,7 @@ class KVConnector:
         if self._store is None:
             return
         try:
-            load_prefix(self._host, req, self._store, self._tracker.namespace if self._tracker else None)
+            load_prefix(self._host, req, self._store, self._attached_ns)
         except Exception:
             log.warning("loading %s's prefix from the KV tier failed: computing it", req.request_id,
                         exc_info=True)
