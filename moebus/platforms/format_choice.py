@@ -65,9 +65,11 @@ def _quantized_share(path: Path) -> float:
 
 
 def choose_format(path: Path, requested: str, dtype: str, device: str = "cpu",
-                  flags: Iterable[str] | None = None) -> FormatChoice:
+                  flags: Iterable[str] | None = None, gguf_facts: tuple[str, float] | None = None) -> FormatChoice:
     """Resolve `requested` ("auto", "dense" or "gguf") for the model file at `path`, asked to run in
-    `dtype` ("auto" or explicit). flags: the CPU's (default: read them)."""
+    `dtype` ("auto" or explicit). flags: the CPU's (default: read them). gguf_facts: the GGUF's HF
+    architecture and quantized share where the caller read them from its header (default: read
+    here, converting the file: services/worker_memory.py decides before the conversion)."""
     if requested not in FORMATS:
         raise ValueError(f"weight_format must be one of {FORMATS}, not {requested!r}")
     if requested != "auto":  # the blocks' kernels take float32 activations: gguf's dtype auto is float32
@@ -80,7 +82,7 @@ def choose_format(path: Path, requested: str, dtype: str, device: str = "cpu",
                else "an AMX CPU: bf16 tiles" if "amx_bf16" in have
                else None)
     if why_not is None:
-        arch, share = _gguf_arch(path), _quantized_share(path)
+        arch, share = gguf_facts or (_gguf_arch(path), _quantized_share(path))
         if share < QUANTIZED_SHARE:
             why_not = f"{share:.0%} of the GGUF's weights in Q4_0/Q4_1/Q8_0 blocks"
         elif arch in QUANTIZED_ARCHS and arch not in GGUF_ARCHS:

@@ -15,9 +15,10 @@ from pathlib import Path
 from moebus.platforms.cpu.cores import usable_cores
 from moebus.shared.logs import FORMATS, LOG_FORMAT_ENV
 
-from .fleet_shape import SHARED_BURST_STEP_TOKENS, FleetShape, auto_shape, mem_available, model_file_bytes
+from .fleet_shape import SHARED_BURST_STEP_TOKENS, FleetShape, auto_shape, mem_available
 from .launcher import SERVICES, up
 from .startup import say_to, threads_per_worker
+from .worker_memory import estimate
 
 ROLES = ("prefill", "decode")  # `moebus serve decode ...` = `moebus serve worker --role decode ...`
 
@@ -109,9 +110,10 @@ def _shape(args: argparse.Namespace, engine: dict, worker: dict) -> FleetShape:
     from moebus.engine.config import EngineConfig
     from moebus.engine.models import resolve
 
-    default_kv = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "kv_cache_bytes")
-    kv_bytes = int(engine.get("kv_cache_bytes", default_kv))
-    return auto_shape(usable_cores(), model_file_bytes(resolve(args.model)), kv_bytes, mem_available())
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    cfg = {k: engine.get(k, defaults[k]) for k in ("dtype", "weight_format", "kv_cache_bytes")}
+    worker = estimate(resolve(args.model), str(cfg["dtype"]), str(cfg["weight_format"]), int(cfg["kv_cache_bytes"]))
+    return auto_shape(usable_cores(), worker, mem_available())
 
 
 def workers_arg(text: str) -> int | str:

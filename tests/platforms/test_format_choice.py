@@ -32,6 +32,16 @@ def test_a_checkpoint_directory_is_dense(tmp_path: Path):
     assert c.weight_format == "dense" and "not a GGUF" in c.reason
 
 
+def test_facts_read_from_the_header_decide_without_the_file():
+    """services/worker_memory.py passes what the GGUF's header says: nothing is read or converted."""
+    missing = Path("/nonexistent/model.gguf")
+    c = choose_format(missing, "auto", "auto", flags=ZEN4, gguf_facts=("LlamaForCausalLM", 0.99))
+    assert (c.weight_format, c.dtype) == ("gguf", "float32")
+    c = choose_format(missing, "auto", "auto", flags=ZEN4, gguf_facts=("GraniteMoeForCausalLM", 1.0))
+    assert c.weight_format == "dense" and "latency choice" in c.reason
+    assert "0% of" in choose_format(missing, "auto", "auto", flags=ZEN4, gguf_facts=("LlamaForCausalLM", 0.0)).reason
+
+
 def test_explicit_formats_pass_and_unknown_ones_fail():
     assert choose_format(resolve("smollm2"), "dense", "auto", flags=ZEN4).weight_format == "dense"
     assert choose_format(resolve("smollm2"), "gguf", "float32", flags=set()).weight_format == "gguf"
