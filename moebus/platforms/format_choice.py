@@ -84,7 +84,7 @@ def choose_format(path: Path, requested: str, dtype: str, device: str = "cpu",
     if why_not is None:
         arch, share = gguf_facts or (_gguf_arch(path), _quantized_share(path))
         if share < QUANTIZED_SHARE:
-            why_not = f"{share:.0%} of the GGUF's weights in Q4_0/Q4_1/Q8_0 blocks"
+            why_not = f"{share:.0%} of the GGUF's weights in Q4_0/Q4_1/Q8_0/Q4_K blocks"
         elif arch in QUANTIZED_ARCHS and arch not in GGUF_ARCHS:
             why_not = f"a {arch} GGUF: its blocks are a latency choice (weight_format gguf)"
         elif arch not in GGUF_ARCHS:

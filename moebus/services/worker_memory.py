@@ -101,11 +101,14 @@ def weight_bytes(header: Header, width: int, block_types: Iterable[str] = ()) ->
     `block_types` (weight_format gguf) on their GGUF blocks."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    from moebus.engine.loader.kquants import TRANSCODED
+
     block_types = set(block_types)
     total = 0
     for t in header.tensors:
         if t.gguf_type in block_types:
-            block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t.gguf_type]]
+            served = TRANSCODED.get(t.gguf_type, t.gguf_type)  # Q4_K is held as Q4_1 blocks
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType[served]]
             total += t.elements * size // block * BLOCK_COPIES
             total += t.elements * width if t.name == "token_embd.weight" else 0
         else:

@@ -38,8 +38,8 @@ _GGUF_SAFE = {"qwen3_moe": {"mlp_only_layers": []}, "olmoe": {"clip_qkv": None, 
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "granite_moe")
 
 
-def _tiny(family: str, out: Path) -> Path:
-    hf = write_tiny(family, out, seed=0, vocab_size=49152, **_GGUF_SAFE.get(family, {}))
+def _tiny(family: str, out: Path, **overrides: object) -> Path:
+    hf = write_tiny(family, out, seed=0, vocab_size=49152, **{**_GGUF_SAFE.get(family, {}), **overrides})
     src = converted_dir(embedded_gguf_path())
     shutil.copy(src / "tokenizer.json", hf / "tokenizer.json")
     tok_cfg = json.loads((src / "tokenizer_config.json").read_text())

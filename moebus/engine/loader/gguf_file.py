@@ -12,9 +12,12 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from moebus.engine.loader.gguf_archs import MODEL_TYPES, GGUFArch, arch_of, hf_name, stack_experts
+from moebus.engine.loader.kquants import TRANSCODED, transcode
 from moebus.text.gguf import read_metadata
 
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # GGUF types served as blocks (kernels/quant_matmul.py)
+# GGUF types served as blocks: the kernels' own (kernels/quant_matmul.py) and those rewritten into
+# one of them at load (loader/kquants.py)
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", *TRANSCODED)
 _EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # a layer's expert tensors (3-D)
 
 
@@ -92,9 +95,10 @@ class GGUFCheckpoint:
 
     def quantized_blocks(self) -> dict[str, tuple[str, torch.Tensor]]:
         """HF name -> (type, uint8 blocks) for the tensors stored in a type the quant_matmul kernels
-        take (Q4_0, Q4_1, Q8_0): the file's own bytes, 2-D ones [rows, blocks bytes] with q/k rows
-        un-permuted as in state_dict (a row's blocks move with it), and a layer's experts [E, rows,
-        blocks bytes] stacked under the names state_dict gives them when gate, up and down share one type."""
+        take (Q4_0, Q4_1, Q8_0; Q4_K rewritten as Q4_1 by loader/kquants.py): 2-D ones [rows, blocks
+        bytes] with q/k rows un-permuted as in state_dict (a row's blocks move with it), and a layer's
+        experts [E, rows, blocks bytes] stacked under the names state_dict gives them when gate, up and
+        down are served in one type."""
         cfg, arch = self.hf_config(), arch_of(self.architecture)
         out: dict[str, tuple[str, torch.Tensor]] = {}
         experts: dict[str, tuple[str, torch.Tensor]] = {}
@@ -103,7 +107,7 @@ class GGUFCheckpoint:
             if qtype not in QUANT_TYPES or len(t.shape) not in (2, 3):
                 continue
             name = hf_name(arch, t.name)
-            w = np.asarray(t.data, dtype=np.uint8)
+            qtype, w = transcode(qtype, np.asarray(t.data, dtype=np.uint8))
             if len(t.shape) == 3:
                 if name.endswith(_EXPERT_STACKS):
                     experts[name] = (qtype, torch.from_numpy(np.array(w, copy=True)))

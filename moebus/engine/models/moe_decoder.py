@@ -248,7 +248,7 @@ class MoEDecoderForCausalLM(nn.Module):
                      activation_bits: int | None = 16) -> None:
         """HF on-disk names (module docstring); fails naming the first unexpected, misshaped or
         missing tensor, before any layer serves. `quantized` (HF name -> (GGUF type, blocks), a
-        GGUF's Q4_0/Q4_1/Q8_0 tensors): the routed experts whose gate/up/down share a type run on
+        GGUF's Q4_0/Q4_1/Q8_0 tensors, Q4_K ones as Q4_1): the routed experts whose gate/up/down share a type run on
         those blocks (QuantExperts), and so do the bias-free linear layers and the LM head
         (QuantLinear, with activation_bits)."""
         a, sd, q = self.args, dict(state_dict), quantized or {}
