@@ -406,8 +406,9 @@ def main() -> None:
     print(cpu_summary(), flush=True)
     prompts = {lv: make_prompts(lv.num_prompts, lv.prompt_len, f"p{lv.prompt_len}c{lv.concurrency}") for lv in levels
                if "engine" in servers or args.client != "vllm"}
-    engine_cfg = {"max_model_len": size.context, **({"kv_cache_bytes": size.kv_bytes} if size.kv_bytes else {}),
-                  **json.loads(args.engine_json)}
+    # weight_format auto: what `moebus up` runs (the CLI's default), not EngineConfig's dense
+    engine_cfg = {"weight_format": "auto", "max_model_len": size.context,
+                  **({"kv_cache_bytes": size.kv_bytes} if size.kv_bytes else {}), **json.loads(args.engine_json)}
     label = (lambda r: f"{r.server} (moebus client)" if r.client == "moebus" else r.server) \
         if args.client == "both" else (lambda r: r.server)
     runs: list[pb.Run] = []
