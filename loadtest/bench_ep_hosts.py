@@ -99,8 +99,9 @@ def everyone(engine: LLMEngine | DPEngine, flag: bool) -> bool:
     """`flag` on every rank: an all_gather on a DPEngine (not one of the counted collectives)."""
     if not isinstance(engine, DPEngine):
         return flag
-    flags = [torch.zeros(1, dtype=torch.long) for _ in range(engine.group.world_size)]
-    dist.all_gather(flags, torch.tensor([int(flag)]))
+    dev = engine.group.device  # NCCL: the flags live on the rank's GPU
+    flags = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(engine.group.world_size)]
+    dist.all_gather(flags, torch.tensor([int(flag)], device=dev))
     return all(bool(f.item()) for f in flags)
 
 
@@ -156,17 +157,19 @@ def serve(engine: LLMEngine | DPEngine, rank: int, world: int, plan: dict) -> di
 PROBE_BYTES = (16, 4 << 10, 64 << 10, 1 << 20, 8 << 20)  # sent to the other rank by one all_to_all_single
 
 
-def probe(reps: int = 20) -> dict[int, float]:
+def probe(device: torch.device, reps: int = 20) -> dict[int, float]:
     """The path's own cost: median seconds of an all_to_all_single that sends each size to the other rank."""
     out = {}
     for size in PROBE_BYTES:
-        x = torch.zeros(2 * size, dtype=torch.uint8)  # half stays, half goes
+        x = torch.zeros(2 * size, dtype=torch.uint8, device=device)  # half stays, half goes
         y = torch.empty_like(x)
         times = []
         for _ in range(reps):
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_to_all_single(y, x)
+            if device.type == "cuda":  # NCCL returns before the transfer is done
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
         out[size] = statistics.median(times)
     return out
@@ -174,12 +177,12 @@ def probe(reps: int = 20) -> dict[int, float]:
 
 def rank_main(engine: DPEngine, plan: dict) -> dict:
     run(engine, "warmup", [(i, prompt(i, 64)) for i in range(engine.group.rank, 4, 2)], 4, 0)  # compile, caches
-    return {**serve(engine, engine.group.rank, engine.group.world_size, plan), "probe": probe()}
+    return {**serve(engine, engine.group.rank, engine.group.world_size, plan), "probe": probe(engine.group.device)}
 
 
-def single(model: str, plan: dict, threads: int) -> list[dict]:
+def single(model: str, plan: dict, threads: int, device: str) -> list[dict]:
     torch.set_num_threads(threads)
-    engine = LLMEngine(EngineConfig(model=model, **ENGINE))
+    engine = LLMEngine(EngineConfig(model=model, device=device, **ENGINE))
     run(engine, "warmup", [(i, prompt(i, 64)) for i in range(4)], 4, 0)
     res = serve(engine, 0, 1, plan)
     engine.close()
@@ -261,8 +264,10 @@ def main() -> None:
         net = stack.enter_context(Hosts(["a", "b"])) if {"one-ns", "hosts"} & set(modes) else None
         for mode in modes:
             t0 = time.perf_counter()
-            ranks = single(str(args.model), plan, args.threads) if mode == "single" else \
-                ep(str(args.model), plan, mode, args.backend, net)
+            if mode == "single":
+                ranks = single(str(args.model), plan, args.threads, "cuda" if args.backend == "nccl" else "cpu")
+            else:
+                ranks = ep(str(args.model), plan, mode, args.backend, net)
             rows += summarize(mode, ranks, plan)
             if "probe" in ranks[0]:
                 probes[mode] = {size: max(r["probe"][size] for r in ranks) for size in PROBE_BYTES}
@@ -278,6 +283,9 @@ def main() -> None:
         small, large = PROBE_BYTES[0], PROBE_BYTES[-1]
         gbs = (large - small) / (p[large] - p[small]) / 1e9
         print(f"{mode:>8} " + " ".join(f"{b:>8}: {1e6 * t:>8.0f}" for b, t in p.items()) + f"   {gbs:.2f} GB/s")
+        own = [f"{r['phase']} {1000 * (r['calls_step'] * p[small] + r['kib_step'] * 1024 / gbs / 1e9):.1f}"
+               for r in rows if r["mode"] == mode]
+        print(f"{'':>8} the model with this path's figures, ms a step: " + ", ".join(own))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "probes": probes}, indent=1))
 
