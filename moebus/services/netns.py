@@ -45,6 +45,31 @@ def _remove_orphans() -> None:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+def enter(ns: str) -> None:
+    """Move the calling thread into network namespace `ns` (threads and processes it starts later
+    inherit it): the way into a host for code that is not a command line."""
+    with open(f"/run/netns/{ns}") as f:
+        if ctypes.CDLL(None, use_errno=True).setns(f.fileno(), CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns failed")
+
+
+@dataclass(frozen=True)
+class InNamespaces:
+    """Per-process setup for a launcher (picklable): process i enters `namespaces[i]`, and its
+    collectives use `ifname` there (gloo and NCCL otherwise take the hostname's address, which
+    names no interface inside a namespace)."""
+
+    namespaces: tuple[str, ...]
+    ifname: str = "eth0"
+
+    def __call__(self, i: int) -> None:
+        enter(self.namespaces[i])
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = self.ifname
+        # NCCL would see one host (same hostname and boot id) and pass tensors over shared memory or
+        # P2P; a host id per namespace makes it use its network transport, as between machines.
+        os.environ["NCCL_HOSTID"] = self.namespaces[i]
+
+
 def available() -> str | None:
     """Why hosts cannot be made here (None: they can)."""
     if os.geteuid() != 0:
@@ -151,9 +176,7 @@ class Hosts:
 
         def target() -> None:
             try:
-                with open(f"/run/netns/{self.ns(host)}") as f:
-                    if ctypes.CDLL(None, use_errno=True).setns(f.fileno(), CLONE_NEWNET) != 0:
-                        raise OSError(ctypes.get_errno(), "setns failed")
+                enter(self.ns(host))
                 box["value"] = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 box["error"] = e

@@ -6,6 +6,8 @@ rendezvous on a free TCP port), builds a `DPEngine` per rank and calls
 `wait=False` an `EPGroupHandle` to `join()` later. `rank_main` must be a top-level (picklable)
 function; it owns the rank's serving loop and must call `engine.step()` in lockstep with the
 other ranks. If a rank fails, the others are stopped and the failure is raised here.
+`rank_setup(rank)` runs first in each rank process, before torch threads or sockets exist: e.g. to
+enter a per-rank network namespace (loadtest/bench_ep_hosts.py puts the ranks on two "hosts").
 """
 from __future__ import annotations
 
@@ -37,9 +39,16 @@ class RankSpec:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     ep: EPConfig = field(default_factory=EPConfig)
     torch_threads: int | None = 1
+    rank_setup: Callable[[int], None] | None = None  # picklable; called with the rank in its process
 
 
 def _rank_entry(rank: int, spec: RankSpec, rank_main: Callable[..., Any], args: tuple, out: mp.Queue) -> None:
+    if spec.rank_setup is not None:
+        try:
+            spec.rank_setup(rank)
+        except BaseException:
+            out.put((rank, False, traceback.format_exc()))
+            return
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     try:
@@ -99,18 +108,19 @@ def launch_ep_group(model_path: str, ep_size: int, rank_main: Callable[..., Any]
                     engine_kwargs: dict[str, Any] | None = None, ep: EPConfig | None = None,
                     backend: str = "auto", host: str = "127.0.0.1", port: int | None = None,
                     torch_threads: int | None = 1, start_method: str = "spawn",
-                    preload: Sequence[str] = (), wait: bool = True,
-                    timeout_s: float | None = None) -> list[Any] | EPGroupHandle:
+                    preload: Sequence[str] = (), wait: bool = True, timeout_s: float | None = None,
+                    rank_setup: Callable[[int], None] | None = None) -> list[Any] | EPGroupHandle:
     """Run `rank_main(DPEngine, *args)` on `ep_size` ranks of one EP / attention-DP group.
 
     `start_method="forkserver"` with `preload=["moebus.engine.distributed"]` pays the torch import
     once per parent process instead of once per rank (tests, benchmarks); NCCL needs "spawn" or
-    "forkserver" (never "fork" after CUDA init).
+    "forkserver" (never "fork" after CUDA init). The rendezvous listens on `host`:`port` in rank 0's
+    process; pass `port` where `host` is not this process's own address (rank 0 in another namespace).
     """
     if ep_size < 1:
         raise ValueError("ep_size must be >= 1")
     spec = RankSpec(str(model_path), ep_size, f"tcp://{host}:{port or free_port(host)}", resolve_backend(backend),
-                    dict(engine_kwargs or {}), ep or EPConfig(), torch_threads)
+                    dict(engine_kwargs or {}), ep or EPConfig(), torch_threads, rank_setup)
     ctx = mp.get_context(start_method)
     if start_method == "forkserver" and preload:
         ctx.set_forkserver_preload(list(preload))
