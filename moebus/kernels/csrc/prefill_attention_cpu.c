@@ -192,27 +192,14 @@ static inline __attribute__((always_inline)) void softmax_row(float *s, int lo, 
     *m = mx;
 }
 
-#if defined(__AVX512F__)
 /* softmax_row for rows [m0, m1) that all see every key of the tile (the tiles below the diagonal,
- * most of a long prompt's): no masks or branches, so the rows' reduce / exp chains overlap. */
+ * most of a long prompt's): with the bounds constant, no masks or branches are left, and the rows'
+ * reduce / exp chains overlap. */
 static inline __attribute__((always_inline)) void softmax_full(float *s, int m0, int m1, float *m, vf *l,
                                                                float *alpha) {
 #pragma GCC unroll 4
-    for (int r = m0; r < m1; r++) {
-        float *sr = s + (size_t)r * KT;
-        const __m512 a = _mm512_load_ps(sr), b = _mm512_load_ps(sr + VW);
-        const float top = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
-        const float mx = top > m[r] ? top : m[r];
-        const __m512 mxv = _mm512_set1_ps(mx);
-        const __m512 ea = exp16(_mm512_sub_ps(a, mxv)), eb = exp16(_mm512_sub_ps(b, mxv));
-        _mm512_store_ps(sr, ea);
-        _mm512_store_ps(sr + VW, eb);
-        alpha[r] = fast_exp(m[r] - mx);
-        l[r] = l[r] * alpha[r] + (vf)ea + (vf)eb;
-        m[r] = mx;
-    }
+    for (int r = m0; r < m1; r++) softmax_row(s + (size_t)r * KT, 0, KT, m + r, l + r, alpha + r);
 }
-#endif
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -437,20 +424,18 @@ static inline __attribute__((always_inline)) void prefill_task(enum dtype t, int
         /* every row of [m0, m1) a real one whose position is past the tile and inside its window */
         const int full = n == KT && m1 <= M && base + m0 / G >= t0 + KT - 1 &&
                          (W <= 0 || base + (m1 - 1) / G - W + 1 <= t0);
-#if defined(__AVX512F__)
-        if (full) softmax_full(w->s, m0, m1, w->m, w->l, w->alpha);
-        else
-#else
-        (void)full;
-#endif
-        for (int m = m0; m < m1; m++) {
-            int lo = 0, hi = 0;
-            if (m < M) {
-                const int pos = base + m / G;
-                hi = pos - t0 + 1 < n ? pos - t0 + 1 : n;
-                if (W > 0 && pos - W + 1 - t0 > 0) lo = pos - W + 1 - t0;
+        if (full) {
+            softmax_full(w->s, m0, m1, w->m, w->l, w->alpha);
+        } else {
+            for (int m = m0; m < m1; m++) {
+                int lo = 0, hi = 0;
+                if (m < M) {
+                    const int pos = base + m / G;
+                    hi = pos - t0 + 1 < n ? pos - t0 + 1 : n;
+                    if (W > 0 && pos - W + 1 - t0 > 0) lo = pos - W + 1 - t0;
+                }
+                softmax_row(w->s + (size_t)m * KT, lo, hi, w->m + m, w->l + m, w->alpha + m);
             }
-            softmax_row(w->s + (size_t)m * KT, lo, hi, w->m + m, w->l + m, w->alpha + m);
         }
 #if HAVE_AMX
         if (pk->amx)
