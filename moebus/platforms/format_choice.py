@@ -53,15 +53,17 @@ def _gguf_arch(path: Path) -> str:
 
 
 def _quantized_share(path: Path) -> float:
-    """The share of the GGUF's weight elements stored in a type the blocks' kernels take (the
-    tensor directory only: the data stays mapped, unread)."""
+    """The share of the GGUF's weight elements stored in a type the blocks' kernels take as it is
+    (the tensor directory only: the data stays mapped, unread). Not Q4_K: a k-quant file's blocks
+    (rewritten at load, and a Q4_K_M's Q6_K parts dense beside them) were not measured for auto,
+    so they are served when asked for."""
     from gguf import GGUFReader
 
-    from moebus.engine.loader.gguf_file import QUANT_TYPES
+    from moebus.engine.loader.gguf_file import KERNEL_TYPES
 
     sizes = [(t.tensor_type.name, int(t.n_elements)) for t in GGUFReader(str(path)).tensors]
     total = sum(n for _, n in sizes)
-    return sum(n for name, n in sizes if name in QUANT_TYPES) / max(total, 1)
+    return sum(n for name, n in sizes if name in KERNEL_TYPES) / max(total, 1)
 
 
 def choose_format(path: Path, requested: str, dtype: str, device: str = "cpu",
@@ -84,7 +86,7 @@ def choose_format(path: Path, requested: str, dtype: str, device: str = "cpu",
     if why_not is None:
         arch, share = gguf_facts or (_gguf_arch(path), _quantized_share(path))
         if share < QUANTIZED_SHARE:
-            why_not = f"{share:.0%} of the GGUF's weights in Q4_0/Q4_1/Q8_0/Q4_K blocks"
+            why_not = f"{share:.0%} of the GGUF's weights in Q4_0/Q4_1/Q8_0 blocks"
         elif arch in QUANTIZED_ARCHS and arch not in GGUF_ARCHS:
             why_not = f"a {arch} GGUF: its blocks are a latency choice (weight_format gguf)"
         elif arch not in GGUF_ARCHS:

@@ -83,12 +83,12 @@ def estimate(path: Path, dtype: str, weight_format: str, kv_cache_bytes: int,
         size = model_file_bytes(path)
         return None if size is None else Estimate(
             size * FALLBACK_PER_FILE_BYTE + kv_cache_bytes + RUNTIME_BYTES, "no header read: from the file size")
-    from moebus.engine.loader.gguf_file import QUANT_TYPES
+    from moebus.engine.loader.gguf_file import KERNEL_TYPES, QUANT_TYPES
     from moebus.platforms.dtype_choice import choose_dtype
     from moebus.platforms.format_choice import choose_format
 
     fmt = choose_format(path, weight_format, dtype, flags=flags,
-                        gguf_facts=(header.architecture, header.share_in(QUANT_TYPES)))
+                        gguf_facts=(header.architecture, header.share_in(KERNEL_TYPES)))
     dtype = choose_dtype(fmt.dtype, flags=flags).dtype
     blocks = fmt.weight_format == "gguf"
     weights = weight_bytes(header, WIDTHS[dtype], QUANT_TYPES if blocks else ())

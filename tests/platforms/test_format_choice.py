@@ -66,3 +66,29 @@ def test_the_start_up_line_says_what_the_workers_will_run():
     assert ("GGUF's quantized blocks" in str(s)) == (cfg.weight_format == "gguf")
     dense = summarize_model("smollm2", {"dtype": "float32", "weight_format": "auto"})
     assert (dense.weight_format, dense.dtype) == ("dense", "float32") and str(dense).endswith("float32")
+
+
+def test_q4_k_weights_do_not_count_for_auto(tmp_path: Path):
+    """auto weighs only the types the kernels take as they are: a Q4_K file's blocks (rewritten at
+    load, loader/kquants.py) are served when asked for, not chosen by auto (not measured there)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    from moebus.loadtest.kquant_file import quantize_q4_k
+    from moebus.platforms.format_choice import _quantized_share
+
+    def write(name: str, qtype: GGMLQuantizationType) -> Path:
+        w = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+        blocks = quantize_q4_k(w) if qtype == GGMLQuantizationType.Q4_K else quantize(w, qtype)
+        writer = GGUFWriter(str(tmp_path / name), "llama")
+        writer.add_tensor("blk.0.attn_q.weight", blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+        writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return tmp_path / name
+
+    assert _quantized_share(write("q4_k.gguf", GGMLQuantizationType.Q4_K)) == 0.0
+    assert _quantized_share(write("q8_0.gguf", GGMLQuantizationType.Q8_0)) == pytest.approx(2048 / 2304)

@@ -17,7 +17,8 @@ from moebus.text.gguf import read_metadata
 
 # GGUF types served as blocks: the kernels' own (kernels/quant_matmul.py) and those rewritten into
 # one of them at load (loader/kquants.py)
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", *TRANSCODED)
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+QUANT_TYPES = (*KERNEL_TYPES, *TRANSCODED)
 _EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # a layer's expert tensors (3-D)
 
 
@@ -130,4 +131,4 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-__all__ = ["GGUFCheckpoint", "GGUFValueType", "QUANT_TYPES"]
+__all__ = ["GGUFCheckpoint", "GGUFValueType", "KERNEL_TYPES", "QUANT_TYPES"]
