@@ -3,7 +3,7 @@ llama.cpp's `llama-quantize` is not built. The quantizer is a plain one (per 32-
 min and range, the super-block's 6-bit scales and mins of those), not llama.cpp's search; the bytes
 are the format's, so any reader (gguf-py's dequantize, llama.cpp, moebus) reads the same weights.
 
-    python -m moebus.loadtest.kquant_file IN.gguf OUT.gguf [--keep-q8]
+    python -m moebus.loadtest.kquant_file IN.gguf OUT.gguf [--keep TENSOR ...]
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _rewritten(name: str, shape: list[int], keep: set[str]) -> bool:
 def rewrite(src: Path, dst: Path, keep: set[str] = frozenset()) -> Path:
     """dst: src's metadata and tensors, its weight matrices re-quantized to Q4_K (those named in
     `keep` and those whose rows are not whole super-blocks as they were)."""
-    reader = GGUFReader(str(src))
+    reader, keep = GGUFReader(str(src)), set(keep)
     arch = str(reader.fields["general.architecture"].contents())
     writer = GGUFWriter(str(dst), arch)
     for field in reader.fields.values():
@@ -62,7 +62,7 @@ def rewrite(src: Path, dst: Path, keep: set[str] = frozenset()) -> Path:
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
     for t in reader.tensors:
         shape = [int(x) for x in t.shape]  # ggml order: the row length first
-        if _rewritten(t.name, shape, set(keep)):
+        if _rewritten(t.name, shape, keep):
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(list(reversed(shape)))
             blocks = quantize_q4_k(w)
             writer.add_tensor(t.name, blocks, raw_shape=blocks.shape, raw_dtype=GGMLQuantizationType.Q4_K)

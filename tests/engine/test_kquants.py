@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, quants
 from gguf.quants import dequantize
 
-from moebus.engine.loader.kquants import Q4_1_BYTES, Q4_K_BYTES, _scales_mins, q4_k_to_q4_1, transcode
+from moebus.engine.loader.kquants import Q4_1_BYTES, Q4_K_BYTES, q4_k_to_q4_1, transcode
 from moebus.loadtest.kquant_file import quantize_q4_k
 
 Q4_K, Q4_1 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_1
@@ -38,7 +38,7 @@ def test_q4_1_blocks_hold_the_q4_k_weights_to_f16_rounding_of_the_scales():
     sb = blocks.reshape(-1, Q4_K_BYTES)
     d = sb[:, 0:2].copy().view(np.float16).astype(np.float64)
     dmin = sb[:, 2:4].copy().view(np.float16).astype(np.float64)
-    sc, mn = _scales_mins(sb[:, 4:16])
+    sc, mn = quants.Q4_K.get_scale_min(sb[:, 4:16])
     bound = (2.0**-11 * (15 * d * sc + dmin * mn)).reshape(16, 1024 // 32)
     err = np.abs(got.astype(np.float64) - want).reshape(16, -1, 32).max(-1)
     assert (err <= bound * (1 + 1e-6) + 1e-12).all()

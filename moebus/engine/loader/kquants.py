@@ -14,21 +14,12 @@ Q6_K / Q5_K tensors stay dense.
 from __future__ import annotations
 
 import numpy as np
+from gguf.quants import Q4_K
 
 QK_K = 256  # weights a super-block
 Q4_K_BYTES = 144  # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
 Q4_1_BYTES = 20  # d, m (f16), 16 bytes of nibbles
 TRANSCODED = {"Q4_K": "Q4_1"}  # a GGUF type -> the block type it is served as
-
-
-def _scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[n, 12] packed bytes -> the 8 scales and 8 mins [n, 8] of each super-block (ggml's
-    get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7, 4-7 split across byte
-    8-11's nibbles and the top 2 bits of bytes 0-7)."""
-    d, m, md = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=1)
-    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=1)
-    return sc, mn
 
 
 def q4_k_to_q4_1(data: np.ndarray) -> np.ndarray:
@@ -40,7 +31,7 @@ def q4_k_to_q4_1(data: np.ndarray) -> np.ndarray:
     sb = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, Q4_K_BYTES)
     d = sb[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
     dmin = sb[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, mn = _scales_mins(sb[:, 4:16])
+    sc, mn = Q4_K.get_scale_min(sb[:, 4:16])  # gguf-py's unpacking of the 6-bit scales and mins
     qs = sb[:, 16:].reshape(-1, 4, 32)  # 4 chunks of 64 weights: low nibbles then high nibbles
     nib = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # [n, sub-block, weight]
     out = np.empty((sb.shape[0], 8, Q4_1_BYTES), dtype=np.uint8)
