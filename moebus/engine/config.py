@@ -16,7 +16,7 @@ class EngineConfig:
     model: str = "smollm2"  # embedded default, a .gguf path, or an HF-layout checkpoint dir
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "float32"  # "auto": chosen from the CPU's flags (the CLI's default)
-    # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 (and Q4_K, as Q4_1) linear layers run on the file's blocks (~5.6x fewer weight
+    # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 (Q4_K as Q4_1, Q6_K/Q5_K as Q8_0) linear layers run on the file's blocks (~5.6x fewer weight
     # bytes per decoded token than float32; on AVX-512 kernels/qpanel.py at every row count);
     # "dense": the weights dequantized to dtype at load; "auto" (the CLI's default): the blocks where
     # they are measured faster for a lone stream and as faithful (platforms/format_choice.py).

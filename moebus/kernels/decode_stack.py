@@ -42,7 +42,8 @@ class _Linear(ctypes.Structure):
 
 
 class _Moe(ctypes.Structure):
-    _fields_ = [("router", PTR), ("p13", PTR), ("p2", PTR), ("qt", _I32), ("n_experts", _I32), ("top_k", _I32),
+    _fields_ = [("router", PTR), ("p13", PTR), ("p2", PTR), ("qt", _I32), ("qt2", _I32), ("n_experts", _I32),
+                ("top_k", _I32),
                 ("inter", _I32), ("renorm", _I32), ("route_scale", ctypes.c_float)]
 
 
@@ -105,16 +106,21 @@ class StackExperts:
     top_k: int
     renorm: bool  # softmax over the top-k logits (== softmax, top-k, renormalise); else softmax over all E
     route_scale: float
-    qtype: str
+    qtype: str  # gate|up's block type
     p13: torch.Tensor  # uint8 [E, panel bytes of 2I x hidden]
     p2: torch.Tensor  # uint8 [E, panel bytes of hidden x I]
     inter: int
+    qtype2: str | None = None  # down's block type (None: qtype)
+
+    @property
+    def down_type(self) -> str:
+        return self.qtype2 or self.qtype
 
     def __post_init__(self) -> None:
         e, hidden = self.router.shape
         assert self.router_panels.shape == (-(-e // 16), hidden, 16), self.router_panels.shape
         assert self.p13.shape == (e, panel_bytes(self.qtype, 2 * self.inter, hidden)), self.p13.shape
-        assert self.p2.shape == (e, panel_bytes(self.qtype, hidden, self.inter)), self.p2.shape
+        assert self.p2.shape == (e, panel_bytes(self.down_type, hidden, self.inter)), self.p2.shape
         assert 1 <= self.top_k <= e and hidden % 32 == 0 and self.inter % 32 == 0
 
     def ref(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,12 +133,14 @@ class StackExperts:
         else:
             probs = torch.softmax(logits, dim=-1)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        out = qmoe_cpu(x, self.p13, self.p2, self.qtype, weights * self.route_scale, ids, self.inter)
+        out = qmoe_cpu(x, self.p13, self.p2, self.qtype, weights * self.route_scale, ids, self.inter,
+                       qtype2=self.down_type)
         assert out is not None, "csrc/qmoe_cpu.c"
         return out
 
     def struct(self) -> _Moe:
         return _Moe(self.router_panels.data_ptr(), self.p13.data_ptr(), self.p2.data_ptr(), GGML_TYPES[self.qtype],
+                    GGML_TYPES[self.down_type],
                     self.router.shape[0], self.top_k, self.inter, int(self.renorm), self.route_scale)
 
 

@@ -9,8 +9,10 @@ panels, and qpanel.h's one formula makes a token's result the same bits at any b
 
 Weights: each expert's GGUF rows (w13 [E, 2I, D / 32 * block bytes], gate rows then up rows;
 w2 [E, D, I / 32 * block bytes]) packed by `pack_experts` into panels, experts back to back; the
-layer keeps only the panels. `qmoe_ref` is the spec, on the rows: quant_matmul_qa_ref at 16 bits
-per expert (float64 block sums: the kernel's float32 sums differ by rounding).
+layer keeps only the panels. `qtype` is gate|up's type and `qtype2` down's (None: the same; a Q4_K_M
+file's down experts are Q6_K, served as Q8_0 beside its Q4_K gate/up served as Q4_1).
+`qmoe_ref` is the spec, on the rows: quant_matmul_qa_ref at 16 bits per expert (float64 block sums:
+the kernel's float32 sums differ by rounding).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from .quant_matmul import GGML_TYPES, QK, quant_matmul_qa_ref
 from .silu_mul import silu_and_mul_ref
 
 _SOURCE = "qmoe_cpu.c"
-_ARGS = [I32, PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I32, I32, F32]
+_ARGS = [I32, I32, PTR, I64, PTR, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I32, I32, F32]
 
 
 def shapes_ok(hidden: int, intermediate: int) -> bool:
@@ -31,7 +33,7 @@ def shapes_ok(hidden: int, intermediate: int) -> bool:
 
 
 def qmoe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, qtype: str, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+             topk_ids: torch.Tensor, swiglu_limit: float | None = None, qtype2: str | None = None) -> torch.Tensor:
     """float32 x [T, D] on the experts' GGUF rows -> float32 [T, D] (module docstring)."""
     t, k = topk_ids.shape
     d = x.shape[1]
@@ -39,7 +41,7 @@ def qmoe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, qtype: str, t
     for e in topk_ids.unique().tolist():
         rows, slots = (topk_ids == e).nonzero(as_tuple=True)
         h = quant_matmul_qa_ref(x[rows].float(), w13[e], qtype, 16)
-        y = quant_matmul_qa_ref(silu_and_mul_ref(h, limit=swiglu_limit), w2[e], qtype, 16)
+        y = quant_matmul_qa_ref(silu_and_mul_ref(h, limit=swiglu_limit), w2[e], qtype2 or qtype, 16)
         out.index_add_(0, rows, topk_weights[rows, slots].double()[:, None] * y.double())
     return out.float()
 
@@ -57,14 +59,15 @@ def available() -> bool:
 
 def qmoe_cpu(x: torch.Tensor, p13: torch.Tensor, p2: torch.Tensor, qtype: str, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, intermediate: int, swiglu_limit: float | None = None,
-             lib: object | None = None) -> torch.Tensor | None:
+             lib: object | None = None, qtype2: str | None = None) -> torch.Tensor | None:
     """csrc/qmoe_cpu.c on pack_experts' panels: float32 [T, D], or None without the C library.
     lib: a build of qmoe_cpu.c (tests pass cpu_build.build_variant's)."""
     t, k = topk_ids.shape
     e, d = p13.shape[0], x.shape[1]
     assert x.dim() == 2 and x.device.type == "cpu" and shapes_ok(d, intermediate), (x.shape, intermediate)
     assert p13.shape == (e, panel_bytes(qtype, 2 * intermediate, d)), p13.shape
-    assert p2.shape == (e, panel_bytes(qtype, d, intermediate)), p2.shape
+    qtype2 = qtype2 or qtype
+    assert p2.shape == (e, panel_bytes(qtype2, d, intermediate)), p2.shape
     if t == 0:
         return torch.zeros(0, d)
     if lib is None:
@@ -79,7 +82,7 @@ def qmoe_cpu(x: torch.Tensor, p13: torch.Tensor, p2: torch.Tensor, qtype: str, t
     ids = topk_ids.to(torch.int64).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(t, d)
-    status = fn(GGML_TYPES[qtype], x.data_ptr(), x.stride(0), p13.data_ptr(), p2.data_ptr(), weights.data_ptr(),
+    status = fn(GGML_TYPES[qtype], GGML_TYPES[qtype2], x.data_ptr(), x.stride(0), p13.data_ptr(), p2.data_ptr(), weights.data_ptr(),
                 ids.data_ptr(), out.data_ptr(), t, k, e, d, intermediate, swiglu_limit is not None,
                 0.0 if swiglu_limit is None else float(swiglu_limit))
     if status == 2:

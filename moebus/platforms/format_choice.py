@@ -54,9 +54,8 @@ def _gguf_arch(path: Path) -> str:
 
 def _quantized_share(path: Path) -> float:
     """The share of the GGUF's weight elements stored in a type the blocks' kernels take as it is
-    (the tensor directory only: the data stays mapped, unread). Not Q4_K: a k-quant file's blocks
-    (rewritten at load, and a Q4_K_M's Q6_K parts dense beside them) were not measured for auto,
-    so they are served when asked for."""
+    (the tensor directory only: the data stays mapped, unread). Not the k-quants: a k-quant file's
+    blocks (rewritten at load) were not measured for auto, so they are served when asked for."""
     from gguf import GGUFReader
 
     from moebus.engine.loader.gguf_file import KERNEL_TYPES

@@ -107,7 +107,7 @@ def weight_bytes(header: Header, width: int, block_types: Iterable[str] = ()) ->
     total = 0
     for t in header.tensors:
         if t.gguf_type in block_types:
-            served = TRANSCODED.get(t.gguf_type, t.gguf_type)  # Q4_K is held as Q4_1 blocks
+            served = TRANSCODED.get(t.gguf_type, t.gguf_type)  # Q4_K held as Q4_1 blocks, Q6_K/Q5_K as Q8_0
             block, size = GGML_QUANT_SIZES[GGMLQuantizationType[served]]
             total += t.elements * size // block * BLOCK_COPIES
             total += t.elements * width if t.name == "token_embd.weight" else 0

@@ -41,20 +41,23 @@ def _qlinear(n: int, k: int, qtype: str, g: torch.Generator) -> StackLinear:
 
 
 def _experts(qtype: str, renorm: bool, scale: float, g: torch.Generator) -> StackExperts:
+    """qtype "A/B": gate|up in A, down in B (a Q4_K_M file's experts as served)."""
+    q13, q2 = (qtype.split("/") + [qtype])[:2]
     router = torch.randn(E, HIDDEN, generator=g)
-    w13 = _blocks(torch.randn(E, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5, qtype)
-    w2 = _blocks(torch.randn(E, HIDDEN, INTER, generator=g) / INTER**0.5, qtype)
-    return StackExperts(router, pack_panels(router), K, renorm, scale, qtype, pack_experts(w13, qtype, HIDDEN),
-                        pack_experts(w2, qtype, INTER), INTER)
+    w13 = _blocks(torch.randn(E, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5, q13)
+    w2 = _blocks(torch.randn(E, HIDDEN, INTER, generator=g) / INTER**0.5, q2)
+    return StackExperts(router, pack_panels(router), K, renorm, scale, q13, pack_experts(w13, q13, HIDDEN),
+                        pack_experts(w2, q2, INTER), INTER, q2)
 
 
 def _layer(moe: bool, qtype: str, g: torch.Generator, qk_norm: str = "none", **kw) -> StackLayer:
     norms = {"none": (None, None), "head": (HD, HD), "full": (NH * HD, NKV * HD)}[qk_norm]
     qn, kn = (None if n is None else 1 + 0.2 * torch.randn(n, generator=g) for n in norms)
-    mlp = (None, None) if moe else (_qlinear(2 * INTER, HIDDEN, qtype, g), _qlinear(HIDDEN, INTER, qtype, g))
+    lin = qtype.split("/")[0]
+    mlp = (None, None) if moe else (_qlinear(2 * INTER, HIDDEN, lin, g), _qlinear(HIDDEN, INTER, lin, g))
     renorm, route_scale = kw.pop("renorm", True), kw.pop("route_scale", 1.0)
     return StackLayer(1 + 0.1 * torch.randn(HIDDEN, generator=g), 1 + 0.1 * torch.randn(HIDDEN, generator=g),
-                      _qlinear((NH + 2 * NKV) * HD, HIDDEN, qtype, g), _qlinear(HIDDEN, NH * HD, qtype, g), *mlp,
+                      _qlinear((NH + 2 * NKV) * HD, HIDDEN, lin, g), _qlinear(HIDDEN, NH * HD, lin, g), *mlp,
                       q_norm=qn, k_norm=kn, qk_norm=qk_norm,
                       experts=_experts(qtype, renorm, route_scale, g) if moe else None,
                       **kw)
@@ -85,7 +88,7 @@ def _check(layers, shape, pos, scale, lib=None):
     assert_same_step((out, h, caches), (want_out, want_h, ref_caches), h0, TOL)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_1/Q8_0"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("pos", [0, 3, 9])
 def test_moe_step_matches_reference(variant, qtype, pos):

@@ -43,6 +43,23 @@ def test_matches_the_reference(qtype, t, e, k, d, i):
     assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), ((out - ref).abs().max(), ref.abs().max())
 
 
+@pytest.mark.parametrize("q13,q2", [("Q4_1", "Q8_0"), ("Q8_0", "Q4_0")])
+def test_gate_up_and_down_in_different_types(q13, q2):
+    """A Q4_K_M file's experts as served: gate|up Q4_K as Q4_1 blocks, down Q6_K as Q8_0."""
+    t, e, k, d, i = 9, 8, 2, 128, 96
+    w13, w2 = _experts(q13, e, 2 * i, d, 11), _experts(q2, e, d, i, 12)
+    p13, p2 = pack_experts(w13, q13, d), pack_experts(w2, q2, i)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(4)) * 2
+    weights, ids = _routing(t, e, k, seed=5)
+    out = qmoe_cpu(x, p13, p2, q13, weights, ids, i, qtype2=q2)
+    ref = qmoe_ref(x, w13, w2, q13, weights, ids, qtype2=q2)
+    assert ref.abs().max() > 1e-2
+    assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), ((out - ref).abs().max(), ref.abs().max())
+    # without qtype2 the down panels are taken as gate|up's type, whose size they do not have: refused
+    with pytest.raises(AssertionError):
+        qmoe_cpu(x, p13, p2, q13, weights, ids, i)
+
+
 def test_swiglu_limit_matches_the_reference():
     w13, w2, p13, p2 = _layer("Q8_0", 4, 64, 64, seed=3)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)) * 8

@@ -47,12 +47,12 @@ def converted_dir(gguf_path: str | Path, progress: Callable[[int, int], None] | 
 
 
 # In a subfolder: checkpoint readers take every *.safetensors of the converted directory as weights.
-BLOCKS_FILE = Path("gguf_blocks") / "blocks-v3.safetensors"  # v2: the experts' blocks too; v3: Q4_K
+BLOCKS_FILE = Path("gguf_blocks") / "blocks-v4.safetensors"  # v2: the experts' blocks too; v3: Q4_K; v4: Q6_K/Q5_K
 
 
 def quantized_blocks(gguf_path: str | Path) -> dict[str, tuple[str, torch.Tensor]]:
     """HF name -> (GGUF type, uint8 blocks [rows, bytes]) of this GGUF's Q4_0/Q4_1/Q8_0 tensors
-    (Q4_K as Q4_1: loader/kquants.py; GGUFCheckpoint.quantized_blocks), cached in its converted
+    (Q4_K as Q4_1, Q6_K/Q5_K as Q8_0: loader/kquants.py; GGUFCheckpoint.quantized_blocks), cached in its converted
     directory; the types ride in the safetensors metadata."""
     out_dir = converted_dir(gguf_path)
     path = out_dir / BLOCKS_FILE

@@ -12,7 +12,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from moebus.engine.loader.gguf_archs import MODEL_TYPES, GGUFArch, arch_of, hf_name, stack_experts
-from moebus.engine.loader.kquants import TRANSCODED, transcode
+from moebus.engine.loader.kquants import TRANSCODED, one_type, transcode
 from moebus.text.gguf import read_metadata
 
 # GGUF types served as blocks: the kernels' own (kernels/quant_matmul.py) and those rewritten into
@@ -96,10 +96,11 @@ class GGUFCheckpoint:
 
     def quantized_blocks(self) -> dict[str, tuple[str, torch.Tensor]]:
         """HF name -> (type, uint8 blocks) for the tensors stored in a type the quant_matmul kernels
-        take (Q4_0, Q4_1, Q8_0; Q4_K rewritten as Q4_1 by loader/kquants.py): 2-D ones [rows, blocks
-        bytes] with q/k rows un-permuted as in state_dict (a row's blocks move with it), and a layer's
-        experts [E, rows, blocks bytes] stacked under the names state_dict gives them when gate, up and
-        down are served in one type."""
+        take (Q4_0, Q4_1, Q8_0; Q4_K rewritten as Q4_1, Q6_K / Q5_K as Q8_0 by loader/kquants.py): 2-D
+        ones [rows, blocks bytes] with q/k rows un-permuted as in state_dict (a row's blocks move with
+        it), and a layer's experts [E, rows, blocks bytes] stacked under the names state_dict gives
+        them when all three are quantized (gate and up in one type, as kquants.one_type makes them;
+        down in its own)."""
         cfg, arch = self.hf_config(), arch_of(self.architecture)
         out: dict[str, tuple[str, torch.Tensor]] = {}
         experts: dict[str, tuple[str, torch.Tensor]] = {}
@@ -117,11 +118,15 @@ class GGUFCheckpoint:
             out[name] = (qtype, torch.from_numpy(np.array(w, copy=True)))
         for p in sorted({n.rsplit(".", 1)[0] for n in experts}):
             parts = [experts.get(f"{p}.{part}") for part in _EXPERT_STACKS]
-            if any(x is None for x in parts) or len({x[0] for x in parts}) != 1:
-                continue  # in mixed types: served dense
-            stacked = {f"{p}.{part}": x[1] for part, x in zip(_EXPERT_STACKS, parts, strict=True)}
+            if any(x is None for x in parts):
+                continue  # a part in a type no kernel takes: the layer's experts are served dense
+            parts = [*one_type([(q, b.numpy()) for q, b in parts[:2]]), parts[2]]
+            stacked = {f"{p}.{part}": torch.as_tensor(x[1]) for part, x in zip(_EXPERT_STACKS, parts, strict=True)}
+            types = {f"{p}.{part}": x[0] for part, x in zip(_EXPERT_STACKS, parts, strict=True)}
             stack_experts(arch, stacked)
-            out.update({n: (parts[0][0], b) for n, b in stacked.items()})
+            # stacked: gate|up under the family's gate_up name, down under its down name
+            out.update({n: (types[f"{p}.ffn_down_exps"] if n.endswith(arch.stacked[1]) else types[f"{p}.ffn_gate_exps"],
+                            b) for n, b in stacked.items()})
         return out
 
 

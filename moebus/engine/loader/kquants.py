@@ -1,4 +1,5 @@
-"""GGUF k-quants served on the blocks' kernels: Q4_K rewritten as Q4_1 blocks.
+"""GGUF k-quants served on the blocks' kernels: Q4_K rewritten as Q4_1 blocks, Q6_K and Q5_K
+re-quantized to Q8_0.
 
 A Q4_K super-block (144 bytes, 256 weights) is 8 sub-blocks of 32 weights w = d * sc_j * q - dmin * m_j
 (q a nibble, sc_j and m_j 6-bit integers, d and dmin f16). A Q4_1 block (20 bytes, 32 weights) is
@@ -8,18 +9,28 @@ products of d (11 significant bits) and a 6-bit integer to 11 bits: a weight mov
 of 15 times its sub-block's scale plus its offset (tests/engine/test_kquants.py holds it to that).
 On Gaussian weights (std 0.05, 256 x 1024) that is an RMS change of 3.2e-5, against 8.3e-5 for
 rounding the same Q4_K weights to bf16 and 3.9e-3 for the 4-bit quantization itself. Q4_K is the
-type of most of a Q4_K_M / Q4_K_S file's weights (llama.cpp's most published quantizations); their
-Q6_K / Q5_K tensors stay dense.
+type of most of a Q4_K_M / Q4_K_S file's weights (llama.cpp's most published quantizations).
+
+Their other tensors (Q6_K: the embedding, half the layers' attn_v and down experts; Q5_K in the
+Q5_K_* files) have 16- or 32-weight sub-blocks with 6- or 5-bit values under an 8-bit scale: no block
+type the kernels take holds them exactly, so they are re-quantized to Q8_0 (`as_q8_0`: gguf-py's
+dequantization, then Q8_0's absmax / 127 scale a block of 32). A weight moves by at most half a
+Q8_0 step plus the f16 rounding of its scale, 1/254 + 2^-11 of its block's largest weight
+(tests/engine/test_kquants.py); measured on a Q4_K_M file llama-quantize wrote (Q6_K tensors of RMS
+0.020): an RMS change of 1.06e-4 and a largest of 0.0044 of the block's largest weight. The same
+re-quantization joins parts served in one kernel that came in different types (`one_type`: q, k and v
+of a fused projection, an expert's gate and up).
 """
 from __future__ import annotations
 
 import numpy as np
-from gguf.quants import Q4_K
+from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K, dequantize, quantize
 
 QK_K = 256  # weights a super-block
 Q4_K_BYTES = 144  # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
 Q4_1_BYTES = 20  # d, m (f16), 16 bytes of nibbles
-TRANSCODED = {"Q4_K": "Q4_1"}  # a GGUF type -> the block type it is served as
+TRANSCODED = {"Q4_K": "Q4_1", "Q5_K": "Q8_0", "Q6_K": "Q8_0"}  # a GGUF type -> the block type it is served as
 
 
 def q4_k_to_q4_1(data: np.ndarray) -> np.ndarray:
@@ -41,9 +52,28 @@ def q4_k_to_q4_1(data: np.ndarray) -> np.ndarray:
     return out.reshape(*lead, nbytes // Q4_K_BYTES * 8 * Q4_1_BYTES)
 
 
+def as_q8_0(qtype: str, data: np.ndarray) -> np.ndarray:
+    """uint8 rows of any GGUF type gguf-py dequantizes [..., bytes] -> the same weights re-quantized
+    to Q8_0 blocks [..., k / 32 * 34] (module docstring: the bound)."""
+    if qtype == "Q8_0":
+        return data
+    weights = dequantize(np.ascontiguousarray(data, dtype=np.uint8), GGMLQuantizationType[qtype])
+    return quantize(weights.astype(np.float32, copy=False), GGMLQuantizationType.Q8_0)
+
+
 def transcode(qtype: str, data: np.ndarray) -> tuple[str, np.ndarray]:
     """(the block type served, its bytes) for a tensor stored as `qtype`: k-quants rewritten,
     the blocks' own types as they are."""
     if qtype == "Q4_K":
         return "Q4_1", q4_k_to_q4_1(data)
+    if qtype in TRANSCODED:
+        return "Q8_0", as_q8_0(qtype, data)
     return qtype, data
+
+
+def one_type(parts: list[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
+    """Parts one kernel serves together (their rows concatenated): as they are in one type, else all
+    re-quantized to Q8_0 (a Q4_K_M's attn_v in Q6_K beside its q and k in Q4_K)."""
+    if len({q for q, _ in parts}) <= 1:
+        return parts
+    return [("Q8_0", as_q8_0(q, b)) for q, b in parts]

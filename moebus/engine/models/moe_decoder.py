@@ -248,8 +248,8 @@ class MoEDecoderForCausalLM(nn.Module):
                      activation_bits: int | None = 16) -> None:
         """HF on-disk names (module docstring); fails naming the first unexpected, misshaped or
         missing tensor, before any layer serves. `quantized` (HF name -> (GGUF type, blocks), a
-        GGUF's Q4_0/Q4_1/Q8_0 tensors, Q4_K ones as Q4_1): the routed experts whose gate/up/down share a type run on
-        those blocks (QuantExperts), and so do the bias-free linear layers and the LM head
+        GGUF's Q4_0/Q4_1/Q8_0 tensors, Q4_K ones as Q4_1, Q6_K/Q5_K as Q8_0): the routed experts run on those
+        blocks (QuantExperts; gate|up in one type, down in its own), and so do the bias-free linear layers and the LM head
         (QuantLinear, with activation_bits)."""
         a, sd, q = self.args, dict(state_dict), quantized or {}
         if a.tie_word_embeddings:
@@ -305,7 +305,8 @@ class MoEDecoderForCausalLM(nn.Module):
 
     def _rename_moe(self, sd: dict[str, torch.Tensor], p: str, quantized: dict[str, tuple[str, torch.Tensor]]) -> None:
         """One MoE layer's tensors to our names: mlp.gate.weight, mlp.w13 [E, 2I, H], mlp.w2 [E, H, I];
-        or, where `quantized` holds the layer's stacked experts in one type, QuantExperts on them."""
+        or, where `quantized` holds the layer's stacked experts (gate|up in one type, down in one), QuantExperts on
+        them."""
         a, e = self.args, self.args.num_experts
         if a.family == "GraniteMoeForCausalLM":
             m = p + "block_sparse_moe."
@@ -315,10 +316,11 @@ class MoEDecoderForCausalLM(nn.Module):
             router, w13, w2 = m + "gate.weight", m + "experts.gate_up_proj", m + "experts.down_proj"
         sd[p + "mlp.gate.weight"] = take(sd, router)
         q13, q2 = quantized.get(w13), quantized.get(w2)
-        if q13 is not None and q2 is not None and q13[0] == q2[0]:
+        if q13 is not None and q2 is not None:
             sd.pop(w13, None), sd.pop(w2, None)
             mlp = self.layers[int(p.split(".")[2])].mlp
-            mlp.use_quantized_experts(QuantExperts(q13[1], q2[1], q13[0], a.hidden_size, a.moe_intermediate_size))
+            mlp.use_quantized_experts(QuantExperts(q13[1], q2[1], q13[0], a.hidden_size, a.moe_intermediate_size,
+                                                   qtype2=q2[0]))
         elif a.family == "GraniteMoeForCausalLM":
             sd[p + "mlp.w13"] = take(sd, w13)  # [E, 2I, H], gate rows first
             sd[p + "mlp.w2"] = take(sd, w2)

@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from moebus.engine.loader.kquants import one_type
 from moebus.engine.quant_linear import QuantLinear
 
 
@@ -97,12 +98,14 @@ def assign(module: nn.Module, sd: dict[str, torch.Tensor], strip: str = "model."
 def quantize_linear(parent: nn.Module, attr: str, names: list[str], quantized: dict[str, tuple[str, torch.Tensor]],
                     sd: dict[str, torch.Tensor], activation_bits: int | None) -> bool:
     """Replaces the bias-free linear `parent.attr` by a QuantLinear on the GGUF blocks of `names`
-    (its row blocks, in order) when all of them are quantized in one type, popping their dense
-    copies from sd; else leaves it dense. Returns whether it did."""
+    (its row blocks, in order) when all of them are quantized (in different types: all as Q8_0,
+    loader/kquants.one_type), popping their dense copies from sd; else leaves it dense. Returns
+    whether it did."""
     parts = [quantized.get(n) for n in names]
     layer = getattr(parent, attr)
-    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1 or getattr(layer, "bias", None) is not None:
+    if any(p is None for p in parts) or getattr(layer, "bias", None) is not None:
         return False
+    parts = [(q, torch.as_tensor(b)) for q, b in one_type([(q, b.numpy()) for q, b in parts])]
     blocks = torch.cat([p[1] for p in parts]).to(layer.weight.device)
     setattr(parent, attr, QuantLinear(blocks, parts[0][0], layer.in_features, activation_bits=activation_bits))
     for n in names:

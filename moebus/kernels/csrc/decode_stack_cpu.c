@@ -44,7 +44,7 @@ struct dlinear {
 struct dmoe {
     const float *router;      /* float32 [n_experts, hidden] */
     const uint8_t *p13, *p2;  /* each expert's [2 inter, hidden] / [hidden, inter] panels, back to back */
-    int32_t qt, n_experts, top_k, inter;
+    int32_t qt, qt2, n_experts, top_k, inter; /* p13's block type, p2's */
     int32_t renorm;           /* 1: softmax over the top-k logits; 0: softmax over all, top-k of it */
     float route_scale;        /* times every combine weight */
 };
@@ -487,7 +487,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
             wait_done(&P[2], total[2]);
             if (M->n_experts) { /* routed experts: gate|up of each chosen expert, then down over all of them */
                 const int Ie = M->inter, K = M->top_k, ci = chunks(Ie);
-                const int64_t s13 = expert_bytes(M->qt, 2 * (int64_t)Ie, H), s2 = expert_bytes(M->qt, H, Ie);
+                const int64_t s13 = expert_bytes(M->qt, 2 * (int64_t)Ie, H), s2 = expert_bytes(M->qt2, H, Ie);
                 float *act = gu + 2 * (int64_t)K * Ie, *y = act + (int64_t)K * Ie, *rw = y + (int64_t)K * H;
                 int *rsel = (int *)(rw + K); /* the routing, shared */
                 int16_t *xq = qbuf;
@@ -520,7 +520,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                     while ((k = claim(&P[4], total[4])) >= 0) {
                         const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < H ? n0 + CHUNK : H;
                         for (int j = 0; j < K; j++)
-                            expert_rows(M->qt, M->p2, s2, rsel[j], Ie, aq + (int64_t)j * Ie,
+                            expert_rows(M->qt2, M->p2, s2, rsel[j], Ie, aq + (int64_t)j * Ie,
                                         ad + 2 * (int64_t)j * (Ie / QK), n0, n1, y + (int64_t)j * H);
                         for (int64_t i = n0; i < n1; i++) { /* sum_j w_j y_j in float32, j in order */
                             float acc = 0.f;

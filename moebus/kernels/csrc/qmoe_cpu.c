@@ -2,7 +2,8 @@
  * activations: kernels/qmoe.py's qmoe_ref is the spec.
  *
  * x [T, D] (row stride xs), p13 / p2: each expert's [2I, D] / [D, I] weight as qpanel_pack lays it
- * out, experts back to back; topk_weights [T, k] float32, topk_ids [T, k] int64, out [T, D].
+ * out, experts back to back, p13 of type qt and p2 of qt2 (a Q4_K_M file's down experts are Q6_K,
+ * served as Q8_0, beside Q4_K gate/up served as Q4_1); topk_weights [T, k] float32, topk_ids [T, k] int64, out [T, D].
  * The T*k assignments are grouped by expert (stable) and their rows gathered, so each active expert
  * is two GEMMs over all of its tokens: every panel of an active expert is read once a step, a Q8_0
  * weight costs ~1.06 bytes and a Q4 one ~0.56 (bf16: 2). Rows are quantized to int16 blocks as
@@ -49,9 +50,9 @@ static void all_experts(int qt, const int16_t *q, const float *dd, int64_t K, co
     }
 }
 
-int qmoe_f32(int qt, const float *x, int64_t xs, const uint8_t *p13, const uint8_t *p2, const float *tw,
+int qmoe_f32(int qt, int qt2, const float *x, int64_t xs, const uint8_t *p13, const uint8_t *p2, const float *tw,
              const int64_t *ids, float *out, int T, int k, int E, int D, int I, int has_limit, float limit) {
-    if (!known_qtype(qt) || bad_k(D) || bad_k(I) || T <= 0 || k <= 0 || E <= 0) return 1;
+    if (!known_qtype(qt) || !known_qtype(qt2) || bad_k(D) || bad_k(I) || T <= 0 || k <= 0 || E <= 0) return 1;
     const int A = T * k, nbd = D / QK, nbi = I / QK;
     int *start = calloc((size_t)E + 1, sizeof(int)), *fill = malloc(((size_t)E + 1) * sizeof(int));
     int *order = malloc((size_t)A * sizeof(int)), *slot = malloc((size_t)A * sizeof(int));
@@ -77,7 +78,7 @@ int qmoe_f32(int qt, const float *x, int64_t xs, const uint8_t *p13, const uint8
         for (int a = 0; a < A; a++) order[slot[a]] = a;
         float *dx = (float *)(qx + (int64_t)A * D), *da = (float *)(qa + (int64_t)A * I);
         const int64_t s13 = (int64_t)(2 * I + QP_W - 1) / QP_W * nbd * qp_block_bytes(qt);
-        const int64_t s2 = (int64_t)(D + QP_W - 1) / QP_W * nbi * qp_block_bytes(qt);
+        const int64_t s2 = (int64_t)(D + QP_W - 1) / QP_W * nbi * qp_block_bytes(qt2);
 #pragma omp parallel if (A >= 2 || (int64_t)D * I >= 65536)
         {
 #pragma omp for schedule(static)
@@ -96,7 +97,7 @@ int qmoe_f32(int qt, const float *x, int64_t xs, const uint8_t *p13, const uint8
                 }
             }
             quantize_rows(act, I, A, qa, da);
-            all_experts(qt, qa, da, I, p2, s2, D, start, active, n_active, y);
+            all_experts(qt2, qa, da, I, p2, s2, D, start, active, n_active, y);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) { /* out[t] = sum_j w[t, j] y[t, j], in float32, j in order */
                 float *o = out + (int64_t)t * D;

@@ -50,7 +50,7 @@ def _experts(mlp: nn.Module) -> StackExperts | None:
         return None
     w = gate.weight.detach().float().contiguous()
     return StackExperts(w, pack_panels(w), gate.top_k, gate.norm_topk_prob, float(gate.routed_scaling_factor),
-                        q.qtype, q.p13, q.p2, q.intermediate)
+                        q.qtype, q.p13, q.p2, q.intermediate, q.qtype2)
 
 
 def _layer(ly: nn.Module) -> StackLayer | None:
