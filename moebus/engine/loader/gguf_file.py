@@ -120,13 +120,12 @@ class GGUFCheckpoint:
             parts = [experts.get(f"{p}.{part}") for part in _EXPERT_STACKS]
             if any(x is None for x in parts):
                 continue  # a part in a type no kernel takes: the layer's experts are served dense
-            parts = [*one_type([(q, b.numpy()) for q, b in parts[:2]]), parts[2]]
-            stacked = {f"{p}.{part}": torch.as_tensor(x[1]) for part, x in zip(_EXPERT_STACKS, parts, strict=True)}
-            types = {f"{p}.{part}": x[0] for part, x in zip(_EXPERT_STACKS, parts, strict=True)}
-            stack_experts(arch, stacked)
-            # stacked: gate|up under the family's gate_up name, down under its down name
-            out.update({n: (types[f"{p}.ffn_down_exps"] if n.endswith(arch.stacked[1]) else types[f"{p}.ffn_gate_exps"],
-                            b) for n, b in stacked.items()})
+            (gate_type, gate), (_, up) = one_type([(q, b.numpy()) for q, b in parts[:2]])
+            down_type, down = parts[2]
+            stacked = {f"{p}.ffn_gate_exps": torch.as_tensor(gate), f"{p}.ffn_up_exps": torch.as_tensor(up),
+                       f"{p}.ffn_down_exps": down}
+            stack_experts(arch, stacked)  # -> the family's gate|up and down names (arch.stacked)
+            out.update({n: (down_type if n.endswith(arch.stacked[1]) else gate_type, b) for n, b in stacked.items()})
         return out
 
 
