@@ -43,8 +43,7 @@ class _Linear(ctypes.Structure):
 
 class _Moe(ctypes.Structure):
     _fields_ = [("router", PTR), ("p13", PTR), ("p2", PTR), ("qt", _I32), ("qt2", _I32), ("n_experts", _I32),
-                ("top_k", _I32),
-                ("inter", _I32), ("renorm", _I32), ("route_scale", ctypes.c_float)]
+                ("top_k", _I32), ("inter", _I32), ("renorm", _I32), ("route_scale", ctypes.c_float)]
 
 
 class _Layer(ctypes.Structure):
@@ -140,8 +139,7 @@ class StackExperts:
 
     def struct(self) -> _Moe:
         return _Moe(self.router_panels.data_ptr(), self.p13.data_ptr(), self.p2.data_ptr(), GGML_TYPES[self.qtype],
-                    GGML_TYPES[self.down_type],
-                    self.router.shape[0], self.top_k, self.inter, int(self.renorm), self.route_scale)
+                    GGML_TYPES[self.down_type], self.router.shape[0], self.top_k, self.inter, int(self.renorm), self.route_scale)
 
 
 @dataclass(frozen=True, slots=True)
