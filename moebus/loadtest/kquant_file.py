@@ -55,7 +55,7 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     lead, k = w.shape[:-1], w.shape[-1]
     x = np.asarray(w, dtype=np.float32).reshape(-1, 16, 16)  # [super-block, sub-block, weight]
     scale = np.abs(x).max(axis=2) / 31.0  # q - 32 in [-32, 31]
-    d = (np.abs(scale).max(axis=1) / 127.0).astype(np.float16)
+    d = (scale.max(axis=1) / 127.0).astype(np.float16)  # scale >= 0
     df = d.astype(np.float32)[:, None]
     sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127).astype(np.int8)
     step = (df * sc)[:, :, None]
@@ -75,11 +75,12 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
 
 
 def more_bits(layer: int, n_layers: int) -> bool:
-    """llama-quantize's usemore_bits: the first and last eighth of the layers, every third between."""
+    """llama-quantize's use_more_bits: the first and last eighth of the layers, every third between."""
     return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
-def target_type(name: str, shape: list[int], keep: set[str], mix: str | None, n_layers: int):
+def target_type(name: str, shape: list[int], keep: set[str], mix: str | None,
+                n_layers: int) -> GGMLQuantizationType | None:
     """The type a tensor is rewritten to (None: left as it is): weight matrices whose rows are whole
     super-blocks, in Q4_K, or under mix "q4_k_m" in Q6_K where llama-quantize's Q4_K_M puts them."""
     if len(shape) < 2 or shape[0] % QK_K or not name.endswith(".weight") or name in keep:
