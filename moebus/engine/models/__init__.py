@@ -45,7 +45,7 @@ def _build(arch: str, cfg: dict) -> nn.Module:
 MOE_DECODERS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM")
 MLA_DECODERS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ARCHITECTURES = ("LlamaForCausalLM", "DeepseekV4ForCausalLM", *MOE_DECODERS, *MLA_DECODERS)
-QUANTIZED_ARCHS = ("LlamaForCausalLM", *MOE_DECODERS)  # the families weight_format "gguf" serves
+QUANTIZED_ARCHS = ("LlamaForCausalLM", *MOE_DECODERS, *MLA_DECODERS)  # the families weight_format "gguf" serves
 
 
 # Vision-language checkpoints whose text model is a Llama under this prefix (the vision side loads
@@ -83,7 +83,7 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, device: st
                weight_format: str = "dense", activation_bits: int | None = 16) -> LoadedModel:
     """weight_format: "dense" dequantizes a GGUF's weights to `dtype`; "gguf" serves its Q4_0/Q4_1/
     Q8_0 linear layers from the file's blocks (engine.quant_linear.QuantLinear, with activation_bits)
-    and, for the MoE decoders, its experts (models/quant_experts.py); QUANTIZED_ARCHS only."""
+    and, for the MoE families, their routed experts (models/quant_experts.py); QUANTIZED_ARCHS only."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, not {weight_format!r}")
     path = resolve(model)

@@ -33,7 +33,8 @@ from moebus.engine.models.deepseek_v4_rope import RopeSpec
 from moebus.engine.models.llama import LlamaMLP, RMSNorm
 from moebus.engine.models.mla_attention import MLAttention
 from moebus.engine.models.moe import GroupLimit, MoE
-from moebus.engine.models.weights import assign, fuse, stack_experts
+from moebus.engine.models.quant_experts import QuantExperts
+from moebus.engine.models.weights import assign, fuse, quantize_head, quantize_linear, stack_experts
 
 FAMILIES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _TOPK_METHODS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}
@@ -242,11 +243,17 @@ class DeepseekV2ForCausalLM(nn.Module):
         return float_logits(self.lm_head, self.embed_tokens, hidden)
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor],
+                     quantized: dict[str, tuple[str, torch.Tensor]] | None = None,
+                     activation_bits: int | None = 16) -> None:
         """Load the tensors as HF's save_pretrained writes them (per-expert `mlp.experts.E.*`, or
-        stacked as a GGUF's converted copy has them); strict:
-        the first missing, unexpected or misshaped tensor fails the load, named."""
-        a = self.args
+        stacked as a GGUF's converted copy has them); strict: the first missing, unexpected or
+        misshaped tensor fails the load, named. `quantized` (HF name -> (GGUF type, blocks), as
+        loader/gguf_file.py's quantized_blocks gives them): a layer's routed experts run on those
+        blocks (QuantExperts), and so do the attention's projections, the dense MLPs and the LM head
+        where whole (QuantLinear, with activation_bits). The shared experts and kv_b_proj (a GGUF's
+        per-head attn_k_b / attn_v_b) stay dense."""
+        a, q = self.args, quantized or {}
         sd = dict(state_dict)
         self.mtp_weights = {k: sd.pop(k) for k in list(sd) if self._is_mtp(k)}
         if self.lm_head is None:
@@ -260,17 +267,42 @@ class DeepseekV2ForCausalLM(nn.Module):
                     sd[name] = attn.hf_to_local(leaf, sd[name])
             mlp = layer.mlp
             if layer.is_moe:
-                sd[p + "mlp.w13"], sd[p + "mlp.w2"] = stack_experts(
-                    sd, p + "mlp.experts", "gate_proj", "up_proj", "down_proj", a.n_routed_experts)
+                q13, q2 = q.get(p + "mlp.experts.gate_up_proj"), q.get(p + "mlp.experts.down_proj")
+                if q13 is not None and q2 is not None:  # their dense copies were never read (load_model)
+                    mlp.use_quantized_experts(QuantExperts(q13[1], q2[1], q13[0], a.hidden_size,
+                                                           a.moe_intermediate_size, qtype2=q2[0]))
+                else:
+                    sd[p + "mlp.w13"], sd[p + "mlp.w2"] = stack_experts(
+                        sd, p + "mlp.experts", "gate_proj", "up_proj", "down_proj", a.n_routed_experts)
                 if mlp.shared_experts is not None:
-                    q = p + "mlp.shared_experts."
-                    fuse(sd, [q + "gate_proj.weight", q + "up_proj.weight"], q + "gate_up_proj",
+                    s = p + "mlp.shared_experts."
+                    fuse(sd, [s + "gate_proj.weight", s + "up_proj.weight"], s + "gate_up_proj",
                          mlp.shared_experts.gate_up_proj.shape)
-                    fuse(sd, [q + "down_proj.weight"], q + "down_proj", mlp.shared_experts.down_proj.shape)
+                    fuse(sd, [s + "down_proj.weight"], s + "down_proj", mlp.shared_experts.down_proj.shape)
             else:
                 fuse(sd, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "mlp.gate_up_proj.weight",
                      mlp.gate_up_proj.weight.shape)
         assign(self, sd)
+        if q:
+            self._quantize_linears(q, activation_bits)
+
+    def _quantize_linears(self, quantized: dict[str, tuple[str, torch.Tensor]], activation_bits: int | None) -> None:
+        """The bias-free linear layers on their GGUF blocks where whole; a projection with rotary
+        rows gets its blocks' rows in our rope order, as hf_to_local orders its dense weight."""
+        done: dict[str, torch.Tensor] = {}  # loaded already: nothing left to pop
+        for i, layer in enumerate(self.layers):
+            p, attn = f"model.layers.{i}.", layer.self_attn
+            for leaf in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+                name = p + f"self_attn.{leaf}.weight"
+                if hasattr(attn, leaf) and name in quantized:
+                    qtype, blocks = quantized[name]
+                    local = {name: (qtype, attn.hf_to_local(leaf + ".weight", blocks).contiguous())}
+                    quantize_linear(attn, leaf, [name], local, done, activation_bits)
+            if not layer.is_moe:
+                quantize_linear(layer.mlp, "gate_up_proj", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")],
+                                quantized, done, activation_bits)
+                quantize_linear(layer.mlp, "down_proj", [p + "mlp.down_proj.weight"], quantized, done, activation_bits)
+        quantize_head(self, quantized, done, activation_bits)
 
     def _is_mtp(self, key: str) -> bool:
         m = re.match(r"model\.layers\.(\d+)\.", key)
