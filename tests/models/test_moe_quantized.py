@@ -67,18 +67,20 @@ def q8_gguf(family, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _linears_on_blocks(family: str, layer) -> list:
     """The layer's linear layers the file holds whole in Q8_0: the attention's projections (MLA's
-    kv_b_proj comes as per-head 3-D tensors and stays dense), and a dense layer's MLP."""
+    kv_b_proj comes as per-head 3-D tensors and stays dense), a dense layer's MLP, the shared experts."""
     attn = layer.self_attn
     if family not in MLA:
         return [attn.qkv_proj, attn.o_proj]
     out = [attn.q_a_proj if attn.q_lora else attn.q_proj, attn.kv_a_proj_with_mqa, attn.o_proj]
-    return out if layer.is_moe else [*out, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return [*out, *layer.mlp.shared_experts.blocks] if layer.is_moe else [*out, layer.mlp.gate_up_proj,
+                                                                          layer.mlp.down_proj]
 
 
 def test_the_blocks_are_served_and_match_the_dequantized_model(family, q8_gguf):
     ours, ref = load_model(q8_gguf, weight_format="gguf").model, load_model(q8_gguf).model
     moes = [m for m in ours.modules() if isinstance(m, MoE)]
     assert moes and all(m.quant_experts is not None and m.w13.numel() == 0 for m in moes)  # no dense copy
+    assert all(m.shared_experts.gate_up_proj.numel() == 0 for m in moes if m.shared_experts is not None)
     assert all(isinstance(lin, QuantLinear) for ly in ours.layers for lin in _linears_on_blocks(family, ly))
     assert isinstance(ours.lm_head, QuantLinear)
     ids = prompt(40, seed=PROMPT_SEED.get(family, 1), vocab=49152)

@@ -34,7 +34,14 @@ from moebus.engine.models.llama import LlamaMLP, RMSNorm
 from moebus.engine.models.mla_attention import MLAttention
 from moebus.engine.models.moe import GroupLimit, MoE
 from moebus.engine.models.quant_experts import QuantExperts
-from moebus.engine.models.weights import assign, fuse, quantize_head, quantize_linear, stack_experts
+from moebus.engine.models.weights import (
+    assign,
+    fuse,
+    quant_linear_of,
+    quantize_head,
+    quantize_linear,
+    stack_experts,
+)
 
 FAMILIES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _TOPK_METHODS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}
@@ -250,9 +257,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         stacked as a GGUF's converted copy has them); strict: the first missing, unexpected or
         misshaped tensor fails the load, named. `quantized` (HF name -> (GGUF type, blocks), as
         loader/gguf_file.py's quantized_blocks gives them): a layer's routed experts run on those
-        blocks (QuantExperts), and so do the attention's projections, the dense MLPs and the LM head
-        where whole (QuantLinear, with activation_bits). The shared experts and kv_b_proj (a GGUF's
-        per-head attn_k_b / attn_v_b) stay dense."""
+        blocks (QuantExperts), and so do the attention's projections, the dense MLPs, the shared
+        experts and the LM head where whole (QuantLinear, with activation_bits). kv_b_proj (a GGUF's
+        per-head attn_k_b / attn_v_b) stays dense."""
         a, q = self.args, quantized or {}
         sd = dict(state_dict)
         self.mtp_weights = {k: sd.pop(k) for k in list(sd) if self._is_mtp(k)}
@@ -302,6 +309,14 @@ class DeepseekV2ForCausalLM(nn.Module):
                 quantize_linear(layer.mlp, "gate_up_proj", [p + f"mlp.{n}_proj.weight" for n in ("gate", "up")],
                                 quantized, done, activation_bits)
                 quantize_linear(layer.mlp, "down_proj", [p + "mlp.down_proj.weight"], quantized, done, activation_bits)
+            elif (shared := layer.mlp.shared_experts) is not None:
+                s, dev = p + "mlp.shared_experts.", shared.gate_up_proj.device
+                gate_up = quant_linear_of([s + "gate_proj.weight", s + "up_proj.weight"], quantized,
+                                          shared.gate_up_proj.shape[1], activation_bits, dev)
+                down = quant_linear_of([s + "down_proj.weight"], quantized, shared.down_proj.shape[1],
+                                       activation_bits, dev)
+                if gate_up is not None and down is not None:
+                    shared.use_blocks(gate_up, down)
         quantize_head(self, quantized, done, activation_bits)
 
     def _is_mtp(self, key: str) -> bool:

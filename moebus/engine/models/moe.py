@@ -159,8 +159,24 @@ class SharedExpert(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.zeros(2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(hidden_size, intermediate_size))
+        self.blocks: nn.ModuleList | None = None  # [gate|up, down] on GGUF blocks: use_blocks
+
+    def use_blocks(self, gate_up: nn.Module, down: nn.Module) -> None:
+        """Serve from two linear modules (QuantLinears on a GGUF's blocks, batch invariant as they
+        are): the dense weights become empty, non-loaded buffers."""
+        h, i = self.gate_up_proj.shape[1], self.down_proj.shape[1]
+        if (gate_up.in_features, gate_up.out_features, down.in_features, down.out_features) != (h, 2 * i, i, h):
+            raise ValueError(f"shared expert blocks: {gate_up} / {down}, the layer is {h} -> {2 * i} -> {h}")
+        dev = self.gate_up_proj.device
+        del self.gate_up_proj, self.down_proj
+        self.register_buffer("gate_up_proj", torch.empty(0, h, device=dev), persistent=False)
+        self.register_buffer("down_proj", torch.empty(h, 0, device=dev), persistent=False)
+        self.blocks = nn.ModuleList([gate_up, down])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            gate_up, down = self.blocks
+            return down(silu_and_mul(gate_up(x), limit=self.swiglu_limit))
         linear = invariant_linear if self.batch_invariant else F.linear
         return linear(silu_and_mul(linear(x, self.gate_up_proj), limit=self.swiglu_limit), self.down_proj)
 

@@ -95,19 +95,30 @@ def assign(module: nn.Module, sd: dict[str, torch.Tensor], strip: str = "model."
 
 
 
+def quant_linear_of(names: list[str], quantized: dict[str, tuple[str, torch.Tensor]], in_features: int,
+                    activation_bits: int | None, device: torch.device | str = "cpu") -> QuantLinear | None:
+    """A QuantLinear on the GGUF blocks of `names` (its row blocks, in order; in different types all
+    as Q8_0, loader/kquants.one_type), or None when one of them is not quantized."""
+    parts = [quantized.get(n) for n in names]
+    if any(p is None for p in parts):
+        return None
+    parts = [(q, torch.as_tensor(b)) for q, b in one_type([(q, b.numpy()) for q, b in parts])]
+    blocks = torch.cat([p[1] for p in parts]).to(device)
+    return QuantLinear(blocks, parts[0][0], in_features, activation_bits=activation_bits)
+
+
 def quantize_linear(parent: nn.Module, attr: str, names: list[str], quantized: dict[str, tuple[str, torch.Tensor]],
                     sd: dict[str, torch.Tensor], activation_bits: int | None) -> bool:
     """Replaces the bias-free linear `parent.attr` by a QuantLinear on the GGUF blocks of `names`
-    (its row blocks, in order) when all of them are quantized (in different types: all as Q8_0,
-    loader/kquants.one_type), popping their dense copies from sd; else leaves it dense. Returns
-    whether it did."""
-    parts = [quantized.get(n) for n in names]
+    (quant_linear_of) when all of them are quantized, popping their dense copies from sd; else
+    leaves it dense. Returns whether it did."""
     layer = getattr(parent, attr)
-    if any(p is None for p in parts) or getattr(layer, "bias", None) is not None:
+    if getattr(layer, "bias", None) is not None:
         return False
-    parts = [(q, torch.as_tensor(b)) for q, b in one_type([(q, b.numpy()) for q, b in parts])]
-    blocks = torch.cat([p[1] for p in parts]).to(layer.weight.device)
-    setattr(parent, attr, QuantLinear(blocks, parts[0][0], layer.in_features, activation_bits=activation_bits))
+    q = quant_linear_of(names, quantized, layer.in_features, activation_bits, layer.weight.device)
+    if q is None:
+        return False
+    setattr(parent, attr, q)
     for n in names:
         sd.pop(n, None)
     return True
