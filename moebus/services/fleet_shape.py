@@ -6,7 +6,10 @@ its core and the others wait at the next barrier. Two workers that share the cor
 a lone request still gets every core. Measured side by side with vLLM's CPU build on a 2-core
 Zen 4 VM (BENCHMARKS.md, "Peers side by side"; the runs: docs/benchmarks/history-peers.md). So where the host has two
 cores or more and MemAvailable for two workers, auto means two workers sharing the cores;
-otherwise one. A worker's memory is estimated from what it will hold (worker_memory.py: the
+otherwise one. An MoE gets one worker whatever the host: a batch split between two workers has each
+read nearly every expert a step, twice the weight traffic of one worker's batch (Granite-shaped,
+bf16, 2 cores: c=16 211 tok/s with one worker against 121 with two; BENCHMARKS.md, "An MoE of real
+shape"). A worker's memory is estimated from what it will hold (worker_memory.py: the
 weight elements the model's header declares, in the dtype and format its engine will run them, the
 copies kept of each, the KV cache and the runtime), not from the model file's size: the weights of a
 Q4 file held dense in float32 take ~16x its bytes, those of a Q8_0 MoE in bf16 ~4x.
@@ -40,6 +43,9 @@ def auto_shape(cores: int, worker: Estimate | None, mem_available: int | None) -
         return FleetShape(1, False, f"{cores} core")
     if worker is None or mem_available is None:
         return FleetShape(1, False, "the model's or the host's memory size is unknown")
+    if worker.moe:
+        return FleetShape(1, False, "an MoE: two workers would each read nearly every expert a step "
+                                    f"(one wants ~{worker.bytes / 2**30:.1f} GiB, {worker.how})")
     need = SHARED_WORKERS * worker.bytes  # the estimate's headroom is the margin (worker_memory.py)
     wants = f"two workers want ~{need / 2**30:.1f} GiB ({worker.how})"
     if mem_available < need:

@@ -71,6 +71,7 @@ class Header:
 class Estimate:
     bytes: int
     how: str  # what it assumed, for the operator: "bfloat16 dense", "float32 on the GGUF's blocks", ...
+    moe: bool = False  # the header declares routed experts
 
 
 def estimate(path: Path, dtype: str, weight_format: str, kv_cache_bytes: int,
@@ -93,7 +94,8 @@ def estimate(path: Path, dtype: str, weight_format: str, kv_cache_bytes: int,
     blocks = fmt.weight_format == "gguf"
     weights = weight_bytes(header, WIDTHS[dtype], QUANT_TYPES if blocks else ())
     how = f"{dtype} on the GGUF's blocks" if blocks else f"{dtype} dense"
-    return Estimate(int(weights * WEIGHT_SLACK) + kv_cache_bytes + RUNTIME_BYTES, how)
+    return Estimate(int(weights * WEIGHT_SLACK) + kv_cache_bytes + RUNTIME_BYTES, how,
+                    any(t.expert for t in header.tensors))
 
 
 def weight_bytes(header: Header, width: int, block_types: Iterable[str] = ()) -> int:

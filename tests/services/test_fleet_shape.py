@@ -3,6 +3,7 @@ memory for them, else one; a worker's memory estimated from the weight elements 
 declares (services/worker_memory.py); the CLI passes what it chose to the launcher."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -97,21 +98,24 @@ def test_headers_declare_the_elements_without_their_data(tmp_path: Path):
     assert read_header(tmp_path / "granite.gguf").architecture == "GraniteMoeForCausalLM"
 
 
-def test_an_moe_gguf_gets_two_workers_on_a_24_gib_host(tmp_path: Path):
+def test_an_moe_gguf_is_estimated_from_its_header_and_gets_one_worker(tmp_path: Path):
     """Issue 35: the 1.42 GB Q8_0 Granite-shaped GGUF was estimated at ~34 GiB a worker from its size
-    (x24); its worker holds 6.8 GiB (bf16 dense, the default on an AVX512-BF16 CPU)."""
+    (x24); its worker holds 6.8 GiB (bf16 dense, the default on an AVX512-BF16 CPU). Two of them fit
+    a 24 GiB host, but an MoE gets one: two would each read nearly every expert a step."""
     # a header-only file: converting it to resolve weight_format auto, as the engine does, would fail
     worker = estimate(_granite_gguf(tmp_path / "granite.gguf"), "auto", "auto", GIB, flags=ZEN4)
-    assert worker.how == "bfloat16 dense" and 6.9 * GIB < worker.bytes < 1.5 * 6.8 * GIB
+    assert worker.how == "bfloat16 dense" and 6.9 * GIB < worker.bytes < 1.5 * 6.8 * GIB and worker.moe
     shape = auto_shape(2, worker, HOST_24G)
-    assert (shape.workers, shape.share_cores) == (2, True)
-    assert "two workers want ~15.5 GiB (bfloat16 dense)" in shape.why
+    assert (shape.workers, shape.share_cores) == (1, False) and shape.why.startswith("an MoE")
+    dense = auto_shape(2, dataclasses.replace(worker, moe=False), HOST_24G)  # the same bytes, no experts
+    assert (dense.workers, dense.share_cores) == (2, True)
+    assert "two workers want ~15.5 GiB (bfloat16 dense)" in dense.why
 
 
 def test_a_host_too_small_for_two_keeps_one_and_says_the_estimate(tmp_path: Path):
     worker = estimate(_granite_safetensors(tmp_path / "granite-hf"), "auto", "auto", GIB, flags=AVX2)
     assert worker.how == "float32 dense" and 12.3 * GIB < worker.bytes < 1.5 * 12.2 * GIB  # 12.2 GiB measured
-    shape = auto_shape(2, worker, HOST_24G)
+    shape = auto_shape(2, dataclasses.replace(worker, moe=False), HOST_24G)  # the memory, not the experts
     assert (shape.workers, shape.share_cores) == (1, False)
     assert shape.why == "22.0 GiB available, two workers want ~26.9 GiB (float32 dense)"
 
@@ -217,11 +221,11 @@ def test_up_keeps_one_worker_where_auto_says_so_or_the_operator_does(monkeypatch
 
 
 def test_up_estimates_the_model_given_in_the_dtype_asked(monkeypatch, capsys, tmp_path: Path):
-    hf = _granite_safetensors(tmp_path / "granite-hf")
+    hf = _granite_safetensors(tmp_path / "granite-hf")  # an MoE: one worker, its estimate said
     kw = _up(monkeypatch, ["--model", str(hf), "--dtype", "bfloat16"], mem=HOST_24G)
-    assert kw["workers"] == 2 and "two workers want ~15.5 GiB (bfloat16 dense))" in capsys.readouterr().err
+    assert kw["workers"] == 1 and "(one wants ~7.7 GiB, bfloat16 dense))" in capsys.readouterr().err
     kw = _up(monkeypatch, ["--model", str(hf), "--engine", '{"dtype": "float32"}'], mem=HOST_24G)
-    assert kw["workers"] == 1 and "22.0 GiB available, two workers want ~26.9 GiB (float32 dense)" in capsys.readouterr().err
+    assert kw["workers"] == 1 and "(one wants ~13.5 GiB, float32 dense))" in capsys.readouterr().err
 
 
 def test_an_engine_burst_budget_given_is_kept(monkeypatch):
