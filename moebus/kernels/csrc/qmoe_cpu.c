@@ -30,12 +30,14 @@ static void quantize_rows(const float *x, int64_t K, int A, int16_t *q, float *d
 }
 
 /* Every active expert's rows (grouped: expert e's at [start[e], start[e + 1])) by its panels into
- * out [A, N]: (expert, group of panels) tasks over the team. */
+ * out [A, N]: (expert, group of panels) tasks over the team, in guided chunks: a thread's next task
+ * is mostly the next group of the same expert, whose panels follow in memory (Granite-shaped Q8_0
+ * steps in process: batch 16 80 -> 74 ms, 64 195 -> 186, against schedule(dynamic, 1)). */
 static void all_experts(int qt, const int16_t *q, const float *dd, int64_t K, const uint8_t *pans, int64_t stride,
                         int64_t N, const int *start, const int *active, int n_active, float *out) {
     const int nb = (int)(K / QK);
     const int64_t P = (N + QP_W - 1) / QP_W, groups = (P + GROUP - 1) / GROUP;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(guided)
     for (int64_t task = 0; task < (int64_t)n_active * groups; task++) {
         const int e = active[task / groups], s = start[e], n = start[e + 1] - s;
         const int64_t n0 = task % groups * GROUP * QP_W, n1e = n0 + GROUP * QP_W, n1 = n1e < N ? n1e : N;
