@@ -2,8 +2,9 @@
 kernels alone, called as the module path calls them (kernels/panel_linear.py's PanelLinear for the
 fused q|k|v and o, kernels/fused_moe.py's panel MoE for the top-8 of 32 experts, the head on
 PanelLinear with float32 logits), seeded random bf16 weights (distinct for every layer: each step
-reads them from memory, as a real step does), alternating with a STREAM-like read of the same
-bytes (torch's sum over a bf16 buffer): the floor a bf16 one-call step (issue 35) could reach.
+reads them from memory, as a real step does), alternating with a streaming read of the same bytes
+(torch's sum over them viewed as float32 words): which kernel keeps up with this machine's memory
+and which does not (BENCHMARKS.md, "Where bf16 at c=1 goes").
 
     flock /tmp/moebus-bench.lock .venv/bin/python loadtest/bound_bf16_decode.py --rounds 7
 """
