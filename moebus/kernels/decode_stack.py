@@ -4,9 +4,12 @@ One token: per layer RMSNorm -> QKV -> neox rotary -> K/V into the paged cache -
 the sequence -> O + residual -> RMSNorm -> gate/up -> SiLU * up -> down + residual; then the final
 RMSNorm. MoE decoder layers add their knobs (q/k norms, clipping, a softmax scale, an O scale) and
 take routed experts in place of gate/up and down (StackExperts: a float32 router, experts on
-kernels/qmoe.py's panels). Linear weights are float32 [N, K] or GGUF blocks (quant_matmul.py's layout) taken on
-integer activations of `act_bits` (quant_matmul_qa_ref) or on float ones (quant_matmul_ref).
-Caches float32 [blocks, block_size, Hkv, D], contiguous. `decode_stack_ref` is the same step on
+kernels/qmoe.py's panels or bf16 pack_panels panels). Linear weights are float32 [N, K], bf16 [N, K]
+taken on their pack_panels panels (inputs rounded to bf16, float32 sums), or GGUF blocks
+(quant_matmul.py's layout) taken on integer activations of `act_bits` (quant_matmul_qa_ref) or on
+float ones (quant_matmul_ref). Caches [blocks, block_size, Hkv, D], contiguous, float32, or bf16
+for a bf16 model (DecodeStack(dtype=torch.bfloat16): its embedding bf16 too and each normed row
+rounded to bf16, the module path's RMSNorm output; the residual stream stays float32). `decode_stack_ref` is the same step on
 the kernels' torch references (the spec); platforms/cpu/decode_fast_path.py (and moe_decode.py) decide
 when it applies.
 
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_build import I64, PTR, library
+from .lm_head_argmax import panels_shape, unpack_panels
 from .paged_attention import paged_attention_decode_ref
 from .qmoe import qmoe_cpu
 from .qpanel import panel_bytes
@@ -35,6 +39,20 @@ _SOURCE = "decode_stack_cpu.c"
 _QK_NORMS = ("none", "head", "full")  # decode_stack_cpu.c's dlayer.qk_norm codes
 _I32 = ctypes.c_int32
 _W_PANEL = 64  # decode_stack_cpu.c's W_PANEL: kind = it + the GGUF type id for panels
+_W_BF16 = 32  # decode_stack_cpu.c's W_BF16: bf16 pack_panels panels (a linear's kind, an expert's type)
+BF16 = "bf16"  # StackExperts.qtype of bf16 experts on pack_panels panels (fused_moe.ExpertPanels' layout)
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16, in float32: what a bf16 GEMV's input is."""
+    return x.to(torch.bfloat16).float()
+
+
+def bf16_panels_ok(panels: torch.Tensor, n: int, k: int) -> bool:
+    """bf16 pack_panels panels of [n, k] weights (the last three dims; more before them for experts),
+    unpadded: the step's GEMVs take whole panels."""
+    return (panels.dtype == torch.bfloat16 and panels.is_contiguous() and n % 16 == 0 and k % 32 == 0
+            and tuple(panels.shape[-3:]) == panels_shape(n, k, torch.bfloat16))
 
 
 class _Linear(ctypes.Structure):
@@ -56,20 +74,27 @@ class _Model(ctypes.Structure):
     _fields_ = [("n_layers", _I32), ("hidden", _I32), ("inter", _I32), ("nh", _I32), ("nkv", _I32), ("hd", _I32),
                 ("block_size", _I32), ("max_pos", _I32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("final_norm", PTR), ("cos", PTR), ("sin", PTR), ("layers", ctypes.POINTER(_Layer)),
-                ("emb_scale", ctypes.c_float), ("max_experts", _I32), ("max_k", _I32), ("max_moe_inter", _I32)]
+                ("emb_scale", ctypes.c_float), ("max_experts", _I32), ("max_k", _I32), ("max_moe_inter", _I32),
+                ("bf16", _I32)]
 
 
 @dataclass(frozen=True, slots=True)
 class StackLinear:
-    weight: torch.Tensor  # float32 [N, K], or uint8 GGUF blocks [N, K / 32 * block bytes]
+    weight: torch.Tensor  # float32 or bf16 [N, K], or uint8 GGUF blocks [N, K / 32 * block bytes]
     in_features: int
-    qtype: str | None = None  # None: float32 weight
+    qtype: str | None = None  # None: a float32 or bf16 weight
     act_bits: int | None = None  # GGUF: 8 / 16-bit integer activations, None: float activations
-    panels: torch.Tensor | None = None  # GGUF on 16 bits: the weight in qpanel.py's layout, which the step reads
+    # GGUF on 16 bits: the weight in qpanel.py's layout; bf16: in pack_panels' (the step reads these)
+    panels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         w = self.weight
         assert w.device.type == "cpu" and w.is_contiguous(), "CPU, contiguous weights"
+        if self.qtype is None and w.dtype == torch.bfloat16:
+            assert self.panels is not None and bf16_panels_ok(self.panels, w.shape[0], self.in_features), (
+                "bf16: unpadded pack_panels panels", w.shape)
+            assert self.act_bits is None
+            return
         if self.qtype is None:
             assert w.dtype == torch.float32 and w.shape[1] == self.in_features, (w.dtype, w.shape)
             assert self.act_bits is None
@@ -81,6 +106,8 @@ class StackLinear:
             assert self.panels.numel() == panel_bytes(self.qtype, w.shape[0], self.in_features), self.panels.shape
 
     def ref(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qtype is None and self.weight.dtype == torch.bfloat16:
+            return F.linear(_bf16(x), self.weight.float())
         if self.qtype is None:
             return F.linear(x, self.weight)
         if self.act_bits:
@@ -89,6 +116,8 @@ class StackLinear:
 
     def struct(self) -> _Linear:
         w = self.weight
+        if self.panels is not None and self.qtype is None:
+            return _Linear(self.panels.data_ptr(), 0, _W_BF16, 0, w.shape[0], self.in_features)
         if self.panels is not None:
             return _Linear(self.panels.data_ptr(), 0, _W_PANEL + GGML_TYPES[self.qtype], 16, w.shape[0],
                            self.in_features)
@@ -99,15 +128,16 @@ class StackLinear:
 
 @dataclass(frozen=True, slots=True)
 class StackExperts:
-    """An MoE layer's router and routed experts (kernels/qmoe.py's panels of GGUF blocks)."""
+    """An MoE layer's router and routed experts: kernels/qmoe.py's panels of GGUF blocks, or (qtype
+    BF16) bf16 experts on pack_panels panels, each expert's input rounded to bf16, float32 sums."""
     router: torch.Tensor  # float32 [E, hidden]
     router_panels: torch.Tensor  # the same in lm_head_argmax.pack_panels' float32 layout (what the step reads)
     top_k: int
     renorm: bool  # softmax over the top-k logits (== softmax, top-k, renormalise); else softmax over all E
     route_scale: float
-    qtype: str  # gate|up's block type
-    p13: torch.Tensor  # uint8 [E, panel bytes of 2I x hidden]
-    p2: torch.Tensor  # uint8 [E, panel bytes of hidden x I]
+    qtype: str  # gate|up's block type, or BF16
+    p13: torch.Tensor  # uint8 [E, panel bytes of 2I x hidden]; BF16: bf16 [E, *panels_shape(2I, hidden)]
+    p2: torch.Tensor  # uint8 [E, panel bytes of hidden x I]; BF16: bf16 [E, *panels_shape(hidden, I)]
     inter: int
     qtype2: str | None = None  # down's block type (None: qtype)
 
@@ -118,8 +148,12 @@ class StackExperts:
     def __post_init__(self) -> None:
         e, hidden = self.router.shape
         assert self.router_panels.shape == (-(-e // 16), hidden, 16), self.router_panels.shape
-        assert self.p13.shape == (e, panel_bytes(self.qtype, 2 * self.inter, hidden)), self.p13.shape
-        assert self.p2.shape == (e, panel_bytes(self.down_type, hidden, self.inter)), self.p2.shape
+        if self.qtype == BF16:
+            assert self.down_type == BF16 and self.p13.shape[0] == self.p2.shape[0] == e
+            assert bf16_panels_ok(self.p13, 2 * self.inter, hidden) and bf16_panels_ok(self.p2, hidden, self.inter)
+        else:
+            assert self.p13.shape == (e, panel_bytes(self.qtype, 2 * self.inter, hidden)), self.p13.shape
+            assert self.p2.shape == (e, panel_bytes(self.down_type, hidden, self.inter)), self.p2.shape
         assert 1 <= self.top_k <= e and hidden % 32 == 0 and self.inter % 32 == 0
 
     def ref(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,14 +166,29 @@ class StackExperts:
         else:
             probs = torch.softmax(logits, dim=-1)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.qtype == BF16:
+            return self._bf16_ref(x, weights * self.route_scale, ids[0])
         out = qmoe_cpu(x, self.p13, self.p2, self.qtype, weights * self.route_scale, ids, self.inter,
                        qtype2=self.down_type)
         assert out is not None, "csrc/qmoe_cpu.c"
         return out
 
+    def _bf16_ref(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """BF16 experts for x [1, hidden]: gate|up on the bf16-rounded x, SiLU(gate) * up in float32,
+        rounded to bf16 for down, the k outputs combined in float32 in top-k order."""
+        hidden, inter = self.router.shape[1], self.inter
+        out = torch.zeros(1, hidden)
+        for j, e in enumerate(ids.tolist()):
+            w13 = unpack_panels(self.p13[e], 2 * inter, hidden).float()
+            w2 = unpack_panels(self.p2[e], hidden, inter).float()
+            act = silu_and_mul_ref(F.linear(_bf16(x), w13))
+            out = out + weights[0, j] * F.linear(_bf16(act), w2)
+        return out
+
     def struct(self) -> _Moe:
-        return _Moe(self.router_panels.data_ptr(), self.p13.data_ptr(), self.p2.data_ptr(), GGML_TYPES[self.qtype],
-                    GGML_TYPES[self.down_type], self.router.shape[0], self.top_k, self.inter, int(self.renorm), self.route_scale)
+        types = (_W_BF16, _W_BF16) if self.qtype == BF16 else (GGML_TYPES[self.qtype], GGML_TYPES[self.down_type])
+        return _Moe(self.router_panels.data_ptr(), self.p13.data_ptr(), self.p2.data_ptr(), *types,
+                    self.router.shape[0], self.top_k, self.inter, int(self.renorm), self.route_scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +238,15 @@ def decode_stack_ref(layers: list[StackLayer], final_norm: torch.Tensor, shape: 
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step on the torch references: (final_norm(h'), h') for h [hidden], the residual stream h'.
-    scale: the softmax scale (default head_dim ** -0.5)."""
+    scale: the softmax scale (default head_dim ** -0.5). bf16 caches: a bf16 model's step (normed
+    rows rounded to bf16; this token's K/V attended as the cache holds them)."""
     nh, nkv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
     cos, sin = rotary_cos_sin(torch.tensor([pos]), hd, shape.rope_theta)
     h = h[None].float()
+    normed = _bf16 if kv_caches[0][0].dtype == torch.bfloat16 else (lambda t: t)
     for layer, (kc, vc) in zip(layers, kv_caches, strict=True):
-        q, k, v = layer.qkv.ref(rms_norm_ref(h, layer.in_norm, shape.eps)).split([nh * hd, nkv * hd, nkv * hd], -1)
+        x = normed(rms_norm_ref(h, layer.in_norm, shape.eps))
+        q, k, v = layer.qkv.ref(x).split([nh * hd, nkv * hd, nkv * hd], -1)
         if layer.qk_norm == "full":
             q, k = rms_norm_ref(q, layer.q_norm, shape.eps), rms_norm_ref(k, layer.k_norm, shape.eps)
         elif layer.qk_norm == "head":
@@ -207,7 +259,7 @@ def decode_stack_ref(layers: list[StackLayer], final_norm: torch.Tensor, shape: 
         o = paged_attention_decode_ref(q, kc, vc, table[None], torch.tensor([seq_len], dtype=torch.int32),
                                        hd**-0.5 if scale is None else scale)
         h = h + layer.o.ref(o.flatten(1)) * layer.o_scale
-        x = rms_norm_ref(h, layer.post_norm, shape.eps)
+        x = normed(rms_norm_ref(h, layer.post_norm, shape.eps))
         if layer.experts is not None:
             h = h + layer.experts.ref(x)
         else:
@@ -219,6 +271,12 @@ def cpu_kernel_available() -> bool:
     return library(_SOURCE).get() is not None
 
 
+def bf16_available(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the build takes bf16 models and weights (AVX512-BF16)."""
+    lib = lib or library(_SOURCE).get()
+    return lib is not None and bool(lib.decode_stack_bf16())
+
+
 class DecodeStack:
     """The C step over fixed weights: the structs point into the given tensors (kept here alive
     and never moved), the scratch grows with the context. The caches' addresses are taken again
@@ -227,9 +285,10 @@ class DecodeStack:
 
     def __init__(self, layers: list[StackLayer], final_norm: torch.Tensor, shape: StackShape, *,
                  embed: torch.Tensor | None = None, lib: ctypes.CDLL | None = None, scale: float | None = None,
-                 emb_scale: float = 1.0) -> None:
-        """embed: the float32 [vocab, hidden] token embedding step_ids looks tokens up in (its rows
-        times emb_scale). scale: the softmax scale (default head_dim ** -0.5). lib: a build of
+                 emb_scale: float = 1.0, dtype: torch.dtype = torch.float32) -> None:
+        """embed: the [vocab, hidden] token embedding (of `dtype`) step_ids looks tokens up in (its
+        rows times emb_scale). scale: the softmax scale (default head_dim ** -0.5). dtype: the
+        model's, float32 or bf16 (its caches and embedding; module docstring). lib: a build of
         csrc/decode_stack_cpu.c (tests pass cpu_build.build_variant's); default the cached one."""
         lib = lib or library(_SOURCE).get()
         if lib is None:
@@ -239,8 +298,10 @@ class DecodeStack:
         self._fn.restype = ctypes.c_int
         self._ids_fn.argtypes = [PTR, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR, I64]
         self._ids_fn.restype = ctypes.c_int
+        assert dtype in (torch.float32, torch.bfloat16), dtype
+        self.dtype = dtype
         if embed is not None:
-            assert embed.dtype == torch.float32 and embed.device.type == "cpu" and embed.stride(1) == 1
+            assert embed.dtype == dtype and embed.device.type == "cpu" and embed.stride(1) == 1
             assert embed.shape[1] == final_norm.shape[0], embed.shape
         self._embed = embed
         self._scratch_fn.argtypes, self._scratch_fn.restype = [PTR, I64], I64
@@ -258,7 +319,8 @@ class DecodeStack:
                              self._keep[1].data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(),
                              ctypes.cast(self._layers, ctypes.POINTER(_Layer)), emb_scale,
                              max((x.router.shape[0] for x in moes), default=0),
-                             max((x.top_k for x in moes), default=0), max((x.inter for x in moes), default=0))
+                             max((x.top_k for x in moes), default=0), max((x.inter for x in moes), default=0),
+                             int(dtype == torch.bfloat16))
         self._model_ref = ctypes.byref(self._model)
         self._scratch = torch.empty(0)
         self._h = torch.empty(hidden)  # step_ids' residual stream

@@ -118,6 +118,14 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
+def unpack_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack_panels' inverse: the [n, k] weight (a copy)."""
+    if panels.dtype == torch.bfloat16:
+        p, half, _ = panels.shape
+        return panels.view(p, half, PANEL, 2).transpose(1, 2).reshape(p * PANEL, 2 * half)[:n, :k].contiguous()
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n, :k].contiguous()
+
+
 def isas(dtype: torch.dtype) -> list[str]:
     """The paths (ISAS, less "auto") the C kernel can run for `dtype` on this CPU and build."""
     lib = library("lm_head_argmax_cpu.c").get()

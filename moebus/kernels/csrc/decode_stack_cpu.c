@@ -19,6 +19,14 @@
  * a float32 router GEMV and top-k, then each chosen expert's gate|up and down on qpanel.h's
  * panels with the arithmetic of kernels/qmoe.py's kernel (csrc/qmoe_cpu.c), combined in float32
  * in top-k order.
+ *
+ * bf16 models (dmodel.bf16): the embedding and the caches are bf16 ([blocks, bs, Hkv, D], this
+ * token's K/V rounded to bf16 before it attends, as the module path's cache holds them), and each
+ * normed row is rounded to bf16 (the module path's RMSNorm output). Their linear layers (W_BF16)
+ * and experts (dmoe.qt W_BF16) are pack_panels' bf16 panels taken on vdpbf16ps with panel_tiles.h's
+ * tiles (the module path's panel kernels), inputs rounded to bf16, sums kept in float32; the
+ * residual stream stays float32 where the module path rounds it to bf16 at every add: closer to a
+ * float32 model, so results differ from the module path's by bf16 rounding, not by its order.
  */
 #include <omp.h>
 #include <sched.h>
@@ -28,7 +36,16 @@
 #include "qpanel.h"
 #include "quant_direct.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "panel_tiles.h"
+DEFINE_PANELS_ROWS(bf16f, 4) /* bf16 x bf16 -> float32 sums, as panel_linear_cpu.c's bf16f entry */
+#define HAVE_BF16 1
+#else
+#define HAVE_BF16 0
+#endif
+
 #define W_F32 0           /* dlinear.kind of a float32 weight; else the GGUF type id */
+#define W_BF16 32         /* bf16 pack_panels panels [n / 16][k / 2][16][2] (w), on bf16-rounded inputs */
 #define W_PANEL 64        /* + the GGUF type id: qpanel.h's panels (w), on 16-bit activations */
 #define SPINS 4096        /* polls of a phase counter before yielding the core */
 
@@ -44,7 +61,7 @@ struct dlinear {
 struct dmoe {
     const float *router;      /* float32 [n_experts, hidden] */
     const uint8_t *p13, *p2;  /* each expert's [2 inter, hidden] / [hidden, inter] panels, back to back */
-    int32_t qt, qt2, n_experts, top_k, inter; /* p13's block type, p2's */
+    int32_t qt, qt2, n_experts, top_k, inter; /* p13's block type, p2's (W_BF16: bf16 pack_panels panels) */
     int32_t renorm;           /* 1: softmax over the top-k logits; 0: softmax over all, top-k of it */
     float route_scale;        /* times every combine weight */
 };
@@ -66,7 +83,17 @@ struct dmodel {
     const struct dlayer *layers;
     float emb_scale;             /* the token's embedding row times this */
     int32_t max_experts, max_k, max_moe_inter; /* over the MoE layers (0: none), for the scratch */
+    int32_t bf16;                /* 1: bf16 embedding and caches, normed rows rounded to bf16 */
 };
+
+/* Whether this build takes bf16 models and W_BF16 weights (AVX512-BF16). */
+int decode_stack_bf16(void) { return HAVE_BF16; }
+
+/* x [n] rounded to bf16 in place (nearest even, as torch). */
+static void round_bf16(float *x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] = round_to(BF16, x[i]);
+}
 
 /* Scratch floats. Shared: the layer's activations (qkv, attention out, projection out, gate/up);
  * per thread: the normed row, the rotated K/V of this token, the scores over ctx positions and the
@@ -132,7 +159,9 @@ static int chunks(int64_t n) { return (int)((n + CHUNK - 1) / CHUNK); }
 static void prepare(const struct dlinear *L, const float *x, void *qbuf) {
     const int nb = L->k / QK;
     float *dd = (float *)((char *)qbuf + (int64_t)L->k * 2);
-    if (L->kind > W_PANEL) {
+    if (L->kind == W_BF16) {
+        store_row(BF16, qbuf, x, 1.f, L->k);
+    } else if (L->kind > W_PANEL) {
         quantize_row(1, 0, x, nb, qbuf, dd, dd + 1, 2);
     } else if (L->kind != W_F32 && L->bits) {
         quantize_row(L->bits == 16, nibble_order(L->kind, L->bits == 16), x, nb, qbuf, dd, dd + 1, 2);
@@ -153,7 +182,12 @@ static void linear_rows(const struct dlinear *L, const float *x, const void *qbu
     const float *dd = (const float *)((const char *)qbuf + (int64_t)L->k * 2);
     const uint8_t *w = L->w;
     const int64_t N = L->n;
-    if (L->kind > W_PANEL) {
+    if (L->kind == W_BF16) {
+#if HAVE_BF16 /* n0, n1 on panel bounds: CHUNK and n are multiples of 16 */
+        panels_rows_bf16f(qbuf, 0, (const char *)w, (int64_t)L->k * 32, L->k / 2, 0, (char *)out, 0, 1, n0 / NR,
+                          n1 / NR, 0, 0);
+#endif
+    } else if (L->kind > W_PANEL) {
         switch (L->kind - W_PANEL) {
         case Q4_0: qp_rows(Q4_0, w, nb, qbuf, dd, L->k, 1, n0, n1, out, N); break;
         case Q4_1: qp_rows(Q4_1, w, nb, qbuf, dd, L->k, 1, n0, n1, out, N); break;
@@ -204,42 +238,46 @@ static void rotate(const float *x, float *o, int d, const float *c, const float 
 
 #define KV_AHEAD 8 /* cache rows the attention loops prefetch ahead in a block */
 
-/* The n floats at p into the cache, a line at a time (the rows are strided: no streamer helps). */
-static inline void prefetch_row(const float *p, int n) {
-    for (int i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+/* The `bytes` at p into the cache, a line at a time (the rows are strided: no streamer helps). */
+static inline void prefetch_row(const char *p, int bytes) {
+    for (int i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
-/* q . k * scale for one cached or current key row. AVX2: 4 independent 8-lane chains (a single
- * chain over hd, as the compiler made of the plain loop, bound a score at hd / 8 FMA latencies plus
- * a serial horizontal sum: most of the attention's time, ~40 ns a head and position). */
-static inline float score(const float *q, const float *kp, int hd, float scale) {
+#define ES(t) ((t) == F32 ? 4 : 2) /* a cache element's bytes (load8: cpu_dot.h's) */
+
+/* q . k * scale for one cached (type t) or current (F32) key row. AVX2: 4 independent 8-lane
+ * chains (a single chain over hd, as the compiler made of the plain loop, bound a score at hd / 8
+ * FMA latencies plus a serial horizontal sum: most of the attention's time, ~40 ns a head and
+ * position). */
+INLINE float score(enum dtype t, const float *q, const char *kp, int hd, float scale) {
 #if MOEBUS_DOT_AVX2
     if (hd % 32 == 0) {
         __m256 a[4];
-        for (int j = 0; j < 4; j++) a[j] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), _mm256_loadu_ps(kp + 8 * j));
+        for (int j = 0; j < 4; j++) a[j] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), load8(t, kp + 8 * j * ES(t)));
         for (int i = 32; i < hd; i += 32)
             for (int j = 0; j < 4; j++)
-                a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8 * j), _mm256_loadu_ps(kp + i + 8 * j), a[j]);
-        const __m256 t = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-        __m128 v = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+                a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8 * j), load8(t, kp + (i + 8 * j) * ES(t)), a[j]);
+        const __m256 r = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
         v = _mm_add_ps(v, _mm_movehl_ps(v, v));
         return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v))) * scale;
     }
 #endif
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-    for (int i = 0; i < hd; i++) acc += q[i] * kp[i];
+    for (int i = 0; i < hd; i++) acc += q[i] * load1(t, kp, i);
     return acc * scale;
 }
 
 #define VT 64 /* output columns a register tile of the weighted V sum (8 AVX2 registers) */
 
-/* o = (sum_p s[p] v_p) * inv over the cached positions (kv head offset off), then this token's v
- * (weight s[cached]). AVX2, hd a multiple of VT: the sums of a column tile stay in registers over
- * all positions (the plain loop loaded and stored o at every position); each element's terms are
- * added in the same order either way. */
-static void weighted_v(const float *vc, const int32_t *table, int bs, int64_t row, int64_t off, int cached,
-                       const float *s, const float *v, int hd, float inv, float *o) {
+/* o = (sum_p s[p] v_p) * inv over the cached positions (type t; row: elements a slot, kv head
+ * offset off), then this token's v (weight s[cached]). AVX2, hd a multiple of VT: the sums of a
+ * column tile stay in registers over all positions (the plain loop loaded and stored o at every
+ * position); each element's terms are added in the same order either way. */
+INLINE void weighted_v(enum dtype t, const char *vc, const int32_t *table, int bs, int64_t row, int64_t off,
+                       int cached, const float *s, const float *v, int hd, float inv, float *o) {
+    const int es = ES(t);
 #if MOEBUS_DOT_AVX2
     if (hd % VT == 0) {
         for (int c0 = 0; c0 < hd; c0 += VT) {
@@ -247,12 +285,12 @@ static void weighted_v(const float *vc, const int32_t *table, int bs, int64_t ro
             for (int i = 0; i < VT / 8; i++) acc[i] = _mm256_setzero_ps();
             for (int p0 = 0; p0 < cached; p0 += bs) {
                 const int n = cached - p0 < bs ? cached - p0 : bs;
-                const float *vb = vc + (int64_t)table[p0 / bs] * bs * row + off + c0;
+                const char *vb = vc + ((int64_t)table[p0 / bs] * bs * row + off + c0) * es;
                 for (int j = 0; j < n; j++) {
-                    if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row, VT);
+                    if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row * es, VT * es);
                     const __m256 w = _mm256_set1_ps(s[p0 + j]);
                     for (int i = 0; i < VT / 8; i++)
-                        acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + j * row + 8 * i), acc[i]);
+                        acc[i] = _mm256_fmadd_ps(w, load8(t, vb + (j * row + 8 * i) * es), acc[i]);
                 }
             }
             const __m256 w = _mm256_set1_ps(s[cached]), iv = _mm256_set1_ps(inv);
@@ -266,12 +304,13 @@ static void weighted_v(const float *vc, const int32_t *table, int bs, int64_t ro
     for (int i = 0; i < hd; i++) o[i] = 0.f;
     for (int p0 = 0; p0 < cached; p0 += bs) {
         const int n = cached - p0 < bs ? cached - p0 : bs;
-        const float *vb = vc + (int64_t)table[p0 / bs] * bs * row + off;
+        const char *vb = vc + ((int64_t)table[p0 / bs] * bs * row + off) * es;
         for (int j = 0; j < n; j++) {
-            if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row, hd);
-            const float *vp = vb + j * row, w = s[p0 + j];
+            if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row * es, hd * es);
+            const char *vp = vb + j * row * es;
+            const float w = s[p0 + j];
 #pragma omp simd
-            for (int i = 0; i < hd; i++) o[i] += w * vp[i];
+            for (int i = 0; i < hd; i++) o[i] += w * load1(t, vp, i);
         }
     }
     const float wl = s[cached];
@@ -280,22 +319,22 @@ static void weighted_v(const float *vc, const int32_t *table, int bs, int64_t ro
 }
 
 /* Softmax attention of one query head q over positions [0, len): [0, len - 1) from the paged cache
- * (kv head offset off), the last from this token's k / v. The cache is walked a block at a time
- * (one table lookup a block), rows prefetched KV_AHEAD ahead. */
-static void attend_head(const struct dmodel *m, const float *q, const float *kc, const float *vc,
+ * of type t (kv head offset off), the last from this token's k / v (float32). The cache is walked a
+ * block at a time (one table lookup a block), rows prefetched KV_AHEAD ahead. */
+INLINE void attend_head(enum dtype t, const struct dmodel *m, const float *q, const char *kc, const char *vc,
                         const int32_t *table, int len, int64_t off, const float *k, const float *v, float *s,
                         float *o) {
-    const int hd = m->hd, bs = m->block_size, cached = len - 1;
-    const int64_t row = (int64_t)m->nkv * hd; /* floats a cache slot */
+    const int hd = m->hd, bs = m->block_size, cached = len - 1, es = ES(t);
+    const int64_t row = (int64_t)m->nkv * hd; /* elements a cache slot */
     for (int p0 = 0; p0 < cached; p0 += bs) {
         const int n = cached - p0 < bs ? cached - p0 : bs;
-        const float *kb = kc + (int64_t)table[p0 / bs] * bs * row + off;
+        const char *kb = kc + ((int64_t)table[p0 / bs] * bs * row + off) * es;
         for (int i = 0; i < n; i++) {
-            if (i + KV_AHEAD < n) prefetch_row(kb + (i + KV_AHEAD) * row, hd);
-            s[p0 + i] = score(q, kb + i * row, hd, m->scale);
+            if (i + KV_AHEAD < n) prefetch_row(kb + (i + KV_AHEAD) * row * es, hd * es);
+            s[p0 + i] = score(t, q, kb + i * row * es, hd, m->scale);
         }
     }
-    s[cached] = score(q, k, hd, m->scale);
+    s[cached] = score(F32, q, (const char *)k, hd, m->scale);
     int nan;
     const float mx = block_max(s, len, &nan); /* a NaN score propagates through the sums either way */
     float sum = 0.f;
@@ -304,7 +343,7 @@ static void attend_head(const struct dmodel *m, const float *q, const float *kc,
         s[p] = fast_exp(s[p] - mx);
         sum += s[p];
     }
-    weighted_v(vc, table, bs, row, off, cached, s, v, hd, 1.f / sum /* >= 1: the maximum's term */, o);
+    weighted_v(t, vc, table, bs, row, off, cached, s, v, hd, 1.f / sum /* >= 1: the maximum's term */, o);
 }
 
 static void clip_row(float *x, int64_t n, float c) {
@@ -375,6 +414,13 @@ static void expert_rows(int qt, const uint8_t *p, int64_t stride, int e, int64_t
                         const float *dd, int64_t n0, int64_t n1, float *out) {
     const uint8_t *w = p + e * stride;
     const int nb = (int)(K / QK);
+    if (qt == W_BF16) { /* xq: the bf16 row; rows on panel bounds */
+#if HAVE_BF16
+        panels_rows_bf16f((const char *)xq, 0, (const char *)w, K * 32, (int)(K / 2), 0, (char *)out, 0, 1,
+                          n0 / NR, n1 / NR, 0, 0);
+#endif
+        return;
+    }
     switch (qt) {
     case Q4_0: qp_rows(Q4_0, w, nb, xq, dd, K, 1, n0, n1, out, 0); break;
     case Q4_1: qp_rows(Q4_1, w, nb, xq, dd, K, 1, n0, n1, out, 0); break;
@@ -382,7 +428,15 @@ static void expert_rows(int qt, const uint8_t *p, int64_t stride, int e, int64_t
     }
 }
 
-static int64_t expert_bytes(int qt, int64_t n, int64_t k) { return (n + QP_W - 1) / QP_W * (k / QK) * qp_block_bytes(qt); }
+static int64_t expert_bytes(int qt, int64_t n, int64_t k) {
+    return qt == W_BF16 ? n * k * 2 : (n + QP_W - 1) / QP_W * (k / QK) * qp_block_bytes(qt);
+}
+
+/* The row x [k] as expert_rows' input in buf: bf16 (W_BF16) or int16 with its (d, d * sum) pairs at dd. */
+static void expert_input(int qt, const float *x, int64_t k, int16_t *buf, float *dd) {
+    if (qt == W_BF16) store_row(BF16, buf, x, 1.f, (int)k);
+    else quantize_row(1, 0, x, (int)(k / QK), buf, dd, dd + 1, 2);
+}
 
 /* Chunks of the layer's phases: QKV rows, heads, O rows, then gate/up rows and down rows (dense) or
  * (chosen expert, gate|up rows) and down rows over the chosen experts (MoE). */
@@ -404,8 +458,15 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                      int64_t scratch_len) {
     const int bs = m->block_size;
     if (pos < 0 || pos >= m->max_pos || pos != seq_len - 1 || bs <= 0 || m->hd % 2 || m->nh % m->nkv ||
-        slot != (int64_t)table[pos / bs] * bs + pos % bs || scratch_len < decode_stack_scratch(m, seq_len))
+        slot != (int64_t)table[pos / bs] * bs + pos % bs || scratch_len < decode_stack_scratch(m, seq_len) ||
+        (m->bf16 && !HAVE_BF16))
         return 1;
+    for (int l = 0; !HAVE_BF16 && l < m->n_layers; l++) {
+        const struct dlayer *L = m->layers + l;
+        if (L->qkv.kind == W_BF16 || L->o.kind == W_BF16 || L->gate_up.kind == W_BF16 || L->down.kind == W_BF16 ||
+            (L->moe.n_experts && (L->moe.qt == W_BF16 || L->moe.qt2 == W_BF16)))
+            return 1;
+    }
     const int H = m->hidden, I = m->inter, hd = m->hd, g = m->nh / m->nkv, len = (int)seq_len;
     const int64_t nq = (int64_t)m->nh * hd, nk = (int64_t)m->nkv * hd, pt = per_thread(m, seq_len);
     float *qkv = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63), *att = qkv + nq + 2 * nk;
@@ -432,6 +493,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
             if (l > 0) wait_done(P - 1, totals[5 * l - 1]);
             if (atomic_load_explicit(&P[0].claimed, memory_order_relaxed) < total[0]) { /* QKV */
                 rms_norm(h, L->in_norm, H, m->eps, xn);
+                if (m->bf16) round_bf16(xn, H);
                 prepare(&L->qkv, xn, qbuf);
                 while ((k = claim(&P[0], total[0])) >= 0) {
                     const int64_t n1 = (int64_t)(k + 1) * CHUNK;
@@ -454,10 +516,12 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                     if (L->clip > 0.f) clip_row(kv + j * hd, hd, L->clip), clip_row(kv + nk + j * hd, hd, L->clip);
                     rotate(kv + j * hd, kv + j * hd, hd, c, s);
                 }
+                if (m->bf16) round_bf16(kv, 2 * nk); /* as the cache holds them */
                 while ((k = claim(&P[1], total[1])) >= 0) {
                     if (k == 0) { /* the slot is read by no one this step: attention takes kv */
-                        memcpy(k_caches[l] + slot * nk, kv, (size_t)nk * sizeof(float));
-                        memcpy(v_caches[l] + slot * nk, kv + nk, (size_t)nk * sizeof(float));
+                        const enum dtype t = m->bf16 ? BF16 : F32;
+                        store_row(t, (char *)k_caches[l] + slot * nk * ES(t), kv, 1.f, (int)nk);
+                        store_row(t, (char *)v_caches[l] + slot * nk * ES(t), kv + nk, 1.f, (int)nk);
                     }
                     const int64_t off = (int64_t)(k / g) * hd;
                     const float *q = qkv + (int64_t)k * hd; /* xn is free until the next norm */
@@ -466,8 +530,11 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                     else memcpy(xn, q, (size_t)hd * sizeof(float));
                     if (L->clip > 0.f) clip_row(xn, hd, L->clip);
                     rotate(xn, xn, hd, c, s);
-                    attend_head(m, xn, k_caches[l], v_caches[l], table, len, off, kv + off, kv + nk + off, sc,
-                                att + (int64_t)k * hd);
+                    const char *kc = (const char *)k_caches[l], *vc = (const char *)v_caches[l];
+                    if (m->bf16) /* each cache type its own inlined copy */
+                        attend_head(BF16, m, xn, kc, vc, table, len, off, kv + off, kv + nk + off, sc, att + (int64_t)k * hd);
+                    else
+                        attend_head(F32, m, xn, kc, vc, table, len, off, kv + off, kv + nk + off, sc, att + (int64_t)k * hd);
                     finish(&P[1]);
                 }
             }
@@ -494,9 +561,10 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                 float *xd = (float *)(xq + H);
                 if (atomic_load_explicit(&P[3].claimed, memory_order_relaxed) < total[3]) {
                     rms_norm(h, L->post_norm, H, m->eps, xn);
+                    if (m->bf16) round_bf16(xn, H);
                     router_logits(M, xn, H, logits);
                     route(M, logits, sel, wsel);
-                    quantize_row(1, 0, xn, H / QK, xq, xd, xd + 1, 2);
+                    expert_input(M->qt, xn, H, xq, xd);
                     while ((k = claim(&P[3], total[3])) >= 0) {
                         const int j = k / ci;
                         const int64_t n0 = (int64_t)(k % ci) * CHUNK, n1 = n0 + CHUNK < Ie ? n0 + CHUNK : Ie;
@@ -515,8 +583,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                     int16_t *aq = qbuf;
                     float *ad = (float *)(aq + (int64_t)K * Ie);
                     for (int j = 0; j < K; j++)
-                        quantize_row(1, 0, act + (int64_t)j * Ie, Ie / QK, aq + (int64_t)j * Ie,
-                                     ad + 2 * (int64_t)j * (Ie / QK), ad + 2 * (int64_t)j * (Ie / QK) + 1, 2);
+                        expert_input(M->qt2, act + (int64_t)j * Ie, Ie, aq + (int64_t)j * Ie, ad + 2 * (int64_t)j * (Ie / QK));
                     while ((k = claim(&P[4], total[4])) >= 0) {
                         const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < H ? n0 + CHUNK : H;
                         for (int j = 0; j < K; j++)
@@ -535,6 +602,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
             float *act = gu + 2 * (int64_t)I;
             if (atomic_load_explicit(&P[3].claimed, memory_order_relaxed) < total[3]) { /* gate/up, SiLU * up */
                 rms_norm(h, L->post_norm, H, m->eps, xn);
+                if (m->bf16) round_bf16(xn, H);
                 prepare(&L->gate_up, xn, qbuf);
                 while ((k = claim(&P[3], total[3])) >= 0) {
                     const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < I ? n0 + CHUNK : I;
@@ -567,7 +635,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
 
 /* decode_stack_f32 for the token ids[0] at position positions[0] in cache slot slots[0] (the
  * engine's int64 step tensors, read here rather than converted one by one in Python): h = its row
- * of embed (float32 [vocab, hidden], row stride es floats), then the step. Returns 1 when the token
+ * of embed ([vocab, hidden], float32 or, for a bf16 model, bf16; row stride es elements), then the step. Returns 1 when the token
  * is outside [0, vocab) or decode_stack_f32 refuses. */
 int decode_stack_ids(const struct dmodel *m, const float *embed, int64_t es, int64_t vocab, const int64_t *ids,
                      const int64_t *positions, const int64_t *slots, float *h, float *out, int64_t seq_len,
@@ -575,7 +643,8 @@ int decode_stack_ids(const struct dmodel *m, const float *embed, int64_t es, int
                      int64_t scratch_len) {
     const int64_t tok = ids[0];
     if (tok < 0 || tok >= vocab) return 1;
-    memcpy(h, embed + tok * es, (size_t)m->hidden * sizeof(float));
+    if (m->bf16) load_row(BF16, h, (const uint16_t *)embed + tok * es, m->hidden);
+    else memcpy(h, embed + tok * es, (size_t)m->hidden * sizeof(float));
     if (m->emb_scale != 1.f)
         for (int i = 0; i < m->hidden; i++) h[i] *= m->emb_scale;
     return decode_stack_f32(m, h, out, positions[0], slots[0], seq_len, table, k_caches, v_caches, scratch,

@@ -4,7 +4,8 @@ token, on CPU, through kernels/decode_stack.py's single C call instead of ~270 m
 
 It applies only where it computes what the module path computes: float32 activations and caches
 on CPU, linear layers that are plain float32 nn.Linear / PackedLinear or QuantLinear (taking the
-GEMV a 1-row call of theirs takes: its panels, or QuantLinear.few_rows_activation_bits), no forward hooks, no
+GEMV a 1-row call of theirs takes: its panels, or QuantLinear.few_rows_activation_bits; a bf16
+MoE decoder's bf16 PackedLinears on their panels, moe_decode.py), no forward hooks, no
 batch-invariant mode, no grad, no image embeddings, no windowed KV group. Every step re-reads that
 state (DecodeFastPath), so swapping a linear layer, adding a hook or changing activation_bits
 rebuilds or drops the plan; anything else falls back to the module path. Weights must be updated
@@ -24,7 +25,14 @@ from torch.utils.hooks import RemovableHandle
 
 from moebus.engine.attention import AttentionMetadata
 from moebus.engine.quant_linear import QuantLinear
-from moebus.kernels.decode_stack import DecodeStack, StackLayer, StackLinear, StackShape, cpu_kernel_available
+from moebus.kernels.decode_stack import (
+    DecodeStack,
+    StackLayer,
+    StackLinear,
+    StackShape,
+    bf16_panels_ok,
+    cpu_kernel_available,
+)
 from moebus.platforms.cpu.packed_linear import PackedLinear
 
 _SUBS = operator.itemgetter("self_attn", "mlp")
@@ -67,12 +75,24 @@ def stack_linear(m: nn.Module) -> StackLinear | None:
         w = m.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous():
             return StackLinear(w.detach(), m.in_features)
+        panels = getattr(m, "panels", None)
+        if (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.is_contiguous() and panels is not None
+                and bf16_panels_ok(panels, *w.shape)):  # the panels the module path's kernel reads
+            return StackLinear(w.detach(), m.in_features, panels=panels)
     return None
 
 
 def float_ok(w: torch.Tensor) -> bool:
     """A float32 CPU contiguous tensor (a norm's gain, an embedding): what the C step reads."""
     return w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous()
+
+
+def gain(w: torch.Tensor) -> torch.Tensor | None:
+    """A norm's gain as the C step reads it (float32), or None: a float32 one itself, a bf16 one
+    converted (a copy: [hidden] floats, taken again when the plan is rebuilt)."""
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return w.detach().float().contiguous()
 
 
 def build_plan(model: nn.Module) -> DecodeStack | None:
@@ -137,16 +157,16 @@ class DecodeFastPath:
             return None
         kc, vc = kv_caches[0][:2]
         a = model.args
-        if (kc.dtype != torch.float32 or vc.dtype != torch.float32 or not (kc.is_contiguous() and vc.is_contiguous())
-                or kc.device.type != "cpu" or kc.shape[2:] != (a.num_key_value_heads, a.head_dim)
-                or vc.shape != kc.shape):
+        if (not (kc.is_contiguous() and vc.is_contiguous()) or kc.device.type != "cpu"
+                or kc.shape[2:] != (a.num_key_value_heads, a.head_dim) or vc.shape != kc.shape):
             return None
         plan = self._plan_for(model)
         table, seq_len, slots = meta.block_tables, meta.seq_lens[0], meta.slot_mapping
-        if (plan is None or table.dtype != torch.int32 or not table.is_contiguous() or table.shape[0] != 1
+        if (plan is None or kc.dtype != plan.dtype or vc.dtype != plan.dtype or table.dtype != torch.int32
+                or not table.is_contiguous() or table.shape[0] != 1
                 or seq_len > table.shape[1] * kc.shape[1] or len(kv_caches) != len(model.layers)
                 or input_ids.dtype != torch.int64 or positions.dtype != torch.int64 or not positions.is_cpu
                 or slots.dtype != torch.int64 or not slots.is_cpu or positions.numel() != 1 or slots.numel() != 1):
             return None
         out = plan.step_ids(input_ids, positions, slots, seq_len, table, kv_caches)
-        return None if out is None else out.view(1, -1)
+        return None if out is None else out.view(1, -1).to(plan.dtype)  # bf16: the module path's final norm
