@@ -8,8 +8,8 @@ kernels/qmoe.py's panels or bf16 pack_panels panels). Linear weights are float32
 taken on their pack_panels panels (inputs rounded to bf16, float32 sums), or GGUF blocks
 (quant_matmul.py's layout) taken on integer activations of `act_bits` (quant_matmul_qa_ref) or on
 float ones (quant_matmul_ref). Caches [blocks, block_size, Hkv, D], contiguous, float32, or bf16
-for a bf16 model (DecodeStack(dtype=torch.bfloat16): its embedding bf16 too and each normed row
-rounded to bf16, the module path's RMSNorm output; the residual stream stays float32). `decode_stack_ref` is the same step on
+for a bf16 model (DecodeStack(dtype=torch.bfloat16): its embedding bf16 too, and every value the
+module path holds in a bf16 tensor rounded to bf16 at the same point: decode_stack_ref says where). `decode_stack_ref` is the same step on
 the kernels' torch references (the spec); platforms/cpu/decode_fast_path.py (and moe_decode.py) decide
 when it applies.
 
@@ -174,16 +174,17 @@ class StackExperts:
         return out
 
     def _bf16_ref(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """BF16 experts for x [1, hidden]: gate|up on the bf16-rounded x, SiLU(gate) * up in float32,
-        rounded to bf16 for down, the k outputs combined in float32 in top-k order."""
+        """BF16 experts for x [1, hidden], as kernels/fused_moe.py's panel kernel: gate|up rounded to
+        bf16, SiLU(gate) * up in float32 rounded to bf16, down rounded to bf16, the k outputs
+        combined in float32 in top-k order, rounded to bf16."""
         hidden, inter = self.router.shape[1], self.inter
         out = torch.zeros(1, hidden)
         for j, e in enumerate(ids.tolist()):
             w13 = unpack_panels(self.p13[e], 2 * inter, hidden).float()
             w2 = unpack_panels(self.p2[e], hidden, inter).float()
-            act = silu_and_mul_ref(F.linear(_bf16(x), w13))
-            out = out + weights[0, j] * F.linear(_bf16(act), w2)
-        return out
+            act = _bf16(silu_and_mul_ref(_bf16(F.linear(_bf16(x), w13))))
+            out = out + weights[0, j] * _bf16(F.linear(act, w2))
+        return _bf16(out)
 
     def struct(self) -> _Moe:
         types = (_W_BF16, _W_BF16) if self.qtype == BF16 else (GGML_TYPES[self.qtype], GGML_TYPES[self.down_type])
@@ -238,32 +239,33 @@ def decode_stack_ref(layers: list[StackLayer], final_norm: torch.Tensor, shape: 
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step on the torch references: (final_norm(h'), h') for h [hidden], the residual stream h'.
-    scale: the softmax scale (default head_dim ** -0.5). bf16 caches: a bf16 model's step (normed
-    rows rounded to bf16; this token's K/V attended as the cache holds them)."""
+    scale: the softmax scale (default head_dim ** -0.5). bf16 caches: a bf16 model's step, every
+    value rounded (r) where the module path's tensor is bf16."""
     nh, nkv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
     cos, sin = rotary_cos_sin(torch.tensor([pos]), hd, shape.rope_theta)
-    h = h[None].float()
-    normed = _bf16 if kv_caches[0][0].dtype == torch.bfloat16 else (lambda t: t)
+    r = _bf16 if kv_caches[0][0].dtype == torch.bfloat16 else (lambda t: t)
+    h = r(h[None].float())
     for layer, (kc, vc) in zip(layers, kv_caches, strict=True):
-        x = normed(rms_norm_ref(h, layer.in_norm, shape.eps))
-        q, k, v = layer.qkv.ref(x).split([nh * hd, nkv * hd, nkv * hd], -1)
+        x = r(rms_norm_ref(h, layer.in_norm, shape.eps))
+        q, k, v = r(layer.qkv.ref(x)).split([nh * hd, nkv * hd, nkv * hd], -1)
         if layer.qk_norm == "full":
-            q, k = rms_norm_ref(q, layer.q_norm, shape.eps), rms_norm_ref(k, layer.k_norm, shape.eps)
+            q, k = r(rms_norm_ref(q, layer.q_norm, shape.eps)), r(rms_norm_ref(k, layer.k_norm, shape.eps))
         elif layer.qk_norm == "head":
-            q = rms_norm_ref(q.reshape(nh, hd), layer.q_norm, shape.eps).reshape(1, -1)
-            k = rms_norm_ref(k.reshape(nkv, hd), layer.k_norm, shape.eps).reshape(1, -1)
+            q = r(rms_norm_ref(q.reshape(nh, hd), layer.q_norm, shape.eps)).reshape(1, -1)
+            k = r(rms_norm_ref(k.reshape(nkv, hd), layer.k_norm, shape.eps)).reshape(1, -1)
         if layer.clip is not None:
             q, k, v = (t.clamp(-layer.clip, layer.clip) for t in (q, k, v))
-        q, k = apply_rotary_ref(q.view(1, nh, hd), k.view(1, nkv, hd), cos, sin)
+        q, k = (r(t) for t in apply_rotary_ref(q.view(1, nh, hd), k.view(1, nkv, hd), cos, sin))
         kc.view(-1, nkv, hd)[slot], vc.view(-1, nkv, hd)[slot] = k[0], v.view(nkv, hd)
-        o = paged_attention_decode_ref(q, kc, vc, table[None], torch.tensor([seq_len], dtype=torch.int32),
-                                       hd**-0.5 if scale is None else scale)
-        h = h + layer.o.ref(o.flatten(1)) * layer.o_scale
-        x = normed(rms_norm_ref(h, layer.post_norm, shape.eps))
+        o = r(paged_attention_decode_ref(q, kc, vc, table[None], torch.tensor([seq_len], dtype=torch.int32),
+                                         hd**-0.5 if scale is None else scale))
+        o = r(layer.o.ref(o.flatten(1)))
+        h = r(h + (o if layer.o_scale == 1.0 else r(o * layer.o_scale)))
+        x = r(rms_norm_ref(h, layer.post_norm, shape.eps))
         if layer.experts is not None:
-            h = h + layer.experts.ref(x)
+            h = r(h + layer.experts.ref(x))
         else:
-            h = h + layer.down.ref(silu_and_mul_ref(layer.gate_up.ref(x)))
+            h = r(h + r(layer.down.ref(silu_and_mul_ref(r(layer.gate_up.ref(x))))))
     return rms_norm_ref(h, final_norm, shape.eps)[0], h[0]
 
 

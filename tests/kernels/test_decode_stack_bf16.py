@@ -1,6 +1,7 @@
 """The batch-1 C step (kernels/decode_stack.py) of a bf16 model against decode_stack_ref: bf16
-linear layers and experts on pack_panels panels (vdpbf16ps), bf16 caches and embedding, normed rows
-rounded to bf16, the MoE decoders' knobs; and a build without AVX-512 refusing such a model."""
+linear layers and experts on pack_panels panels (vdpbf16ps), bf16 caches and embedding, every value
+rounded to bf16 where the module path holds a bf16 tensor, the MoE decoders' knobs; and a build
+without AVX-512 refusing such a model."""
 import pytest
 import torch
 from test_decode_stack import assert_same_step  # tests/kernels is on sys.path (no package)
@@ -24,9 +25,11 @@ pytestmark = pytest.mark.skipif(not (cpu_kernel_available() and bf16_available()
                                 reason="no C compiler or no AVX512-BF16")
 
 HIDDEN, INTER, NH, NKV, HD, E, K, BS = 64, 96, 4, 2, 32, 20, 3, 4
-# float32 sums in other orders (vdpbf16ps adds products in pairs): a normed row or a K/V element
-# near a bf16 rounding boundary may round the other way (2^-8 relative), which later layers carry
-TOL = {"atol": 2e-2, "rtol": 1e-2}
+# The same bits but where the reference reduces in another order (torch's mean for the norms, its
+# softmax): a value there can land on the other side of a bf16 rounding boundary (2^-8 relative),
+# which the bf16 residual then carries on. Measured: 0 apart but for "olmoe" (whole-projection q/k
+# norms), up to 2.3e-2 on outputs of ~3.
+TOL = {"atol": 5e-2, "rtol": 1e-2}
 
 
 def _linear(n: int, k: int, g: torch.Generator) -> StackLinear:

@@ -20,13 +20,15 @@
  * panels with the arithmetic of kernels/qmoe.py's kernel (csrc/qmoe_cpu.c), combined in float32
  * in top-k order.
  *
- * bf16 models (dmodel.bf16): the embedding and the caches are bf16 ([blocks, bs, Hkv, D], this
- * token's K/V rounded to bf16 before it attends, as the module path's cache holds them), and each
- * normed row is rounded to bf16 (the module path's RMSNorm output). Their linear layers (W_BF16)
- * and experts (dmoe.qt W_BF16) are pack_panels' bf16 panels taken on vdpbf16ps with panel_tiles.h's
- * tiles (the module path's panel kernels), inputs rounded to bf16, sums kept in float32; the
- * residual stream stays float32 where the module path rounds it to bf16 at every add: closer to a
- * float32 model, so results differ from the module path's by bf16 rounding, not by its order.
+ * bf16 models (dmodel.bf16): the embedding and the caches are bf16 ([blocks, bs, Hkv, D]). Their
+ * linear layers (W_BF16) and experts (dmoe.qt W_BF16) are pack_panels' bf16 panels taken on
+ * vdpbf16ps with panel_tiles.h's tiles: the module path's panel kernels, whose one-row sums are
+ * these to the bit. Every value the module path holds in a bf16 tensor is rounded to bf16 here at
+ * the same point (the residual stream after each add, each norm's output, the projections' and
+ * experts' outputs, q and k after their norms and after rotary, the attention's output, O's output
+ * and its scaled copy, SiLU * up), so a lone request's step follows the batched module path's
+ * (engine batch invariance by default) up to the float32 order of the norms, the attention and the
+ * routing softmax, which may move a value across a bf16 rounding boundary now and then.
  */
 #include <omp.h>
 #include <sched.h>
@@ -94,6 +96,9 @@ static void round_bf16(float *x, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) x[i] = round_to(BF16, x[i]);
 }
+
+/* x rounded to bf16 in a bf16 model (bf: dmodel.bf16), else x. */
+INLINE float rb(int bf, float x) { return bf ? round_to(BF16, x) : x; }
 
 /* Scratch floats. Shared: the layer's activations (qkv, attention out, projection out, gate/up);
  * per thread: the normed row, the rotated K/V of this token, the scores over ctx positions and the
@@ -477,6 +482,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
     if (!ph || !totals) return free(ph), free(totals), 1;
     for (int i = 0; i < 5 * m->n_layers; i++) atomic_init(&ph[i].claimed, 0), atomic_init(&ph[i].done, 0);
     for (int l = 0; l < m->n_layers; l++) layer_totals(m, m->layers + l, totals + 5 * l);
+    if (m->bf16) round_bf16(h, H); /* a bf16 model's residual stream holds bf16 values */
 #pragma omp parallel
     {
         const int tid = omp_get_thread_num();
@@ -496,8 +502,9 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                 if (m->bf16) round_bf16(xn, H);
                 prepare(&L->qkv, xn, qbuf);
                 while ((k = claim(&P[0], total[0])) >= 0) {
-                    const int64_t n1 = (int64_t)(k + 1) * CHUNK;
-                    linear_rows(&L->qkv, xn, qbuf, (int64_t)k * CHUNK, n1 < L->qkv.n ? n1 : L->qkv.n, qkv);
+                    const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < L->qkv.n ? n0 + CHUNK : L->qkv.n;
+                    linear_rows(&L->qkv, xn, qbuf, n0, n1, qkv);
+                    if (m->bf16) round_bf16(qkv + n0, n1 - n0);
                     finish(&P[0]);
                 }
             }
@@ -513,10 +520,11 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                 memcpy(kv + nk, qkv + nq + nk, (size_t)nk * sizeof(float));
                 for (int j = 0; j < m->nkv; j++) { /* this token's K (normed, clipped, rotated) and V, every thread its copy */
                     if (L->qk_norm == 1) rms_norm(kv + j * hd, L->k_norm, hd, m->eps, kv + j * hd);
+                    if (L->qk_norm && m->bf16) round_bf16(kv + j * hd, hd);
                     if (L->clip > 0.f) clip_row(kv + j * hd, hd, L->clip), clip_row(kv + nk + j * hd, hd, L->clip);
                     rotate(kv + j * hd, kv + j * hd, hd, c, s);
+                    if (m->bf16) round_bf16(kv + j * hd, hd); /* as the cache holds it (V is already) */
                 }
-                if (m->bf16) round_bf16(kv, 2 * nk); /* as the cache holds them */
                 while ((k = claim(&P[1], total[1])) >= 0) {
                     if (k == 0) { /* the slot is read by no one this step: attention takes kv */
                         const enum dtype t = m->bf16 ? BF16 : F32;
@@ -528,13 +536,16 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                     if (L->qk_norm == 1) rms_norm(q, L->q_norm, hd, m->eps, xn);
                     else if (L->qk_norm == 2) scale_row(q, L->q_norm + (int64_t)k * hd, hd, qr, xn);
                     else memcpy(xn, q, (size_t)hd * sizeof(float));
+                    if (L->qk_norm && m->bf16) round_bf16(xn, hd);
                     if (L->clip > 0.f) clip_row(xn, hd, L->clip);
                     rotate(xn, xn, hd, c, s);
+                    if (m->bf16) round_bf16(xn, hd);
                     const char *kc = (const char *)k_caches[l], *vc = (const char *)v_caches[l];
                     if (m->bf16) /* each cache type its own inlined copy */
                         attend_head(BF16, m, xn, kc, vc, table, len, off, kv + off, kv + nk + off, sc, att + (int64_t)k * hd);
                     else
                         attend_head(F32, m, xn, kc, vc, table, len, off, kv + off, kv + nk + off, sc, att + (int64_t)k * hd);
+                    if (m->bf16) round_bf16(att + (int64_t)k * hd, hd);
                     finish(&P[1]);
                 }
             }
@@ -544,10 +555,11 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                 while ((k = claim(&P[2], total[2])) >= 0) {
                     const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < H ? n0 + CHUNK : H;
                     linear_rows(&L->o, att, qbuf, n0, n1, tmp);
+                    const int bf = m->bf16;
                     if (L->o_scale != 1.f)
-                        for (int64_t i = n0; i < n1; i++) h[i] += tmp[i] * L->o_scale;
+                        for (int64_t i = n0; i < n1; i++) h[i] = rb(bf, h[i] + rb(bf, rb(bf, tmp[i]) * L->o_scale));
                     else
-                        for (int64_t i = n0; i < n1; i++) h[i] += tmp[i];
+                        for (int64_t i = n0; i < n1; i++) h[i] = rb(bf, h[i] + rb(bf, tmp[i]));
                     finish(&P[2]);
                 }
             }
@@ -571,6 +583,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                         float *gj = gu + 2 * (int64_t)j * Ie, *aj = act + (int64_t)j * Ie;
                         expert_rows(M->qt, M->p13, s13, sel[j], H, xq, xd, n0, n1, gj);
                         expert_rows(M->qt, M->p13, s13, sel[j], H, xq, xd, Ie + n0, Ie + n1, gj);
+                        if (m->bf16) round_bf16(gj + n0, n1 - n0), round_bf16(gj + Ie + n0, n1 - n0);
 #pragma omp simd
                         for (int64_t i = n0; i < n1; i++) aj[i] = gj[i] / (1.f + fast_exp(-gj[i])) * gj[Ie + i];
                         if (k == 0) /* for the down phase, whose threads may not have routed: h moves then */
@@ -586,13 +599,15 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                         expert_input(M->qt2, act + (int64_t)j * Ie, Ie, aq + (int64_t)j * Ie, ad + 2 * (int64_t)j * (Ie / QK));
                     while ((k = claim(&P[4], total[4])) >= 0) {
                         const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < H ? n0 + CHUNK : H;
-                        for (int j = 0; j < K; j++)
+                        for (int j = 0; j < K; j++) {
                             expert_rows(M->qt2, M->p2, s2, rsel[j], Ie, aq + (int64_t)j * Ie,
                                         ad + 2 * (int64_t)j * (Ie / QK), n0, n1, y + (int64_t)j * H);
+                            if (m->bf16) round_bf16(y + (int64_t)j * H + n0, n1 - n0);
+                        }
                         for (int64_t i = n0; i < n1; i++) { /* sum_j w_j y_j in float32, j in order */
                             float acc = 0.f;
                             for (int j = 0; j < K; j++) acc += rw[j] * y[(int64_t)j * H + i];
-                            h[i] += acc;
+                            h[i] = rb(m->bf16, h[i] + rb(m->bf16, acc));
                         }
                         finish(&P[4]);
                     }
@@ -608,6 +623,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                     const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < I ? n0 + CHUNK : I;
                     linear_rows(&L->gate_up, xn, qbuf, n0, n1, gu);
                     linear_rows(&L->gate_up, xn, qbuf, I + n0, I + n1, gu);
+                    if (m->bf16) round_bf16(gu + n0, n1 - n0), round_bf16(gu + I + n0, n1 - n0);
 #pragma omp simd
                     for (int64_t i = n0; i < n1; i++) act[i] = gu[i] / (1.f + fast_exp(-gu[i])) * gu[I + i];
                     finish(&P[3]);
@@ -619,7 +635,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                 while ((k = claim(&P[4], total[4])) >= 0) {
                     const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < H ? n0 + CHUNK : H;
                     linear_rows(&L->down, act, qbuf, n0, n1, tmp);
-                    for (int64_t i = n0; i < n1; i++) h[i] += tmp[i];
+                    for (int64_t i = n0; i < n1; i++) h[i] = rb(m->bf16, h[i] + rb(m->bf16, tmp[i]));
                     finish(&P[4]);
                 }
             }
@@ -646,7 +662,7 @@ int decode_stack_ids(const struct dmodel *m, const float *embed, int64_t es, int
     if (m->bf16) load_row(BF16, h, (const uint16_t *)embed + tok * es, m->hidden);
     else memcpy(h, embed + tok * es, (size_t)m->hidden * sizeof(float));
     if (m->emb_scale != 1.f)
-        for (int i = 0; i < m->hidden; i++) h[i] *= m->emb_scale;
+        for (int i = 0; i < m->hidden; i++) h[i] = rb(m->bf16, h[i] * m->emb_scale);
     return decode_stack_f32(m, h, out, positions[0], slots[0], seq_len, table, k_caches, v_caches, scratch,
                             scratch_len);
 }
