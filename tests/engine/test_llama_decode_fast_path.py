@@ -1,6 +1,7 @@
 """The llama batch-1 decode fast path (platforms/cpu/decode_fast_path.py: the whole stack in one C call)
 against the module path it replaces, on SmolLM2: the GGUF's Q4_1 layers on 16-bit, 8-bit and float
-activations, a mix of Q4_0 / Q4_1 / Q8_0 layers, and the dense float32 model; logits of every
+activations, a mix of Q4_0 / Q4_1 / Q8_0 layers, the dense float32 model and the bf16 one (the
+module path's bits: batch invariance by default holds for a lone request); logits of every
 decode position of a 38-token prompt (positions cross the 16-token cache blocks) and greedy output
 through the engine. Steps it must not take (a batch, a hook) go to the module path."""
 import pytest
@@ -13,8 +14,9 @@ from moebus.engine.llm import LLM
 from moebus.engine.model_runner import allocate_kv_caches
 from moebus.engine.quant_linear import QuantLinear
 from moebus.engine.sampling import SamplingParams
-from moebus.kernels.decode_stack import DecodeStack, cpu_kernel_available
+from moebus.kernels.decode_stack import DecodeStack, bf16_available, cpu_kernel_available
 from moebus.kernels.quant_matmul import dequantize_ref
+from moebus.platforms.cpu.packed_linear import panels_wanted
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="no C compiler for the CPU kernels")
 pytestmark = [pytestmark, pytest.mark.slow]  # the slow tier: ./run test-slow
@@ -53,7 +55,8 @@ def _decode_logits(llm: LLM, ids: list[int], fast: bool) -> torch.Tensor:
     saved = model.decode_fast_path
     if not fast:
         model.decode_fast_path = None
-    caches = allocate_kv_caches(model.kv_cache_specs(), 8, bs, torch.float32, torch.device("cpu"))
+    dtype = model.embed_tokens.weight.dtype  # the model's: bf16 caches for a bf16 model
+    caches = allocate_kv_caches(model.kv_cache_specs(), 8, bs, dtype, torch.device("cpu"))
     table = torch.tensor([[3, 0, 5, 1, 7, 2, 4, 6]], dtype=torch.int32)  # scattered pages
     rows = []
     try:
@@ -99,6 +102,17 @@ def test_gguf_logits_match_the_module_path(gguf_llm, chat_prompts, steps, bits):
 
 def test_dense_logits_match_the_module_path(llm, chat_prompts, steps):
     print(f"float32: max abs logit diff {_check(llm, chat_prompts[1], ATOL[None], steps):.2e}")
+
+
+@pytest.mark.skipif(not (bf16_available() and panels_wanted(torch.bfloat16)),
+                    reason="needs AVX512-BF16 without AMX (the bf16 panel kernels)")
+def test_bf16_logits_are_the_module_path_bits(smol_dir, chat_prompts, steps):
+    bf16 = LLM(max_num_batched_tokens=512, dtype="bfloat16", weight_format="dense")
+    ids = chat_prompts[1]
+    ref = _decode_logits(bf16, ids, fast=False)
+    fast = _decode_logits(bf16, ids, fast=True)
+    assert len(steps) == len(ids) and ref.abs().max() > 5  # every step took the fast path; real logits
+    assert torch.equal(fast, ref), (fast - ref).abs().max().item()
 
 
 def _requantized(m: QuantLinear, qtype: str) -> QuantLinear:

@@ -35,12 +35,15 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
+#include "paged_decode.h"
 #include "qpanel.h"
 #include "quant_direct.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "panel_tiles.h"
 DEFINE_PANELS_ROWS(bf16f, 4) /* bf16 x bf16 -> float32 sums, as panel_linear_cpu.c's bf16f entry */
+#define MAXN 16384           /* elementwise_avx512.h's row bound (its norm; the step uses its SiLU) */
+#include "elementwise_avx512.h"
 #define HAVE_BF16 1
 #else
 #define HAVE_BF16 0
@@ -108,8 +111,9 @@ static int64_t per_thread(const struct dmodel *m, int64_t ctx) {
     kmax = kmax > (int64_t)m->nh * m->hd ? kmax : (int64_t)m->nh * m->hd;
     const int64_t ka = (int64_t)m->max_k * m->max_moe_inter; /* the chosen experts' quantized act rows */
     kmax = kmax > ka ? kmax : ka;
-    return (m->hidden + 2 * (int64_t)m->nkv * m->hd + ctx + kmax / 2 + 2 * (kmax / QK) + 2 * m->max_experts +
-            6 * 16 + 15) & ~15;
+    const int64_t qo = (int64_t)(m->nh / m->nkv) * m->hd; /* a bf16 kv head's q and output, bf16 */
+    return (m->hidden + 2 * (int64_t)m->nkv * m->hd + qo + ctx + kmax / 2 + 2 * (kmax / QK) + 2 * m->max_experts +
+            7 * 16 + 15) & ~15;
 }
 
 static int64_t shared_floats(const struct dmodel *m) {
@@ -220,11 +224,35 @@ static void linear_rows(const struct dlinear *L, const float *x, const void *qbu
     }
 }
 
-/* out = x * rsqrt(mean(x^2) + eps) * w, as kernels/rmsnorm.py's reference. */
-static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
+/* The sum of x^2. In a bf16 model (bf) in the order of the module path's norm (elementwise_avx512.h's
+ * norm_row16: 16 fma lanes, one reduce), so that the norm's bf16 output is its bits. */
+static float sum_sq(const float *x, int64_t n, int bf) {
+#if HAVE_BF16
+    if (bf) {
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            const __m512 a = _mm512_maskz_loadu_ps(tail16((int)(n - i < 16 ? n - i : 16)), x + i);
+            ss = _mm512_fmadd_ps(a, a, ss);
+        }
+        return hsum16(ss);
+    }
+#endif
+    (void)bf;
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    return ss;
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w, as kernels/rmsnorm.py's reference (bf: sum_sq's). */
+static void rms_norm(const float *x, const float *w, int n, float eps, float *out, int bf) {
+    float ss = 0.f;
+    if (bf) {
+        ss = sum_sq(x, n, bf);
+    } else {
+#pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    }
     const float r = 1.f / sqrtf(ss / (float)n + eps);
 #pragma omp simd
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
@@ -243,46 +271,42 @@ static void rotate(const float *x, float *o, int d, const float *c, const float 
 
 #define KV_AHEAD 8 /* cache rows the attention loops prefetch ahead in a block */
 
-/* The `bytes` at p into the cache, a line at a time (the rows are strided: no streamer helps). */
-static inline void prefetch_row(const char *p, int bytes) {
-    for (int i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+/* The n floats at p into the cache, a line at a time (the rows are strided: no streamer helps). */
+static inline void prefetch_row(const float *p, int n) {
+    for (int i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
-#define ES(t) ((t) == F32 ? 4 : 2) /* a cache element's bytes (load8: cpu_dot.h's) */
-
-/* q . k * scale for one cached (type t) or current (F32) key row. AVX2: 4 independent 8-lane
- * chains (a single chain over hd, as the compiler made of the plain loop, bound a score at hd / 8
- * FMA latencies plus a serial horizontal sum: most of the attention's time, ~40 ns a head and
- * position). */
-INLINE float score(enum dtype t, const float *q, const char *kp, int hd, float scale) {
+/* q . k * scale for one cached or current key row. AVX2: 4 independent 8-lane chains (a single
+ * chain over hd, as the compiler made of the plain loop, bound a score at hd / 8 FMA latencies plus
+ * a serial horizontal sum: most of the attention's time, ~40 ns a head and position). */
+static inline float score(const float *q, const float *kp, int hd, float scale) {
 #if MOEBUS_DOT_AVX2
     if (hd % 32 == 0) {
         __m256 a[4];
-        for (int j = 0; j < 4; j++) a[j] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), load8(t, kp + 8 * j * ES(t)));
+        for (int j = 0; j < 4; j++) a[j] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * j), _mm256_loadu_ps(kp + 8 * j));
         for (int i = 32; i < hd; i += 32)
             for (int j = 0; j < 4; j++)
-                a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8 * j), load8(t, kp + (i + 8 * j) * ES(t)), a[j]);
-        const __m256 r = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-        __m128 v = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+                a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8 * j), _mm256_loadu_ps(kp + i + 8 * j), a[j]);
+        const __m256 t = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
         v = _mm_add_ps(v, _mm_movehl_ps(v, v));
         return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v))) * scale;
     }
 #endif
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-    for (int i = 0; i < hd; i++) acc += q[i] * load1(t, kp, i);
+    for (int i = 0; i < hd; i++) acc += q[i] * kp[i];
     return acc * scale;
 }
 
 #define VT 64 /* output columns a register tile of the weighted V sum (8 AVX2 registers) */
 
-/* o = (sum_p s[p] v_p) * inv over the cached positions (type t; row: elements a slot, kv head
- * offset off), then this token's v (weight s[cached]). AVX2, hd a multiple of VT: the sums of a
- * column tile stay in registers over all positions (the plain loop loaded and stored o at every
- * position); each element's terms are added in the same order either way. */
-INLINE void weighted_v(enum dtype t, const char *vc, const int32_t *table, int bs, int64_t row, int64_t off,
-                       int cached, const float *s, const float *v, int hd, float inv, float *o) {
-    const int es = ES(t);
+/* o = (sum_p s[p] v_p) * inv over the cached positions (kv head offset off), then this token's v
+ * (weight s[cached]). AVX2, hd a multiple of VT: the sums of a column tile stay in registers over
+ * all positions (the plain loop loaded and stored o at every position); each element's terms are
+ * added in the same order either way. */
+static void weighted_v(const float *vc, const int32_t *table, int bs, int64_t row, int64_t off, int cached,
+                       const float *s, const float *v, int hd, float inv, float *o) {
 #if MOEBUS_DOT_AVX2
     if (hd % VT == 0) {
         for (int c0 = 0; c0 < hd; c0 += VT) {
@@ -290,12 +314,12 @@ INLINE void weighted_v(enum dtype t, const char *vc, const int32_t *table, int b
             for (int i = 0; i < VT / 8; i++) acc[i] = _mm256_setzero_ps();
             for (int p0 = 0; p0 < cached; p0 += bs) {
                 const int n = cached - p0 < bs ? cached - p0 : bs;
-                const char *vb = vc + ((int64_t)table[p0 / bs] * bs * row + off + c0) * es;
+                const float *vb = vc + (int64_t)table[p0 / bs] * bs * row + off + c0;
                 for (int j = 0; j < n; j++) {
-                    if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row * es, VT * es);
+                    if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row, VT);
                     const __m256 w = _mm256_set1_ps(s[p0 + j]);
                     for (int i = 0; i < VT / 8; i++)
-                        acc[i] = _mm256_fmadd_ps(w, load8(t, vb + (j * row + 8 * i) * es), acc[i]);
+                        acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vb + j * row + 8 * i), acc[i]);
                 }
             }
             const __m256 w = _mm256_set1_ps(s[cached]), iv = _mm256_set1_ps(inv);
@@ -309,13 +333,12 @@ INLINE void weighted_v(enum dtype t, const char *vc, const int32_t *table, int b
     for (int i = 0; i < hd; i++) o[i] = 0.f;
     for (int p0 = 0; p0 < cached; p0 += bs) {
         const int n = cached - p0 < bs ? cached - p0 : bs;
-        const char *vb = vc + ((int64_t)table[p0 / bs] * bs * row + off) * es;
+        const float *vb = vc + (int64_t)table[p0 / bs] * bs * row + off;
         for (int j = 0; j < n; j++) {
-            if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row * es, hd * es);
-            const char *vp = vb + j * row * es;
-            const float w = s[p0 + j];
+            if (j + KV_AHEAD < n) prefetch_row(vb + (j + KV_AHEAD) * row, hd);
+            const float *vp = vb + j * row, w = s[p0 + j];
 #pragma omp simd
-            for (int i = 0; i < hd; i++) o[i] += w * load1(t, vp, i);
+            for (int i = 0; i < hd; i++) o[i] += w * vp[i];
         }
     }
     const float wl = s[cached];
@@ -324,22 +347,22 @@ INLINE void weighted_v(enum dtype t, const char *vc, const int32_t *table, int b
 }
 
 /* Softmax attention of one query head q over positions [0, len): [0, len - 1) from the paged cache
- * of type t (kv head offset off), the last from this token's k / v (float32). The cache is walked a
- * block at a time (one table lookup a block), rows prefetched KV_AHEAD ahead. */
-INLINE void attend_head(enum dtype t, const struct dmodel *m, const float *q, const char *kc, const char *vc,
+ * (kv head offset off), the last from this token's k / v. The cache is walked a block at a time
+ * (one table lookup a block), rows prefetched KV_AHEAD ahead. */
+static void attend_head(const struct dmodel *m, const float *q, const float *kc, const float *vc,
                         const int32_t *table, int len, int64_t off, const float *k, const float *v, float *s,
                         float *o) {
-    const int hd = m->hd, bs = m->block_size, cached = len - 1, es = ES(t);
-    const int64_t row = (int64_t)m->nkv * hd; /* elements a cache slot */
+    const int hd = m->hd, bs = m->block_size, cached = len - 1;
+    const int64_t row = (int64_t)m->nkv * hd; /* floats a cache slot */
     for (int p0 = 0; p0 < cached; p0 += bs) {
         const int n = cached - p0 < bs ? cached - p0 : bs;
-        const char *kb = kc + ((int64_t)table[p0 / bs] * bs * row + off) * es;
+        const float *kb = kc + (int64_t)table[p0 / bs] * bs * row + off;
         for (int i = 0; i < n; i++) {
-            if (i + KV_AHEAD < n) prefetch_row(kb + (i + KV_AHEAD) * row * es, hd * es);
-            s[p0 + i] = score(t, q, kb + i * row * es, hd, m->scale);
+            if (i + KV_AHEAD < n) prefetch_row(kb + (i + KV_AHEAD) * row, hd);
+            s[p0 + i] = score(q, kb + i * row, hd, m->scale);
         }
     }
-    s[cached] = score(F32, q, (const char *)k, hd, m->scale);
+    s[cached] = score(q, k, hd, m->scale);
     int nan;
     const float mx = block_max(s, len, &nan); /* a NaN score propagates through the sums either way */
     float sum = 0.f;
@@ -348,7 +371,24 @@ INLINE void attend_head(enum dtype t, const struct dmodel *m, const float *q, co
         s[p] = fast_exp(s[p] - mx);
         sum += s[p];
     }
-    weighted_v(t, vc, table, bs, row, off, cached, s, v, hd, 1.f / sum /* >= 1: the maximum's term */, o);
+    weighted_v(vc, table, bs, row, off, cached, s, v, hd, 1.f / sum /* >= 1: the maximum's term */, o);
+}
+
+/* A bf16 model's attention for kv head kh's G query heads: paged_decode.h's decode_one (the module
+ * path's kernel, so its bits) over positions [0, len) of the cache, which holds this token's K/V
+ * already; qb: the G heads' q (bf16), ob: their output (bf16). */
+static void attend_kv_head_bf16(const struct dmodel *m, const uint16_t *qb, const char *kc, const char *vc,
+                                const int32_t *table, int len, int kh, uint16_t *ob) {
+    const int hd = m->hd, G = m->nh / m->nkv, bs = m->block_size;
+    const int64_t ss = (int64_t)m->nkv * hd; /* a slot's elements */
+    const char *k = kc + (int64_t)kh * hd * 2, *v = vc + (int64_t)kh * hd * 2;
+#define ONE(D)                                                                                                    \
+    decode_one(BF16, 2, (const char *)qb, hd, k, bs * ss, ss, hd, v, bs * ss, ss, hd, table, len, table, 0, 0,     \
+               (char *)ob, hd, G, 1, D, D, bs, 0, m->scale, 0)
+    if (hd == 64) ONE(64); /* constant head dims unroll its row loops, as paged_attention_cpu.c does */
+    else if (hd == 128) ONE(128);
+    else ONE(hd);
+#undef ONE
 }
 
 static void clip_row(float *x, int64_t n, float c) {
@@ -362,12 +402,6 @@ static void scale_row(const float *x, const float *w, int64_t n, float r, float 
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-static float sum_sq(const float *x, int64_t n) {
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    return ss;
-}
 
 /* The router's logits [E] of the normed row xn: its weight in pack_panels' float32 layout ([E / 16]
  * panels of [hidden][16]), each logit a float32 fma chain over k in order: the panel kernel's
@@ -446,7 +480,8 @@ static void expert_input(int qt, const float *x, int64_t k, int16_t *buf, float 
 /* Chunks of the layer's phases: QKV rows, heads, O rows, then gate/up rows and down rows (dense) or
  * (chosen expert, gate|up rows) and down rows over the chosen experts (MoE). */
 static void layer_totals(const struct dmodel *m, const struct dlayer *L, int *total) {
-    total[0] = chunks((int64_t)(m->nh + 2 * m->nkv) * m->hd), total[1] = m->nh, total[2] = chunks(m->hidden);
+    total[0] = chunks((int64_t)(m->nh + 2 * m->nkv) * m->hd), total[1] = m->bf16 ? m->nkv : m->nh;
+    total[2] = chunks(m->hidden);
     total[3] = L->moe.n_experts ? L->moe.top_k * chunks(L->moe.inter) : chunks(m->inter);
     total[4] = chunks(m->hidden);
 }
@@ -464,7 +499,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
     const int bs = m->block_size;
     if (pos < 0 || pos >= m->max_pos || pos != seq_len - 1 || bs <= 0 || m->hd % 2 || m->nh % m->nkv ||
         slot != (int64_t)table[pos / bs] * bs + pos % bs || scratch_len < decode_stack_scratch(m, seq_len) ||
-        (m->bf16 && !HAVE_BF16))
+        (m->bf16 && (!HAVE_BF16 || m->nh / m->nkv > MAXHQ || m->hd > MAXD)))
         return 1;
     for (int l = 0; !HAVE_BF16 && l < m->n_layers; l++) {
         const struct dlayer *L = m->layers + l;
@@ -486,7 +521,8 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
 #pragma omp parallel
     {
         const int tid = omp_get_thread_num();
-        float *xn = priv + tid * pt, *kv = xn + ((H + 15) & ~15), *sc = kv + 2 * nk;
+        float *xn = priv + tid * pt, *kv = xn + ((H + 15) & ~15), *qo = kv + 2 * nk;
+        float *sc = qo + ((g * hd + 15) & ~15);
         float *logits = sc + ((len + 15) & ~15), *wsel = logits + ((m->max_experts + 15) & ~15);
         int *sel = (int *)(wsel + 16 * ((m->max_k + 15) / 16));
         void *qbuf = (float *)sel + 16 * ((m->max_k + 15) / 16);
@@ -498,7 +534,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
             int k;
             if (l > 0) wait_done(P - 1, totals[5 * l - 1]);
             if (atomic_load_explicit(&P[0].claimed, memory_order_relaxed) < total[0]) { /* QKV */
-                rms_norm(h, L->in_norm, H, m->eps, xn);
+                rms_norm(h, L->in_norm, H, m->eps, xn, m->bf16);
                 if (m->bf16) round_bf16(xn, H);
                 prepare(&L->qkv, xn, qbuf);
                 while ((k = claim(&P[0], total[0])) >= 0) {
@@ -512,40 +548,53 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
             if (atomic_load_explicit(&P[1].claimed, memory_order_relaxed) < total[1]) { /* attention */
                 float qr = 0.f; /* qk_norm 2: the whole q projection's rsqrt(mean square + eps) */
                 if (L->qk_norm == 2) {
-                    qr = 1.f / sqrtf(sum_sq(qkv, nq) / (float)nq + m->eps);
-                    scale_row(qkv + nq, L->k_norm, nk, 1.f / sqrtf(sum_sq(qkv + nq, nk) / (float)nk + m->eps), kv);
+                    qr = 1.f / sqrtf(sum_sq(qkv, nq, m->bf16) / (float)nq + m->eps);
+                    scale_row(qkv + nq, L->k_norm, nk, 1.f / sqrtf(sum_sq(qkv + nq, nk, m->bf16) / (float)nk + m->eps),
+                              kv);
                 } else {
                     memcpy(kv, qkv + nq, (size_t)nk * sizeof(float));
                 }
                 memcpy(kv + nk, qkv + nq + nk, (size_t)nk * sizeof(float));
                 for (int j = 0; j < m->nkv; j++) { /* this token's K (normed, clipped, rotated) and V, every thread its copy */
-                    if (L->qk_norm == 1) rms_norm(kv + j * hd, L->k_norm, hd, m->eps, kv + j * hd);
+                    if (L->qk_norm == 1) rms_norm(kv + j * hd, L->k_norm, hd, m->eps, kv + j * hd, m->bf16);
                     if (L->qk_norm && m->bf16) round_bf16(kv + j * hd, hd);
                     if (L->clip > 0.f) clip_row(kv + j * hd, hd, L->clip), clip_row(kv + nk + j * hd, hd, L->clip);
                     rotate(kv + j * hd, kv + j * hd, hd, c, s);
                     if (m->bf16) round_bf16(kv + j * hd, hd); /* as the cache holds it (V is already) */
                 }
-                while ((k = claim(&P[1], total[1])) >= 0) {
+                while (m->bf16 && (k = claim(&P[1], total[1])) >= 0) { /* kv head k: its K/V row, then its G heads */
+                    uint16_t *qb = (uint16_t *)qo, *ob = qb + (int64_t)g * hd;
+                    const int64_t at = (slot * nk + (int64_t)k * hd) * 2;
+                    store_row(BF16, (char *)k_caches[l] + at, kv + (int64_t)k * hd, 1.f, hd);
+                    store_row(BF16, (char *)v_caches[l] + at, kv + nk + (int64_t)k * hd, 1.f, hd);
+                    for (int j = 0; j < g; j++) {
+                        const int64_t h = (int64_t)k * g + j;
+                        if (L->qk_norm == 1) rms_norm(qkv + h * hd, L->q_norm, hd, m->eps, xn, m->bf16);
+                        else if (L->qk_norm == 2) scale_row(qkv + h * hd, L->q_norm + h * hd, hd, qr, xn);
+                        else memcpy(xn, qkv + h * hd, (size_t)hd * sizeof(float));
+                        if (L->qk_norm) round_bf16(xn, hd);
+                        if (L->clip > 0.f) clip_row(xn, hd, L->clip);
+                        rotate(xn, xn, hd, c, s);
+                        store_row(BF16, qb + (int64_t)j * hd, xn, 1.f, hd);
+                    }
+                    attend_kv_head_bf16(m, qb, (const char *)k_caches[l], (const char *)v_caches[l], table, len, k, ob);
+                    load_row(BF16, att + (int64_t)k * g * hd, ob, g * hd);
+                    finish(&P[1]);
+                }
+                while (!m->bf16 && (k = claim(&P[1], total[1])) >= 0) {
                     if (k == 0) { /* the slot is read by no one this step: attention takes kv */
-                        const enum dtype t = m->bf16 ? BF16 : F32;
-                        store_row(t, (char *)k_caches[l] + slot * nk * ES(t), kv, 1.f, (int)nk);
-                        store_row(t, (char *)v_caches[l] + slot * nk * ES(t), kv + nk, 1.f, (int)nk);
+                        memcpy(k_caches[l] + slot * nk, kv, (size_t)nk * sizeof(float));
+                        memcpy(v_caches[l] + slot * nk, kv + nk, (size_t)nk * sizeof(float));
                     }
                     const int64_t off = (int64_t)(k / g) * hd;
                     const float *q = qkv + (int64_t)k * hd; /* xn is free until the next norm */
-                    if (L->qk_norm == 1) rms_norm(q, L->q_norm, hd, m->eps, xn);
+                    if (L->qk_norm == 1) rms_norm(q, L->q_norm, hd, m->eps, xn, m->bf16);
                     else if (L->qk_norm == 2) scale_row(q, L->q_norm + (int64_t)k * hd, hd, qr, xn);
                     else memcpy(xn, q, (size_t)hd * sizeof(float));
-                    if (L->qk_norm && m->bf16) round_bf16(xn, hd);
                     if (L->clip > 0.f) clip_row(xn, hd, L->clip);
                     rotate(xn, xn, hd, c, s);
-                    if (m->bf16) round_bf16(xn, hd);
-                    const char *kc = (const char *)k_caches[l], *vc = (const char *)v_caches[l];
-                    if (m->bf16) /* each cache type its own inlined copy */
-                        attend_head(BF16, m, xn, kc, vc, table, len, off, kv + off, kv + nk + off, sc, att + (int64_t)k * hd);
-                    else
-                        attend_head(F32, m, xn, kc, vc, table, len, off, kv + off, kv + nk + off, sc, att + (int64_t)k * hd);
-                    if (m->bf16) round_bf16(att + (int64_t)k * hd, hd);
+                    attend_head(m, xn, k_caches[l], v_caches[l], table, len, off, kv + off, kv + nk + off, sc,
+                                att + (int64_t)k * hd);
                     finish(&P[1]);
                 }
             }
@@ -572,7 +621,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                 int16_t *xq = qbuf;
                 float *xd = (float *)(xq + H);
                 if (atomic_load_explicit(&P[3].claimed, memory_order_relaxed) < total[3]) {
-                    rms_norm(h, L->post_norm, H, m->eps, xn);
+                    rms_norm(h, L->post_norm, H, m->eps, xn, m->bf16);
                     if (m->bf16) round_bf16(xn, H);
                     router_logits(M, xn, H, logits);
                     route(M, logits, sel, wsel);
@@ -616,16 +665,23 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
             }
             float *act = gu + 2 * (int64_t)I;
             if (atomic_load_explicit(&P[3].claimed, memory_order_relaxed) < total[3]) { /* gate/up, SiLU * up */
-                rms_norm(h, L->post_norm, H, m->eps, xn);
+                rms_norm(h, L->post_norm, H, m->eps, xn, m->bf16);
                 if (m->bf16) round_bf16(xn, H);
                 prepare(&L->gate_up, xn, qbuf);
                 while ((k = claim(&P[3], total[3])) >= 0) {
                     const int64_t n0 = (int64_t)k * CHUNK, n1 = n0 + CHUNK < I ? n0 + CHUNK : I;
                     linear_rows(&L->gate_up, xn, qbuf, n0, n1, gu);
                     linear_rows(&L->gate_up, xn, qbuf, I + n0, I + n1, gu);
-                    if (m->bf16) round_bf16(gu + n0, n1 - n0), round_bf16(gu + I + n0, n1 - n0);
+                    if (m->bf16) {
+                        round_bf16(gu + n0, n1 - n0), round_bf16(gu + I + n0, n1 - n0);
+#if HAVE_BF16 /* the module path's SwiGLU kernel (elementwise_cpu.c's), so its bits */
+                        silu_block16(F32, (const char *)(gu + n0), (const char *)(gu + I + n0), (char *)(act + n0),
+                                     (int)(n1 - n0), 0, 0.f);
+#endif
+                    } else {
 #pragma omp simd
-                    for (int64_t i = n0; i < n1; i++) act[i] = gu[i] / (1.f + fast_exp(-gu[i])) * gu[I + i];
+                        for (int64_t i = n0; i < n1; i++) act[i] = gu[i] / (1.f + fast_exp(-gu[i])) * gu[I + i];
+                    }
                     finish(&P[3]);
                 }
             }
@@ -642,7 +698,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
         }
         if (tid == 0) {
             wait_done(ph + 5 * m->n_layers - 1, totals[5 * m->n_layers - 1]);
-            rms_norm(h, m->final_norm, H, m->eps, out);
+            rms_norm(h, m->final_norm, H, m->eps, out, m->bf16);
         }
     }
     free(ph), free(totals);

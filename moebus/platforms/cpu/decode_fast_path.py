@@ -4,8 +4,10 @@ token, on CPU, through kernels/decode_stack.py's single C call instead of ~270 m
 
 It applies only where it computes what the module path computes: float32 activations and caches
 on CPU, linear layers that are plain float32 nn.Linear / PackedLinear or QuantLinear (taking the
-GEMV a 1-row call of theirs takes: its panels, or QuantLinear.few_rows_activation_bits; a bf16
-MoE decoder's bf16 PackedLinears on their panels, moe_decode.py), no forward hooks, no
+GEMV a 1-row call of theirs takes: its panels, or QuantLinear.few_rows_activation_bits), or a bf16
+model on an AVX512-BF16 CPU without AMX (bf16 caches; its PackedLinears on the panels their kernel
+reads, every bf16 tensor of the module path rounded at the same point: the module path's bits,
+tests/engine/test_llama_decode_fast_path.py), no forward hooks, no
 batch-invariant mode, no grad, no image embeddings, no windowed KV group. Every step re-reads that
 state (DecodeFastPath), so swapping a linear layer, adding a hook or changing activation_bits
 rebuilds or drops the plan; anything else falls back to the module path. Weights must be updated
@@ -30,6 +32,7 @@ from moebus.kernels.decode_stack import (
     StackLayer,
     StackLinear,
     StackShape,
+    bf16_available,
     bf16_panels_ok,
     cpu_kernel_available,
 )
@@ -95,25 +98,29 @@ def gain(w: torch.Tensor) -> torch.Tensor | None:
     return w.detach().float().contiguous()
 
 
+def embedding_ok(emb: torch.Tensor) -> bool:
+    """A float32 embedding, or a bf16 one where the build takes bf16 models: the model's dtype."""
+    return float_ok(emb) or (emb.dtype == torch.bfloat16 and emb.is_cpu and emb.is_contiguous()
+                             and bf16_available())
+
+
 def build_plan(model: nn.Module) -> DecodeStack | None:
     """The C step over this model's weights, or None when some part of it is not supported."""
     a = model.args
     emb = model.embed_tokens.weight
-    if not cpu_kernel_available() or emb.device.type != "cpu" or emb.dtype != torch.float32 or not float_ok(
-            model.norm.weight):
+    if not cpu_kernel_available() or not embedding_ok(emb) or (norm := gain(model.norm.weight)) is None:
         return None
     layers = []
     for ly in model.layers:
         lins = [stack_linear(m) for m in (ly.self_attn.qkv_proj, ly.self_attn.o_proj, ly.mlp.gate_up_proj,
                                            ly.mlp.down_proj)]
-        if any(x is None for x in lins) or not (float_ok(ly.input_layernorm.weight) and float_ok(
-                ly.post_attention_layernorm.weight)) or ly.self_attn.scale != a.head_dim**-0.5:
+        norms = (gain(ly.input_layernorm.weight), gain(ly.post_attention_layernorm.weight))
+        if any(x is None for x in lins) or None in norms or ly.self_attn.scale != a.head_dim**-0.5:
             return None
-        layers.append(StackLayer(ly.input_layernorm.weight.detach(), ly.post_attention_layernorm.weight.detach(),
-                                 *lins))
+        layers.append(StackLayer(*norms, *lins))
     shape = StackShape(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps, a.rope_theta,
                        a.max_position_embeddings)
-    return DecodeStack(layers, model.norm.weight.detach(), shape, embed=emb.detach())
+    return DecodeStack(layers, norm, shape, embed=emb.detach(), dtype=emb.dtype)
 
 
 class DecodeFastPath:

@@ -13,9 +13,8 @@ Anything else keeps the module path. The router's logits are the module path's b
 float32 fma chain as its panel kernel); the experts, SiLU and combine are kernels/qmoe.py's
 arithmetic; the softmax over the chosen logits and the attention sum in their own order, so
 logprobs agree to float32 rounding and tokens are the same (tests/models/test_moe_quantized.py).
-A bf16 model's step keeps its residual stream in float32 where the module path rounds it to bf16
-at every add: its logprobs differ from the module path's by that rounding
-(tests/models/test_moe_decode_bf16.py).
+A bf16 model's step rounds to bf16 wherever the module path holds a bf16 tensor: its logits are
+the module path's bits (tests/models/test_moe_decode_bf16.py).
 decode_fast_path.DecodeFastPath re-reads the model's state each step and rebuilds or drops the plan.
 """
 from __future__ import annotations
@@ -35,7 +34,7 @@ from moebus.kernels.decode_stack import (
 )
 from moebus.kernels.fused_moe import ExpertPanels
 from moebus.kernels.lm_head_argmax import pack_panels
-from moebus.platforms.cpu.decode_fast_path import DecodeFastPath, float_ok, gain, stack_linear
+from moebus.platforms.cpu.decode_fast_path import DecodeFastPath, embedding_ok, gain, stack_linear
 
 
 def moe_parts(model: nn.Module) -> list:
@@ -110,12 +109,11 @@ def build_moe_plan(model: nn.Module) -> DecodeStack | None:
     """The C step over this MoE decoder's weights, or None when some part of it is not supported."""
     a = model.args
     emb = model.embed_tokens.weight
-    bf16 = emb.dtype == torch.bfloat16 and emb.is_cpu and emb.is_contiguous()
-    if not (cpu_kernel_available() and (float_ok(emb) or bf16) and (norm := gain(model.norm.weight)) is not None):
+    if not (cpu_kernel_available() and embedding_ok(emb) and (norm := gain(model.norm.weight)) is not None):
         return None
     layers = [_layer(ly) for ly in model.layers]
     scales = {ly.self_attn.scale for ly in model.layers}
-    if any(x is None for x in layers) or len(scales) != 1 or (bf16 and not bf16_available()):
+    if any(x is None for x in layers) or len(scales) != 1:
         return None
     shape = StackShape(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps, a.rope_theta,
                        a.max_position_embeddings)
