@@ -4,37 +4,21 @@ is built) and its logits are the module path's bits (it rounds to bf16 wherever 
 holds a bf16 tensor, on the same panel kernels), so a lone request answers as it would batched."""
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
 from moebus.engine.llm import LLM
-from moebus.engine.loader.gguf_cache import converted_dir
 from moebus.engine.model_runner import allocate_kv_caches
-from moebus.engine.models.tiny_checkpoints import write_tiny
 from moebus.kernels.decode_stack import DecodeStack, bf16_available, cpu_kernel_available
 from moebus.platforms.cpu.packed_linear import panels_wanted
-from moebus.text.gguf import embedded_gguf_path
 
 from .paged_steps import BLOCK, MAX_BLOCKS, prompt, run
+from .test_moe_quantized import _tiny
 
 pytestmark = [pytest.mark.skipif(not (cpu_kernel_available() and bf16_available() and panels_wanted(torch.bfloat16)),
                                  reason="needs AVX512-BF16 without AMX (the bf16 panel kernels)")]
 
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "granite_moe")
-
-
-def _tiny(family: str, out: Path) -> Path:
-    hf = write_tiny(family, out, seed=0, vocab_size=49152)
-    src = converted_dir(embedded_gguf_path())
-    shutil.copy(src / "tokenizer.json", hf / "tokenizer.json")
-    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    (hf / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    return hf
 
 
 def _caches(model, dtype: torch.dtype) -> list:

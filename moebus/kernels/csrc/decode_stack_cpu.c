@@ -22,13 +22,13 @@
  *
  * bf16 models (dmodel.bf16): the embedding and the caches are bf16 ([blocks, bs, Hkv, D]). Their
  * linear layers (W_BF16) and experts (dmoe.qt W_BF16) are pack_panels' bf16 panels taken on
- * vdpbf16ps with panel_tiles.h's tiles: the module path's panel kernels, whose one-row sums are
- * these to the bit. Every value the module path holds in a bf16 tensor is rounded to bf16 here at
- * the same point (the residual stream after each add, each norm's output, the projections' and
- * experts' outputs, q and k after their norms and after rotary, the attention's output, O's output
- * and its scaled copy, SiLU * up), so a lone request's step follows the batched module path's
- * (engine batch invariance by default) up to the float32 order of the norms, the attention and the
- * routing softmax, which may move a value across a bf16 rounding boundary now and then.
+ * vdpbf16ps with panel_tiles.h's tiles, the attention is paged_decode.h's decode_one a kv head at a
+ * time, the SwiGLU elementwise_avx512.h's and the norms sum in its order: the module path's own
+ * arithmetic. Every value the module path holds in a bf16 tensor is rounded to bf16 here at the same
+ * point (the residual stream after each add, each norm's output, the projections' and experts'
+ * outputs, q and k after their norms and after rotary, the attention's output, O's output and its
+ * scaled copy, SiLU * up), so a lone request's step is the batched module path's to the bit (engine
+ * batch invariance by default); only the routing softmax runs in another order (route()).
  */
 #include <omp.h>
 #include <sched.h>
