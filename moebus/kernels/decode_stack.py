@@ -9,9 +9,10 @@ taken on their pack_panels panels (inputs rounded to bf16, float32 sums), or GGU
 (quant_matmul.py's layout) taken on integer activations of `act_bits` (quant_matmul_qa_ref) or on
 float ones (quant_matmul_ref). Caches [blocks, block_size, Hkv, D], contiguous, float32, or bf16
 for a bf16 model (DecodeStack(dtype=torch.bfloat16): its embedding bf16 too, and every value the
-module path holds in a bf16 tensor rounded to bf16 at the same point: decode_stack_ref says where). `decode_stack_ref` is the same step on
-the kernels' torch references (the spec); platforms/cpu/decode_fast_path.py (and moe_decode.py) decide
-when it applies.
+module path holds in a bf16 tensor rounded to bf16 at the same point: decode_stack_ref says where).
+`decode_stack_ref` is the same step on the kernels' torch references (the spec; the C step's bf16
+attention is the module path's paged kernel, whose sums run in another order than the reference's);
+platforms/cpu/decode_fast_path.py (and moe_decode.py) decide when it applies.
 
 Why: at batch 1 the module path's host work (~270 module calls and ~360 allocations a token on
 SmolLM2) cost about as much as the GEMVs; no batch amortises it.
