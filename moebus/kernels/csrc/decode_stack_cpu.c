@@ -88,7 +88,7 @@ struct dmodel {
     const struct dlayer *layers;
     float emb_scale;             /* the token's embedding row times this */
     int32_t max_experts, max_k, max_moe_inter; /* over the MoE layers (0: none), for the scratch */
-    int32_t bf16;                /* 1: bf16 embedding and caches, normed rows rounded to bf16 */
+    int32_t bf16;                /* 1: a bf16 model: bf16 embedding and caches, the module path's bf16 roundings */
 };
 
 /* Whether this build takes bf16 models and W_BF16 weights (AVX512-BF16). */
