@@ -559,8 +559,7 @@ int decode_stack_f32(const struct dmodel *m, float *h, float *out, int64_t pos, 
                     if (L->qk_norm == 1) rms_norm(kv + j * hd, L->k_norm, hd, m->eps, kv + j * hd, m->bf16);
                     if (L->qk_norm && m->bf16) round_bf16(kv + j * hd, hd);
                     if (L->clip > 0.f) clip_row(kv + j * hd, hd, L->clip), clip_row(kv + nk + j * hd, hd, L->clip);
-                    rotate(kv + j * hd, kv + j * hd, hd, c, s);
-                    if (m->bf16) round_bf16(kv + j * hd, hd); /* as the cache holds it (V is already) */
+                    rotate(kv + j * hd, kv + j * hd, hd, c, s); /* bf16: rounded as it goes into the cache */
                 }
                 while (m->bf16 && (k = claim(&P[1], total[1])) >= 0) { /* kv head k: its K/V row, then its G heads */
                     uint16_t *qb = (uint16_t *)qo, *ob = qb + (int64_t)g * hd;

@@ -47,21 +47,21 @@ def moe_parts(model: nn.Module) -> list:
         out += (attn["qkv_proj"], attn["o_proj"])
         if ly.is_moe:  # an expert-parallel layer (EPMoE) has no quant_experts: no plan
             q = getattr(mlp, "quant_experts", None)
-            out += (q if q is not None else _bf16_panels(mlp), getattr(mlp, "load_counter", None),
+            packed = _bf16_packed(mlp) if q is None else None
+            out += (q if q is not None else packed and packed[0], getattr(mlp, "load_counter", None),
                     mlp._modules["gate"]._parameters["weight"])
         else:
             out += (mlp._modules["gate_up_proj"], mlp._modules["down_proj"])
     return out
 
 
-def _bf16_panels(mlp: nn.Module) -> torch.Tensor | None:
-    """A bf16 MoE layer's gate|up panels in the copy its panel kernel reads (made here if not yet:
-    fused_moe.ExpertPanels), or None."""
+def _bf16_packed(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A bf16 MoE layer's (gate|up, down) panels in the copy its panel kernel reads (made here if
+    not yet: fused_moe.ExpertPanels), or None."""
     w13, w2 = mlp._parameters.get("w13"), mlp._parameters.get("w2")
     if w13 is None or w13.dtype != torch.bfloat16 or not isinstance(getattr(mlp, "panels", None), ExpertPanels):
         return None
-    packed = mlp.panels.get(w13, w2)
-    return None if packed is None else packed[0]
+    return mlp.panels.get(w13, w2)
 
 
 def _experts(mlp: nn.Module) -> StackExperts | None:
@@ -74,9 +74,9 @@ def _experts(mlp: nn.Module) -> StackExperts | None:
     route = (w, pack_panels(w), gate.top_k, gate.norm_topk_prob, float(gate.routed_scaling_factor))
     if q is not None:
         return StackExperts(*route, q.qtype, q.p13, q.p2, q.intermediate, q.qtype2) if q.p13.is_cpu else None
-    if _bf16_panels(mlp) is None or not bf16_available():
+    if (packed := _bf16_packed(mlp)) is None or not bf16_available():
         return None
-    p13, p2 = mlp.panels.get(mlp.w13, mlp.w2)
+    p13, p2 = packed
     inter = mlp.w2.shape[2]
     if not (bf16_panels_ok(p13, 2 * inter, w.shape[1]) and bf16_panels_ok(p2, w.shape[1], inter)):
         return None
