@@ -30,10 +30,11 @@
         const int64_t pstride = (int64_t)steps * 64, P = N / NR, q1 = p1 + GROUP < P ? p1 + GROUP : P;         \
         for (int m0 = 0; m0 < n; m0 += ROWS) {                                                                \
             const int rows = n - m0 < ROWS ? n - m0 : ROWS;                                                   \
-            const char *pf = m0 == 0 && p1 < P ? wp + p1 * pstride : 0;                                       \
+            int64_t nb;                                                                                       \
+            const int64_t o = pf_slice((q1 - p1) * pstride, m0, rows, n, &nb);                               \
+            const char *pf = nb > 0 ? wp + p1 * pstride + o : 0;                                              \
             panels_rows_##T(a + (int64_t)(s + m0) * K * ES, (int64_t)K * ES, wp, pstride, steps, 0,            \
-                            out + (int64_t)(s + m0) * N * ES, (int64_t)N * ES, rows, p0, p1, pf,              \
-                            (q1 - p1) * pstride);                                                             \
+                            out + (int64_t)(s + m0) * N * ES, (int64_t)N * ES, rows, p0, p1, pf, nb);         \
         }                                                                                                     \
     }
 

@@ -35,19 +35,20 @@
             const int64_t q1 = p1 + GROUP < P ? p1 + GROUP : P;                                             \
             for (int64_t m0 = 0; m0 < M; m0 += ROWS) {                                                      \
                 const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;                                      \
-                const char *pf = m0 == 0 && p1 < P ? (const char *)wp + p1 * pstride : 0;                   \
+                int64_t n;                                                                                  \
+                const int64_t o = pf_slice((q1 - p1) * pstride, m0, rows, M, &n);                          \
+                const char *pf = n > 0 ? (const char *)wp + p1 * pstride + o : 0;                           \
                 panels_rows_##T((const char *)x + m0 * xs * XES, xs * XES, (const char *)wp, pstride, steps,  \
-                                bias, (char *)out + m0 * os * ES, os * ES, rows, p0, p1, pf,                \
-                                (q1 - p1) * pstride);                                                       \
+                                bias, (char *)out + m0 * os * ES, os * ES, rows, p0, p1, pf, n);            \
             }                                                                                               \
         }                                                                                                   \
         return 0;                                                                                           \
     }
-/* The next task's panels are fetched while the first row block runs: guided chunks are runs of
- * tasks, so the thread that prefetched them takes them next (with schedule(dynamic, 1) the other
- * thread often did, and a whole process ran at the speed of no prefetch: bf16 16 rows 17.7 vs 11.7
- * ms); the chunks still shrink toward the end, so a thread that lost its core for a while leaves
- * the rest to the others. */
+/* The next task's panels are fetched while this task's row blocks run (panel_tiles.h, pf_slice):
+ * guided chunks are runs of tasks, so the thread that prefetched them takes them next (with
+ * schedule(dynamic, 1) the other thread often did, and a whole process ran at the speed of no
+ * prefetch: bf16 16 rows 17.7 vs 11.7 ms); the chunks still shrink toward the end, so a thread that
+ * lost its core for a while leaves the rest to the others. */
 
 DEFINE_PANELS_ROWS(f32, 4)
 DEFINE_PANEL_LINEAR(f32, 4, 4, 1)
