@@ -113,3 +113,15 @@ def test_the_pacer_waits_for_the_cores_then_sets_the_threads(tmp_path) -> None:
         a.close()
         b.close()
         torch.set_num_threads(before)
+
+
+def test_workers_of_one_directory_name_one_group(tmp_path) -> None:
+    """The balancer packs requests onto workers of one group (balancer/packing.py): the same host and
+    directory is one group, another directory another."""
+    a, b = CoreShare(tmp_path / "x", "a", 2), CoreShare(tmp_path / "x", "b", 2)
+    c = CoreShare(tmp_path / "y", "c", 2)
+    try:
+        assert a.group == b.group != c.group
+    finally:
+        for s in (a, b, c):
+            s.close()

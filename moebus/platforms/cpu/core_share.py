@@ -19,6 +19,7 @@ workers than cores run one thread each.
 from __future__ import annotations
 
 import os
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -38,6 +39,8 @@ class CoreShare:
             raise ValueError("cores must be >= 1")
         self.dir, self.cores, self.lease_s, self.rescan_s = Path(directory), cores, lease_s, rescan_s
         self.dir.mkdir(parents=True, exist_ok=True)
+        # who shares these cores, in words other processes compare (balancer/packing.py)
+        self.group = f"{socket.gethostname()}:{self.dir.resolve()}"
         self._own_path = self.dir / f"{name}{SUFFIX}"
         self._own = os.open(self._own_path, os.O_RDWR | os.O_CREAT, 0o600)
         self._peers: dict[str, int] = {}  # file name -> fd

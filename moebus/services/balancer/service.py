@@ -47,6 +47,7 @@ from moebus.shared.tracing import Attr, annotate
 
 from .config import BalancerConfig
 from .kv_rank import KVRanker
+from .packing import pack_colocated
 from .policy import StaticOrder
 from .route_memo import RouteMemo
 from .spans import route_attributes
@@ -195,8 +196,8 @@ class BalancerService(Service):
         if kv_aware and self.ranker is not None:
             ranking = self.ranker.order(req, cands)
             r.prefill_tokens.update(ranking.prefill_tokens)
-            return ranking.entries
-        return cands
+            return pack_colocated(ranking.entries, ranking.prefill_tokens)
+        return pack_colocated(cands)
 
     async def _dispatch(self, req: GenerateRequest, ordered: list[WorkerEntry], r: _Route,
                         data: bytes | None = None) -> GenerateAccepted | None:

@@ -46,6 +46,11 @@ class WorkerConfig(ServiceConfig):
     # Workers on one host sharing its torch_threads cores (platforms/cpu/core_share.py): the directory of their
     # busy files; before each step a worker takes torch_threads // (workers with work). None: off.
     core_share_dir: str | None = None
+    # With core_share_dir: the requests (running + queued) this worker holds before the balancer
+    # wakes an idle worker sharing its cores (balancer/packing.py). Below it a shared-core step is
+    # memory-bound: two bf16 SmolLM2 workers at c=16 gave 504 tok/s where one gave 627 (Zen 4, 2
+    # cores; BENCHMARKS.md, "bf16 throughput at c=16 and c=64"); at c=64 two gave 945 where one 882.
+    pack_rows: int = Field(32, ge=0)
     ep: int = Field(1, ge=1)  # expert-parallel group size: this many ranks, one WorkerService each
     # Chunks already sent, kept for a frontend that lost some in a bus blip (replay.py): all
     # requests' together (0: none kept), and how long after a request ends.

@@ -129,6 +129,8 @@ class WorkerService(Service):
         return Load(num_running=int(s.get("num_running", 0)), num_waiting=self.queued(),
                     max_waiting=self.cfg.max_queued, kv_blocks_free=int(s.get("kv_blocks_free", 0)),
                     kv_blocks_total=int(s.get("kv_blocks_total", 0)),
+                    core_group=self.cores.group if self.cores else "",
+                    pack_rows=self.cfg.pack_rows if self.cores else 0,
                     prefix_cache_queries_total=self.engine_metrics.queries_total,
                     prefix_cache_hits_total=self.engine_metrics.hits_total, **self.demand.fields())
 

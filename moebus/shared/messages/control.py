@@ -10,6 +10,11 @@ class Load(Message):
     max_waiting: int = 0  # admission limit; beyond it the worker answers "overloaded"
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
+    # Workers sharing one host's cores (platforms/cpu/core_share.py): the group they share ("" for
+    # none), and the requests (running + queued) one of them should hold before the balancer wakes
+    # an idle worker of the group instead (0: spread as usual; balancer/packing.py).
+    core_group: str = ""
+    pack_rows: int = 0
     # Demand, for the planner: cumulative counts since the process started (rates come from
     # differences between beats), and latency over the last `window_s` seconds (None: no sample).
     requests_total: int = 0  # requests accepted
