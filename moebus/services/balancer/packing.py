@@ -28,17 +28,18 @@ def pack_colocated(order: list[WorkerEntry], prefill_tokens: dict[str, float] | 
     when the order was not ranked by cache."""
     if len(order) < 2:
         return order
+    prefill_tokens = prefill_tokens or {}
     first = order[0]
     group = first.beat.load.core_group if first.beat.load else ""
     if not group or held(first) > 0:
         return order
-    tokens = (prefill_tokens or {}).get(first.worker_id)
+    tokens = prefill_tokens.get(first.worker_id)
     best: WorkerEntry | None = None
     for e in order[1:]:
         load = e.beat.load
         if load is None or load.core_group != group or e.full or not 0 < held(e) < load.pack_rows:
             continue
-        if tokens is not None and (prefill_tokens or {}).get(e.worker_id, tokens) > tokens:
+        if tokens is not None and prefill_tokens.get(e.worker_id, tokens) > tokens:
             continue
         if best is None or held(e) > held(best):
             best = e
