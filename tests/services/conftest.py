@@ -23,7 +23,11 @@ from moebus.services.frontend import FrontendConfig, start_frontend
 from moebus.services.launcher import Stack, StackConfig
 from moebus.services.tokenizer import TokenizerConfig, TokenizerService
 from moebus.services.worker import WorkerConfig, WorkerService
+from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.nats_server import NatsServer, free_port
+from moebus.shared.service import Empty, Stats
+from moebus.shared.subjects import Subjects
+from moebus.shared.tracing import Tracing
 
 HEARTBEAT = 0.1  # fast heartbeats: dead workers are noticed in ~0.3 s
 
@@ -126,6 +130,15 @@ def real_model_stack(tmp_path_factory: pytest.TempPathFactory, **cfg: Any) -> It
                                **cfg})
     with Stack(stack_cfg) as s:
         yield s
+
+
+async def service_stats(stack: Stack, service: str, instance: str) -> dict:
+    """A running stack's service's stats() (Subjects.stats), asked over the bus."""
+    bus = await Bus.connect(BusConfig(servers=[stack.nats_url], name="test"), Tracing("test"))
+    try:
+        return (await bus.request(Subjects().stats(service, instance), Empty(), Stats, 5)).stats
+    finally:
+        await bus.drain()
 
 
 @dataclass

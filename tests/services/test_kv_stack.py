@@ -10,11 +10,9 @@ import openai
 import pytest
 
 from moebus.services.launcher import Stack, StackConfig
-from moebus.shared.bus import Bus, BusConfig
 from moebus.shared.nats_server import free_port
-from moebus.shared.service import Empty, Stats
-from moebus.shared.subjects import Subjects
-from moebus.shared.tracing import Tracing
+
+from .conftest import service_stats
 
 pytest.importorskip("torch")
 HEARTBEAT = 0.25
@@ -52,16 +50,8 @@ def client(stack: Stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
 
 
-async def stats(stack: Stack, service: str, instance: str) -> dict:
-    bus = await Bus.connect(BusConfig(servers=[stack.nats_url], name="test"), Tracing("test"))
-    try:
-        return (await bus.request(Subjects().stats(service, instance), Empty(), Stats, 5)).stats
-    finally:
-        await bus.drain()
-
-
 async def picks(stack: Stack) -> dict[str, int]:
-    return (await stats(stack, "balancer", "balancer-0"))["picks"]
+    return (await service_stats(stack, "balancer", "balancer-0"))["picks"]
 
 
 async def greedy(c: openai.AsyncOpenAI, messages: list[dict], stream: bool, max_tokens: int = 16) -> str:
@@ -79,7 +69,7 @@ async def test_disaggregated_gives_the_aggregated_tokens(agg: Stack, disagg: Sta
         assert want
         assert await greedy(client(disagg), q, stream=False) == want
         assert await greedy(client(disagg), q, stream=True) == want
-    pre, dec = await stats(disagg, "worker", "prefill-0"), await stats(disagg, "worker", "decode-0")
+    pre, dec = await service_stats(disagg, "worker", "prefill-0"), await service_stats(disagg, "worker", "decode-0")
     assert pre["handed_off"] >= 4 and pre["kv"]["kv_sent"] >= 4
     assert dec["kv"]["kv_received"] >= 4 and dec["kv"]["kv_receive_failed"] == 0
 
@@ -114,7 +104,7 @@ async def test_repeated_long_prompt_is_served_from_the_cache(which: str, request
 
 async def indexed_blocks(stack: Stack) -> dict[str, int]:
     """Blocks the balancer's own prefix index holds per worker (what it routes by)."""
-    return (await stats(stack, "balancer", "balancer-0"))["kv"]["holders"]
+    return (await service_stats(stack, "balancer", "balancer-0"))["kv"]["holders"]
 
 
 async def _indexed_more(stack: Stack, held: dict[str, int], worker: str | None = None) -> None:
@@ -140,14 +130,14 @@ async def test_routing_follows_the_cache(agg: Stack) -> None:
     for i in range(3):
         await c.completions.create(model="smollm2", prompt=f"{prompt} Question {i}: why?", max_tokens=2,
                                    temperature=0)
-    full = await stats(agg, "balancer", "balancer-0")
+    full = await service_stats(agg, "balancer", "balancer-0")
     now = full["picks"]
     assert now[home] == after[home] + 3, (after, now, full["kv"], full["workers"])
     # Under load, other prompts spread over both workers.
     others = [c.completions.create(model="smollm2", prompt=f"Unrelated prompt number {i}. " * 8, max_tokens=8,
                                    temperature=0) for i in range(4)]
     await asyncio.gather(*others)
-    full = await stats(agg, "balancer", "balancer-0")
+    full = await service_stats(agg, "balancer", "balancer-0")
     spread = full["picks"]
     assert all(spread[w] > now.get(w, 0) for w in spread), (now, spread, full["workers"])
 

@@ -9,12 +9,8 @@ import openai
 import pytest
 
 from moebus.services.launcher import Stack
-from moebus.shared.bus import Bus, BusConfig
-from moebus.shared.service import Empty, Stats
-from moebus.shared.subjects import Subjects
-from moebus.shared.tracing import Tracing
 
-from .conftest import real_model_stack
+from .conftest import real_model_stack, service_stats
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # a two-worker real-model stack: ~1 min to start on a loaded 2-core box
@@ -29,12 +25,7 @@ def stack(tmp_path_factory):
 
 
 async def accepted(stack: Stack) -> list[int]:
-    bus = await Bus.connect(BusConfig(servers=[stack.nats_url], name="test"), Tracing("test"))
-    try:
-        return [(await bus.request(Subjects().stats("worker", f"worker-{i}"), Empty(), Stats, 5)).stats["accepted"]
-                for i in range(2)]
-    finally:
-        await bus.drain()
+    return [(await service_stats(stack, "worker", f"worker-{i}"))["accepted"] for i in range(2)]
 
 
 async def burst(stack: Stack, n: int) -> None:

@@ -14,12 +14,8 @@ import openai
 import pytest
 
 from moebus.services.supervisor import RestartPolicy, Supervisor
-from moebus.shared.bus import Bus, BusConfig
-from moebus.shared.service import Empty, Stats
-from moebus.shared.subjects import Subjects
-from moebus.shared.tracing import Tracing
 
-from .conftest import real_model_stack
+from .conftest import real_model_stack, service_stats
 
 pytestmark = pytest.mark.slow  # the slow tier: ./run test-slow
 
@@ -49,14 +45,6 @@ def ask(url: str | list[str], question: str = QUESTION) -> list[dict]:
 
 def client(stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-async def service_stats(stack, service: str, instance: str) -> dict:
-    bus = await Bus.connect(BusConfig(servers=[stack.nats_url], name="test"), Tracing("test"))
-    try:
-        return (await bus.request(Subjects().stats(service, instance), Empty(), Stats, 5)).stats
-    finally:
-        await bus.drain()
 
 
 async def encoder_stats(stack) -> dict:
