@@ -15,9 +15,8 @@ import pytest
 
 from moebus.services.launcher import Stack
 
-from .conftest import real_model_stack
+from .conftest import real_model_stack, service_stats
 from .test_failover import migrations
-from .test_kv_stack import stats
 from .test_migration_stack import ENGINE, MAX_TOKENS, TOPICS, _open
 
 pytest.importorskip("torch")
@@ -45,7 +44,7 @@ async def test_a_killed_prefill_worker_is_noticed_by_its_silent_hand_off_beats(d
     for topic, s in zip(TOPICS, done, strict=True):
         assert s.text == reference[topic].text, topic
         assert s.usage.completion_tokens == reference[topic].usage.completion_tokens == MAX_TOKENS
-    lost = (await stats(stack, "worker", "decode-0"))["kv"]["handoffs_lost"]
+    lost = (await service_stats(stack, "worker", "decode-0"))["kv"]["handoffs_lost"]
     assert lost >= 1 and await migrations(stack) >= 1
     # Detection takes LOST_S; the rest is recomputing 12 prompts on one loaded CPU worker.
     assert took < 120, took

@@ -14,8 +14,7 @@ import pytest
 
 from moebus.services.launcher import Stack
 
-from .conftest import real_model_stack
-from .test_kv_stack import stats
+from .conftest import real_model_stack, service_stats
 
 pytest.importorskip("torch")
 TOPICS = ("rivers", "bridges", "glaciers", "comets", "orchards", "harbours", "violins", "deserts", "lighthouses",
@@ -63,5 +62,5 @@ async def test_the_disaggregated_burst_makes_no_slow_consumer_and_no_stall(burst
         assert max(g for _, g, _ in res) < STALL_S
     logs = list(Path(burst_stack.cfg.log_dir).glob("nats*.log"))  # nats-<i>.log per node
     assert logs and not any("Slow Consumer" in p.read_text(errors="replace") for p in logs)
-    received = sum([(await stats(burst_stack, "worker", d))["kv"]["kv_received"] for d in ("decode-0", "decode-1")])
+    received = sum([(await service_stats(burst_stack, "worker", d))["kv"]["kv_received"] for d in ("decode-0", "decode-1")])
     assert received >= ROUNDS * len(texts) // 2  # the hand-offs did move KV (not all recomputed)
